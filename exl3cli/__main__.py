@@ -1,0 +1,3 @@
+from exl3cli.cli import main
+
+main()

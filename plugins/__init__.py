@@ -1,0 +1,1 @@
+"""exl3 built-in plugins."""

@@ -1,0 +1,1 @@
+"""Built-in architectures (registered through the exl3cli entry-point group)."""

@@ -1,0 +1,1 @@
+"""Built-in sources (registered through the exl3cli entry-point group)."""
