@@ -54,3 +54,7 @@ class InvalidOption(Exl3Error):
 
 class ContextOverflow(Exl3Error):
     """A prompt that does not fit into the model's context window."""
+
+
+class ChatTemplateError(Exl3Error):
+    """A chat template that does not compile, or that rejects the given messages."""

@@ -1,0 +1,1 @@
+"""GGUF files: read, dequantise and convert to Hugging Face folders."""

@@ -1,0 +1,318 @@
+"""The in-process client: answers Ollama-shaped requests straight from the model store.
+
+Model management (list, show, copy, delete, create) is done here; pull is delegated to
+`exl3cli.store.pull`, inference (generate, chat, ps) to `exl3cli.client.inference`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from exl3cli.client.base import Body
+from exl3cli.errors import Exl3Error, InvalidModelName, ModelfileError, ModelNotFound
+from exl3cli.store.modelfile import Modelfile, parse_modelfile
+from exl3cli.store.names import ModelName
+from exl3cli.store.store import Manifest, ModelStore
+
+# Tensors of an EXL3 linear layer that carry no weights of their own.
+_EXL3_SIDE_TENSORS = (".suh", ".svh", ".su", ".sv", ".mul1", ".mcg")
+
+
+class LocalClient:
+    """Implements `exl3cli.client.base.Client` against a local `ModelStore`."""
+
+    def __init__(self, store: ModelStore | None = None):
+        self.store = store if store is not None else ModelStore()
+        self._runner: Any = None
+
+    # -- model management ------------------------------------------------------------
+    def list(self) -> Body:
+        models = []
+        for row in self.store.list_models():
+            manifest = self.store.read_manifest(row.name)
+            models.append({
+                "name": str(row.name), "model": str(row.name),
+                "modified_at": row.modified.isoformat(), "size": row.size,
+                "digest": row.digest, "details": _details(self.store, manifest)[0],
+            })
+        return {"models": models}
+
+    def show(self, req: Body) -> Body:
+        name = ModelName.parse(_model_field(req))
+        manifest = self.store.read_manifest(name)
+        details, model_info = _details(self.store, manifest)
+        return {
+            "modelfile": manifest_to_modelfile(name, manifest).to_text(),
+            "parameters": format_parameters(manifest.parameters),
+            "template": manifest.template or "",
+            "system": manifest.system or "",
+            "license": manifest.license or "",
+            "details": details,
+            "model_info": model_info,
+            "messages": list(manifest.messages),
+            "draft": manifest.draft or "",
+            "adapter": manifest.adapter or "",
+            "modified_at": self.store.modified(name).isoformat(),
+        }
+
+    def copy(self, req: Body) -> Body:
+        source, destination = req.get("source"), req.get("destination")
+        if not source or not destination:
+            raise Exl3Error("copy needs a source and a destination")
+        self.store.copy(ModelName.parse(source), ModelName.parse(destination))
+        return {}
+
+    def delete(self, req: Body) -> Body:
+        self.store.remove(ModelName.parse(_model_field(req)))
+        return {}
+
+    def create(self, req: Body) -> Iterator[Body]:
+        """Build a model from Modelfile text; nothing is stored unless all of it works."""
+        name = ModelName.parse(_model_field(req))
+        text = req.get("modelfile")
+        if not isinstance(text, str):
+            raise Exl3Error("create needs the text of a Modelfile")
+        yield {"status": "parsing modelfile"}
+        modelfile = parse_modelfile(text)
+        base_dir = Path(req.get("base_dir") or os.getcwd())
+        with self.store.staging_blobs():
+            base = yield from self._resolve_from(modelfile, base_dir)
+            manifest = apply_modelfile(base, modelfile, base_dir)
+            yield {"status": "writing manifest"}
+            self.store.write_manifest(name, manifest)
+        yield {"status": "success"}
+
+    def pull(self, req: Body) -> Iterator[Body]:
+        name = ModelName.parse(_model_field(req))
+        yield from _pull_events(self.store, name)
+
+    # -- inference --------------------------------------------------------------------
+    def _inference(self) -> Any:
+        if self._runner is None:
+            from exl3cli.client.inference import InferenceRunner
+
+            self._runner = InferenceRunner(self.store)
+        return self._runner
+
+    def ps(self) -> Body:
+        return self._inference().ps()
+
+    def generate(self, req: Body) -> Iterator[Body]:
+        return self._inference().generate(req)
+
+    def chat(self, req: Body) -> Iterator[Body]:
+        return self._inference().chat(req)
+
+    # -- create helpers ---------------------------------------------------------------
+    def _resolve_from(self, modelfile: Modelfile, base_dir: Path):
+        """The manifest FROM names (not yet stored under the new name); yields status."""
+        value, line = modelfile.from_, modelfile.from_line
+        path = _from_path(value, base_dir)
+        if path is not None:
+            if path.is_dir():
+                if not (path / "config.json").is_file():
+                    raise ModelfileError(line, f"FROM {value}: not a model folder (no config.json)")
+                yield {"status": f"importing {path}"}
+                files = self.store.add_folder_files(path)
+                return Manifest(files=files, source={"type": "folder", "path": str(path)})
+            if path.is_file() and path.suffix.lower() == ".gguf":
+                yield {"status": f"converting {path}"}
+                return Manifest(files=self._import_gguf(path),
+                                source={"type": "gguf", "path": str(path)})
+            if path.exists():
+                raise ModelfileError(line, f"FROM {value}: not a model folder or GGUF file")
+            raise ModelfileError(line, f"FROM {value}: no such file or folder")
+        try:
+            base_name = ModelName.parse(value)
+        except InvalidModelName as error:
+            raise ModelfileError(line, str(error)) from None
+        if not self.store.exists(base_name):
+            yield from _pull_events(self.store, base_name, final=False)
+        yield {"status": "using existing layers"}
+        return self.store.read_manifest(base_name)
+
+    def _import_gguf(self, path: Path) -> dict[str, str]:
+        from exl3cli.gguf.convert import gguf_to_hf_folder
+
+        self.store.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".convert-") as work:
+            folder = gguf_to_hf_folder(path, Path(work) / "model")
+            return self.store.add_folder_files(folder)
+
+
+def _model_field(req: Body) -> str:
+    value = req.get("model") or req.get("name")
+    if not isinstance(value, str) or not value:
+        raise InvalidModelName("a model name is required")
+    return value
+
+
+def _from_path(value: str, base_dir: Path) -> Path | None:
+    """The path a FROM value names, or None when it is a model name (Ollama's rule:
+    explicit paths, existing files, and `.gguf` names are paths)."""
+    explicit = value.startswith(("/", "./", "../", "~", ".\\")) or value in (".", "..")
+    candidate = Path(value).expanduser()
+    if not candidate.is_absolute():
+        candidate = base_dir / candidate
+    if explicit or candidate.exists() or value.lower().endswith(".gguf"):
+        return candidate.resolve()
+    return None
+
+
+def _resolve_reference(value: str | None, base_dir: Path) -> str | None:
+    """ADAPTER/DRAFT values: relative paths become absolute so they survive a move."""
+    if value is None:
+        return None
+    path = _from_path(value, base_dir)
+    return str(path) if path is not None else value
+
+
+def apply_modelfile(base: Manifest, modelfile: Modelfile, base_dir: Path) -> Manifest:
+    """The FROM model's manifest with the Modelfile's settings laid over it (Ollama's
+    rules: a PARAMETER replaces the one of the same name, MESSAGEs and LICENSEs replace
+    the whole list, TEMPLATE/SYSTEM/ADAPTER/DRAFT replace when given)."""
+    parameters = dict(base.parameters)
+    parameters.update(modelfile.parameters)
+    return replace(
+        base,
+        files=dict(base.files), source=dict(base.source), parameters=parameters,
+        template=modelfile.template if modelfile.template is not None else base.template,
+        system=modelfile.system if modelfile.system is not None else base.system,
+        messages=[dict(m) for m in modelfile.messages] if modelfile.messages
+        else [dict(m) for m in base.messages],
+        adapter=_resolve_reference(modelfile.adapter, base_dir) or base.adapter,
+        license="\n\n".join(modelfile.license) if modelfile.license else base.license,
+        draft=_resolve_reference(modelfile.draft, base_dir) or base.draft,
+        created=Manifest(files={}).created,
+    )
+
+
+def manifest_to_modelfile(name: ModelName, manifest: Manifest) -> Modelfile:
+    """A Modelfile that `create` turns back into this very manifest."""
+    return Modelfile(
+        from_=str(name), parameters=dict(manifest.parameters), template=manifest.template,
+        system=manifest.system, adapter=manifest.adapter,
+        license=[manifest.license] if manifest.license is not None else [],
+        messages=[dict(m) for m in manifest.messages], draft=manifest.draft,
+    )
+
+
+def format_parameters(parameters: dict[str, Any]) -> str:
+    """Ollama's text form of a model's parameters: `name<padding>value`, one per value."""
+    lines = []
+    for name, value in parameters.items():
+        for item in value if isinstance(value, list) else [value]:
+            shown = json.dumps(item) if isinstance(item, str) else _number(item)
+            lines.append(f"{name:<30} {shown}")
+    return "\n".join(lines)
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _pull_events(store: ModelStore, name: ModelName, final: bool = True) -> Iterator[Body]:
+    """Run `pull_model` in a thread and stream its progress dicts as they come
+    (`pull_model` reports the final {"status": "success"} itself)."""
+    try:
+        from exl3cli.store.pull import pull_model
+    except ImportError:
+        raise ModelNotFound(f"model '{name}' not found (pulling is not available)") from None
+    events: queue.Queue = queue.Queue()
+    done = object()
+    failure: list[BaseException] = []
+
+    def work(report: Callable[[Body], None] = events.put) -> None:
+        try:
+            pull_model(store, str(name), report)
+        except BaseException as error:  # handed to the consuming thread below
+            failure.append(error)
+        finally:
+            events.put(done)
+
+    thread = threading.Thread(target=work, name=f"pull {name}", daemon=True)
+    thread.start()
+    while (event := events.get()) is not done:
+        if final or event.get("status") != "success":  # inside create, success comes later
+            yield event
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _details(store: ModelStore, manifest: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Ollama's `details` and `model_info` from config.json and safetensors headers."""
+    config: dict[str, Any] = {}
+    if "config.json" in manifest.files:
+        try:
+            config = json.loads(store.blob_path(manifest.files["config.json"]).read_text())
+        except (OSError, ValueError):
+            config = {}
+    text_config = config.get("text_config") or config
+    family = str(config.get("model_type") or "unknown")
+    count = _parameter_count(store, manifest)
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "exl3":
+        level = f"EXL3 {float(quant.get('bits', 0)):.2f}bpw"
+        fmt = "exl3"
+    else:
+        level = str(config.get("torch_dtype") or "unknown").upper().replace("BFLOAT16", "BF16") \
+            .replace("FLOAT16", "F16").replace("FLOAT32", "F32")
+        fmt = "safetensors"
+    details = {
+        "parent_model": "", "format": fmt, "family": family, "families": [family],
+        "parameter_size": _human_count(count), "quantization_level": level,
+    }
+    info: dict[str, Any] = {"general.architecture": family, "general.parameter_count": count}
+    for key, field in (("context_length", "max_position_embeddings"),
+                       ("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),
+                       ("attention.head_count", "num_attention_heads"),
+                       ("attention.head_count_kv", "num_key_value_heads"),
+                       ("vocab_size", "vocab_size")):
+        if text_config.get(field) is not None:
+            info[f"{family}.{key}"] = text_config[field]
+    return details, info
+
+
+def _parameter_count(store: ModelStore, manifest: Manifest) -> int:
+    total = 0
+    for relpath, digest in manifest.files.items():
+        if not relpath.endswith(".safetensors"):
+            continue
+        try:
+            with open(store.blob_path(digest), "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(size))
+        except (OSError, ValueError):
+            continue
+        for tensor, entry in header.items():
+            if tensor == "__metadata__" or tensor.endswith(_EXL3_SIDE_TENSORS):
+                continue
+            shape = entry.get("shape", [])
+            if tensor.endswith(".trellis") and len(shape) == 3:
+                total += shape[0] * 16 * shape[1] * 16  # one 16x16 tile per [kb, nb]
+                continue
+            count = 1
+            for dim in shape:
+                count *= dim
+            total += count
+    return total
+
+
+def _human_count(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f}".rstrip("0").rstrip(".") + unit
+    return str(count)

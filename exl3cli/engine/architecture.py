@@ -1,0 +1,97 @@
+"""Architectures as data: one `ArchitectureSpec` per model family.
+
+A spec says which shared building blocks a family uses and where its tensors live in
+the checkpoint; the engine (model.py) builds every family from the same blocks. Built-in
+specs are provided by the `exl3_plugins.architectures` plugin through the
+`exl3_architectures` hook, exactly like a third-party plugin would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from exl3cli.engine.config import ModelConfig
+from exl3cli.errors import UnsupportedArchitecture
+from exl3cli.plugins import get_plugin_manager
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """Checkpoint tensor names; `{i}` in layer names is the layer index."""
+
+    embed: str = "model.embed_tokens.weight"
+    final_norm: str = "model.norm.weight"
+    lm_head: str = "lm_head.weight"
+    input_norm: str = "model.layers.{i}.input_layernorm.weight"
+    post_attention_norm: str = "model.layers.{i}.post_attention_layernorm.weight"
+    q_proj: str = "model.layers.{i}.self_attn.q_proj"
+    k_proj: str = "model.layers.{i}.self_attn.k_proj"
+    v_proj: str = "model.layers.{i}.self_attn.v_proj"
+    o_proj: str = "model.layers.{i}.self_attn.o_proj"
+    q_norm: str = "model.layers.{i}.self_attn.q_norm.weight"
+    k_norm: str = "model.layers.{i}.self_attn.k_norm.weight"
+    gate_proj: str = "model.layers.{i}.mlp.gate_proj"
+    up_proj: str = "model.layers.{i}.mlp.up_proj"
+    down_proj: str = "model.layers.{i}.mlp.down_proj"
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """How one Hugging Face `architectures` name maps onto the engine's blocks.
+
+    sliding_window: "none" (never), "all" (every layer when config.sliding_window is
+    set, Mistral), or "from_layer" (Qwen2/3: only with `use_sliding_window`, for layers
+    at or above `max_window_layers`). A config's explicit `layer_types` always wins.
+    """
+
+    name: str
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: str | None = None  # None or "rms" (per-head RMSNorm on q and k, Qwen3)
+    sliding_window: str = "none"
+    activation: str = "silu"
+    tensors: TensorNames = field(default_factory=TensorNames)
+
+    def layer_types(self, config: ModelConfig) -> list[str]:
+        """Attention kind of every layer: FULL_ATTENTION or SLIDING_ATTENTION."""
+        if config.sliding_window is None or self.sliding_window == "none":
+            return [FULL_ATTENTION] * config.num_layers
+        if config.layer_types:
+            return list(config.layer_types)
+        if self.sliding_window == "all":
+            return [SLIDING_ATTENTION] * config.num_layers
+        if self.sliding_window == "from_layer":
+            if not config.raw.get("use_sliding_window", False):
+                return [FULL_ATTENTION] * config.num_layers
+            first = int(config.raw.get("max_window_layers", config.num_layers))
+            return [
+                SLIDING_ATTENTION if i >= first else FULL_ATTENTION
+                for i in range(config.num_layers)
+            ]
+        raise ValueError(f"unknown sliding_window policy {self.sliding_window!r}")
+
+
+def available_architectures() -> dict[str, ArchitectureSpec]:
+    """Every spec that installed plugins provide, keyed by Hugging Face name."""
+    specs: dict[str, ArchitectureSpec] = {}
+    # pluggy calls the most recently registered plugin first; let earlier ones
+    # (built-ins) be overridden by later ones by applying results in reverse.
+    for result in reversed(get_plugin_manager().hook.exl3_architectures()):
+        specs.update(result or {})
+    return specs
+
+
+def get_architecture(hf_name: str) -> ArchitectureSpec:
+    """The spec for `hf_name`; UnsupportedArchitecture when no plugin provides it."""
+    specs = available_architectures()
+    spec = specs.get(hf_name)
+    if spec is None:
+        known = ", ".join(sorted(specs)) or "none"
+        raise UnsupportedArchitecture(
+            f"unsupported model architecture {hf_name!r} (supported: {known})"
+        )
+    return spec

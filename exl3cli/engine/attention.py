@@ -1,0 +1,124 @@
+"""Grouped-query self-attention with RoPE, optional q/k RMSNorm and sliding windows.
+
+q, k and v come from one fused projection (their weights are concatenated at load
+time) so a decode step runs one matmul instead of three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exl3cli.engine.cache import KVCache
+from exl3cli.engine.norm import RMSNorm
+from exl3cli.engine.rope import apply_rotary
+
+
+@dataclass
+class AttentionStep:
+    """What every layer of one forward step shares: positions, rotary tables, masks.
+
+    positions [B, T] are absolute token positions; `span` is how many key positions
+    the step attends over (max over rows of cached length + T); `start` is the common
+    cached length when all rows are aligned, else None.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor  # [B, T, 1, head_dim]
+    sin: torch.Tensor
+    span: int
+    start: int | None
+    cache: KVCache | None = None
+    _masks: dict[int | None, tuple[torch.Tensor | None, bool]] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
+        """(boolean mask [B or 1, 1, T, span] or None, is_causal) for SDPA; cached."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(window)
+        return self._masks[window]
+
+    def _build_mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
+        steps = self.positions.shape[1]
+        if self.start is not None:
+            last = self.start + steps - 1  # highest position any query has
+            window_irrelevant = window is None or last < window
+            if window_irrelevant and steps == 1:
+                return None, False  # one query per row sees every cached key
+            if window_irrelevant and self.start == 0:
+                return None, True  # plain causal square, SDPA's fast path
+        keys = torch.arange(self.span, device=self.positions.device)
+        queries = self.positions[:, :, None]
+        allowed = keys <= queries
+        if window is not None:
+            allowed &= keys > queries - window
+        return allowed[:, None], False
+
+
+class Attention(nn.Module):
+    """One attention block; `window` is the sliding window of this layer or None."""
+
+    def __init__(
+        self,
+        layer_index: int,
+        qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        o_weight: torch.Tensor,
+        o_bias: torch.Tensor | None,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: RMSNorm | None,
+        window: int | None,
+    ):
+        super().__init__()
+        self.layer_index = layer_index
+        self.register_buffer("qkv_weight", qkv_weight, persistent=False)
+        self.register_buffer("qkv_bias", qkv_bias, persistent=False)
+        self.register_buffer("o_weight", o_weight, persistent=False)
+        self.register_buffer("o_bias", o_bias, persistent=False)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.qk_norm = qk_norm
+        self.window = window
+
+    def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        batch, steps, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = qkv.view(batch, steps, heads + 2 * kv_heads, self.head_dim)
+        # q and k heads are normalised and rotated together: one op each instead of two.
+        qk = qkv[:, :, : heads + kv_heads]
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = apply_rotary(qk, step.cos, step.sin)
+        query = qk[:, :, :heads].transpose(1, 2)
+        key = qk[:, :, heads:].transpose(1, 2)
+        value = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        if step.cache is not None:
+            key, value = step.cache.write(self.layer_index, key, value, step.positions, step.span)
+        mask, is_causal = step.mask(self.window)
+        if steps == 1 and mask is None:
+            out = decode_attention(query, key, value)
+        else:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, is_causal=is_causal,
+                enable_gqa=heads != kv_heads,
+            )
+        out = out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
+        return F.linear(out, self.o_weight, self.o_bias)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per row over all keys: query [B, H, 1, D], key and value
+    [B, KV, S, D]. The query heads that share a kv head are stacked as rows of one
+    matmul, so kv heads are never copied; on CPU this beats SDPA's kernel for T = 1."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * dim**-0.5
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value).reshape(batch, heads, 1, dim)

@@ -1,0 +1,123 @@
+"""Parse a Hugging Face `config.json` into architecture-agnostic fields.
+
+Both config styles are accepted: transformers 4.x (`rope_theta` + `rope_scaling` at the
+top level) and 5.x (`rope_parameters` holding theta, type and scaling keys).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from exl3cli.errors import ModelLoadError
+
+# Without these no model can be built, whatever its family.
+_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about a model, independent of its family."""
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    # Scaling parameters with a normalised "rope_type" key ("default" when unscaled).
+    rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
+    partial_rotary_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    sliding_window: int | None = None
+    # Per layer: "full_attention" or "sliding_attention"; None lets the spec decide.
+    layer_types: list[str] | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    torch_dtype: str | None = None
+    hidden_act: str | None = None  # None: the architecture's default
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from the parsed JSON of a config.json; raises ModelLoadError if incomplete."""
+        missing = [key for key in _REQUIRED_KEYS if data.get(key) is None]
+        if missing:
+            raise ModelLoadError(f"config.json lacks required keys: {', '.join(missing)}")
+        architectures = data.get("architectures") or []
+        if not architectures:
+            raise ModelLoadError("config.json has no 'architectures' entry")
+        num_heads = int(data["num_attention_heads"])
+        head_dim = data.get("head_dim") or int(data["hidden_size"]) // num_heads
+        theta, scaling, partial = _parse_rope(data)
+        layer_types = data.get("layer_types")
+        return cls(
+            architecture=str(architectures[0]),
+            model_type=str(data.get("model_type", "")),
+            hidden_size=int(data["hidden_size"]),
+            intermediate_size=int(data.get("intermediate_size") or 4 * int(data["hidden_size"])),
+            num_layers=int(data["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(data.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            vocab_size=int(data["vocab_size"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            partial_rotary_factor=partial,
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            sliding_window=_optional_int(data.get("sliding_window")),
+            layer_types=list(layer_types) if layer_types else None,
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(data.get("max_position_embeddings") or 2048),
+            torch_dtype=data.get("torch_dtype") or data.get("dtype"),
+            hidden_act=data.get("hidden_act"),
+            bos_token_id=_optional_int(data.get("bos_token_id")),
+            eos_token_ids=_id_list(data.get("eos_token_id")),
+            raw=data,
+        )
+
+
+def load_model_config(folder: str | Path) -> ModelConfig:
+    """Read `<folder>/config.json`; ModelLoadError when it is missing or malformed."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"no config.json in {folder}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return ModelConfig.from_dict(data)
+
+
+def _parse_rope(data: dict[str, Any]) -> tuple[float, dict[str, Any], float]:
+    """Return (theta, scaling dict with 'rope_type', partial rotary factor)."""
+    params = dict(data.get("rope_parameters") or {})
+    legacy = data.get("rope_scaling") or {}
+    merged = {**legacy, **params}
+    theta = float(merged.pop("rope_theta", data.get("rope_theta", 10000.0)))
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    partial = float(merged.pop("partial_rotary_factor", data.get("partial_rotary_factor", 1.0)))
+    return theta, {"rope_type": str(rope_type), **merged}, partial
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return [int(value)]

@@ -1,0 +1,104 @@
+"""A loaded model with its tokenizer and chat template: messages in, text out."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from exl3cli.engine.chat_template import ChatTemplate
+from exl3cli.engine.generate import TextEvent, stream_text
+from exl3cli.engine.sampling import ParamSpec, build_sampler
+from exl3cli.engine.tokenizer import Tokenizer
+
+# Ollama's default context when a request does not set num_ctx.
+DEFAULT_NUM_CTX = 4096
+
+
+class TextModel:
+    """CausalLM + Tokenizer + ChatTemplate for one model folder."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+        folder: Path | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.folder = folder
+
+    @classmethod
+    def load(
+        cls,
+        folder: str | Path,
+        device: Any = None,
+        dtype: Any = None,
+        template: str | None = None,
+    ) -> TextModel:
+        """Load weights, tokenizer and template from an HF-style folder.
+
+        `template` (a Modelfile TEMPLATE) replaces the folder's chat template.
+        """
+        from exl3cli.engine.loader import load_causal_lm  # heavy: only when loading
+
+        folder = Path(folder)
+        tokenizer = Tokenizer.from_folder(folder)
+        chat_template = ChatTemplate.from_folder(folder, template=template)
+        model = load_causal_lm(folder, device=device, dtype=dtype)
+        return cls(model, tokenizer, chat_template, folder)
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the model was trained for."""
+        config = getattr(self.model, "config", None)
+        return int(getattr(config, "max_position_embeddings", DEFAULT_NUM_CTX))
+
+    def context_length(self, options: dict[str, Any] | None = None) -> int:
+        """num_ctx from the options (default 4096), never beyond the model's own limit."""
+        requested = ParamSpec(int, DEFAULT_NUM_CTX, minimum=1).coerce(
+            "num_ctx", (options or {}).get("num_ctx")
+        )
+        return min(requested, self.max_context)
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of the rendered conversation, BOS added only if the template
+        did not already write it and the model wants one."""
+        text = self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+        return self.tokenizer.encode(text)
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        options: dict[str, Any] | None = None,
+        stop: Iterable[str] = (),
+        num_predict: int = -1,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[TextEvent]:
+        """Text deltas for `prompt_ids`, then a done event (see generate.stream_text).
+
+        Raises InvalidOption for bad sampler options before anything is generated;
+        the sampler's `unknown_options` are not reported here (build one with
+        build_sampler first to warn about them).
+        """
+        sampler = build_sampler(options)
+        return stream_text(
+            self.model,
+            self.tokenizer,
+            prompt_ids,
+            sampler,
+            max_seq_len=self.context_length(options),
+            stop=stop,
+            num_predict=num_predict,
+            cancel=cancel,
+        )

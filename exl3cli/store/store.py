@@ -1,0 +1,382 @@
+"""The on-disk model store: JSON manifests per name plus content-addressed blobs.
+
+Layout under the root (`EXL3_MODELS`, default `~/.exl3/models`):
+  blobs/sha256-<hex>                             file contents, named by their digest
+  manifests/<host>/<namespace>/<model>/<tag>     one JSON manifest per model name
+  folders/<digest of the file list>/             links to blobs under their original
+                                                 names: a Hugging Face folder the engine loads
+Every write goes to a temporary file in the target's directory, is fsynced and then
+renamed into place, so a crash never leaves a half-written manifest or blob.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from exl3cli.errors import Exl3Error, ModelNotFound
+from exl3cli.store.names import ModelName
+
+MANIFEST_SCHEMA = 1
+_CHUNK = 1 << 20
+# mkstemp makes 0600 files; store files are meant to be readable like any download.
+_FILE_MODE = 0o644
+_DIR_MODE = 0o755
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+@dataclass
+class Manifest:
+    """What a model name points at: files by digest plus its Modelfile settings."""
+
+    files: dict[str, str]
+    source: dict[str, Any] = field(default_factory=dict)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    template: str | None = None
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    adapter: str | None = None
+    license: str | None = None
+    draft: str | None = None
+    created: str = field(default_factory=_now_iso)
+    schema: int = MANIFEST_SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema, "files": dict(sorted(self.files.items())),
+            "source": self.source, "parameters": self.parameters,
+            "template": self.template, "system": self.system, "messages": self.messages,
+            "adapter": self.adapter, "license": self.license, "draft": self.draft,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+    # Read access by key too, so code that treats a manifest as its JSON dict works.
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self.__dataclass_fields__ else default
+
+    def digest(self) -> str:
+        """sha256 hex of the manifest's content, creation time left out (so the same
+        files and settings always give the same id)."""
+        body = self.to_dict()
+        del body["created"]
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class StoredModel:
+    """One row of `list_models()`."""
+
+    name: ModelName
+    digest: str
+    size: int
+    modified: datetime
+
+    @property
+    def id(self) -> str:
+        return self.digest[:12]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file so that readers see either the old or the complete new content."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        os.chmod(tmp, _FILE_MODE)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _check_digest(digest: str) -> str:
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+        raise Exl3Error(f"invalid blob digest '{digest}'")
+    return hexpart
+
+
+def _check_relpath(relpath: str) -> None:
+    parts = Path(relpath).parts
+    if not parts or Path(relpath).is_absolute() or ".." in parts or "\\" in relpath:
+        raise Exl3Error(f"invalid file name in manifest: '{relpath}'")
+
+
+class ModelStore:
+    """Models by name; `create` and `cp` share blobs, `rm` frees only unshared ones."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None):
+        if root is None:
+            root = os.environ.get("EXL3_MODELS") or Path.home() / ".exl3" / "models"
+        self.root = Path(root).expanduser()
+        self.blobs_dir = self.root / "blobs"
+        self.manifests_dir = self.root / "manifests"
+        self.folders_dir = self.root / "folders"
+
+    # -- blobs ---------------------------------------------------------------------
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob `sha256:<hex>` lives (it may not exist)."""
+        return self.blobs_dir / f"sha256-{_check_digest(digest)}"
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def add_blob_from_file(self, path: str | os.PathLike[str]) -> str:
+        """Copy a file into the store, hashing while copying; returns `sha256:<hex>`.
+        A blob that is already there is kept as is (the copy is dropped)."""
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        hasher = hashlib.sha256()
+        fd, tmp = tempfile.mkstemp(dir=self.blobs_dir, prefix=".tmp-")
+        try:
+            os.chmod(tmp, _FILE_MODE)
+            with open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
+                while chunk := src.read(_CHUNK):
+                    hasher.update(chunk)
+                    dst.write(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+            digest = f"sha256:{hasher.hexdigest()}"
+            target = self.blob_path(digest)
+            if target.is_file():
+                Path(tmp).unlink()
+            else:
+                os.replace(tmp, target)
+                _fsync_dir(self.blobs_dir)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return digest
+
+    @contextmanager
+    def staging_blobs(self) -> Iterator[None]:
+        """Blobs added inside the block are deleted again if it fails, unless a manifest
+        uses them: a failed create or import leaves the store as it was."""
+        before = set(os.listdir(self.blobs_dir)) if self.blobs_dir.is_dir() else set()
+        try:
+            yield
+        except BaseException:
+            added = set(os.listdir(self.blobs_dir)) - before if self.blobs_dir.is_dir() else set()
+            if added:
+                used = {self.blob_path(d).name for _n, m in self._iter_manifests()
+                        for d in m.files.values()}
+                for blob in added - used:
+                    (self.blobs_dir / blob).unlink(missing_ok=True)
+            raise
+
+    def add_folder_files(self, folder: str | os.PathLike[str]) -> dict[str, str]:
+        """Add every regular file under `folder` as a blob: {relative path: digest}."""
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise ModelNotFound(f"no such folder: {folder}")
+        files: dict[str, str] = {}
+        for path in sorted(folder.rglob("*")):
+            relative = path.relative_to(folder)
+            if not path.is_file() or any(part.startswith(".") for part in relative.parts):
+                continue  # skip hidden files such as .cache/ of huggingface_hub
+            files[relative.as_posix()] = self.add_blob_from_file(path)
+        if not files:
+            raise ModelNotFound(f"folder {folder} holds no files")
+        return files
+
+    def import_folder(self, name: str | ModelName, folder: str | os.PathLike[str],
+                      source: dict[str, Any]) -> Manifest:
+        """Store every file of a Hugging Face folder and point `name` at them."""
+        name = ModelName.coerce(name)
+        with self.staging_blobs():
+            manifest = Manifest(files=self.add_folder_files(folder), source=dict(source))
+            self.write_manifest(name, manifest)
+        return manifest
+
+    # -- manifests -----------------------------------------------------------------
+    def _manifest_path(self, name: ModelName) -> Path | None:
+        """The existing manifest file of `name`, matching letter case loosely."""
+        exact = self.manifests_dir.joinpath(*name.parts())
+        if exact.is_file():
+            return exact
+        current = self.manifests_dir
+        for part in name.parts():
+            if not current.is_dir():
+                return None
+            match = next((child for child in current.iterdir()
+                          if child.name.lower() == part.lower()), None)
+            if match is None:
+                return None
+            current = match
+        return current if current.is_file() else None
+
+    def exists(self, name: str | ModelName) -> bool:
+        return self._manifest_path(ModelName.coerce(name)) is not None
+
+    def modified(self, name: str | ModelName) -> datetime:
+        """When `name` was last written (its manifest file's time)."""
+        model = ModelName.coerce(name)
+        path = self._manifest_path(model)
+        if path is None:
+            raise ModelNotFound(f"model '{model}' not found")
+        return datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc)
+
+    def read_manifest(self, name: str | ModelName) -> Manifest:
+        """The manifest of `name`; raises ModelNotFound."""
+        model = ModelName.coerce(name)
+        path = self._manifest_path(model)
+        if path is None:
+            raise ModelNotFound(f"model '{model}' not found")
+        try:
+            return Manifest.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError) as error:
+            raise Exl3Error(f"manifest of '{model}' is unreadable: {error}") from error
+
+    def write_manifest(self, name: str | ModelName, manifest: Manifest) -> None:
+        """Point `name` at `manifest`; every blob it names must already be stored."""
+        model = ModelName.coerce(name)
+        for relpath, digest in manifest.files.items():
+            _check_relpath(relpath)
+            if not self.has_blob(digest):
+                raise Exl3Error(f"blob {digest} of '{relpath}' is missing from the store")
+        data = json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False).encode("utf-8")
+        old = self._manifest_path(model)
+        target = self.manifests_dir.joinpath(*model.parts())
+        atomic_write_bytes(target, data)
+        if old is not None and old != target:  # same name, other spelling: keep one
+            old.unlink(missing_ok=True)
+            self._prune_empty_dirs(old.parent)
+
+    def _iter_manifest_files(self) -> Iterator[tuple[ModelName, Path]]:
+        if not self.manifests_dir.is_dir():
+            return
+        for path in sorted(self.manifests_dir.glob("*/*/*/*")):
+            if not path.is_file() or path.name.startswith(".tmp-"):
+                continue
+            host, namespace, model, tag = path.relative_to(self.manifests_dir).parts
+            yield ModelName(host, namespace, model, tag), path
+
+    def _iter_manifests(self) -> Iterator[tuple[ModelName, Manifest]]:
+        for name, _path in self._iter_manifest_files():
+            yield name, self.read_manifest(name)
+
+    def list_models(self) -> list[StoredModel]:
+        """Every stored model, newest first."""
+        rows = []
+        for name, path in self._iter_manifest_files():
+            manifest = self.read_manifest(name)
+            size = sum(self.blob_path(d).stat().st_size for d in set(manifest.files.values())
+                       if self.has_blob(d))
+            modified = datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc)
+            rows.append(StoredModel(name, manifest.digest(), size, modified))
+        rows.sort(key=lambda row: row.modified, reverse=True)
+        return rows
+
+    def copy(self, source: str | ModelName, destination: str | ModelName) -> None:
+        """Give a model a second name; no file is copied."""
+        manifest = self.read_manifest(source)
+        destination = ModelName.coerce(destination)
+        self.write_manifest(destination, manifest)
+
+    def remove(self, name: str | ModelName) -> None:
+        """Delete a name, then the blobs and folders no other name still uses."""
+        model = ModelName.coerce(name)
+        path = self._manifest_path(model)
+        if path is None:
+            raise ModelNotFound(f"model '{model}' not found")
+        path.unlink()
+        self._prune_empty_dirs(path.parent)
+        self.collect_garbage()
+
+    def collect_garbage(self) -> None:
+        """Remove blobs and linked folders that no manifest references."""
+        used_blobs: set[str] = set()
+        used_folders: set[str] = set()
+        for _name, manifest in self._iter_manifests():
+            used_blobs.update(self.blob_path(d).name for d in manifest.files.values())
+            used_folders.add(_folder_key(manifest.files))
+        if self.folders_dir.is_dir():
+            for folder in self.folders_dir.iterdir():
+                if folder.name not in used_folders:
+                    shutil.rmtree(folder, ignore_errors=True)
+        if self.blobs_dir.is_dir():
+            for blob in self.blobs_dir.iterdir():
+                if blob.name.startswith("sha256-") and blob.name not in used_blobs:
+                    blob.unlink(missing_ok=True)
+
+    def _prune_empty_dirs(self, directory: Path) -> None:
+        while directory != self.manifests_dir and self.manifests_dir in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:
+                return
+            directory = directory.parent
+
+    # -- folders for the engine ----------------------------------------------------
+    def model_folder(self, name: str | ModelName) -> Path:
+        """A Hugging Face style folder of links to the model's blobs, made on demand."""
+        manifest = self.read_manifest(name)
+        folder = self.folders_dir / _folder_key(manifest.files)
+        if folder.is_dir():
+            return folder
+        self.folders_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=self.folders_dir, prefix=".tmp-"))
+        try:
+            os.chmod(staging, _DIR_MODE)
+            for relpath, digest in manifest.files.items():
+                _check_relpath(relpath)
+                link = staging / relpath
+                link.parent.mkdir(parents=True, exist_ok=True)
+                blob = self.blob_path(digest)
+                try:
+                    os.link(blob, link)
+                except OSError:  # file systems without hard links
+                    os.symlink(blob, link)
+            try:
+                os.replace(staging, folder)
+            except OSError:  # another process made the same folder first
+                if not folder.is_dir():
+                    raise
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return folder
+
+
+def _folder_key(files: dict[str, str]) -> str:
+    text = json.dumps(sorted(files.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]

@@ -1,0 +1,53 @@
+"""`exl3 pull` through the real CLI, client and store against the local hub."""
+
+from __future__ import annotations
+
+import io
+
+from click.testing import CliRunner
+
+from exl3cli.cli import main
+from exl3cli.cli.pull import PullProgress
+from exl3cli.store.store import ModelStore
+from tests.fixtures.local_hub import LocalHub
+from tests.fixtures.tiny_model import write_tiny_model
+from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
+
+
+def test_pull_command_stores_the_model_and_shows_progress(tmp_path, monkeypatch):
+    repo = write_tiny_model(tmp_path / "repo", "llama")
+    write_tiny_tokenizer(repo)
+    monkeypatch.setenv("EXL3_MODELS", str(tmp_path / "store"))
+    with LocalHub() as hub:
+        hub.add_repo("someone/tiny", repo)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        result = CliRunner().invoke(main, ["pull", "hf.co/someone/tiny"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""  # progress goes to stderr only
+    assert "pulling manifest" in result.stderr and result.stderr.rstrip().endswith("success")
+    assert "writing manifest" in result.stderr
+    stored = ModelStore(tmp_path / "store").read_manifest("hf.co/someone/tiny")
+    assert "model.safetensors" in stored.files
+
+
+def test_pull_unknown_model_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXL3_MODELS", str(tmp_path / "store"))
+    result = CliRunner().invoke(main, ["pull", "nosuchmodel:1b"])
+    assert result.exit_code == 1
+    last = result.stderr.strip().splitlines()[-1]  # after "pulling manifest", as in Ollama
+    assert last.startswith("Error: ") and "not in the catalog" in last
+    assert "Traceback" not in result.stderr
+
+
+def test_progress_bars_follow_completed_counts():
+    stream = io.StringIO()
+    progress = PullProgress(stream)
+    progress({"status": "pulling manifest"})
+    for done in (0, 512, 1024):
+        progress({"status": "pulling abc", "digest": "sha256:abc", "total": 1024, "completed": done})
+    bar = next(iter(progress._bars.values()))
+    assert bar.n == 1024 and bar.total == 1024
+    progress({"status": "success"})
+    text = stream.getvalue()
+    assert text.startswith("pulling manifest\n") and "1.00k" in text.lower()
+    assert text.rstrip().endswith("success")

@@ -1,0 +1,164 @@
+"""The engine's logits must match transformers' on the same checkpoint.
+
+Every family is checked over a prompt and 20 greedily decoded tokens fed through our
+KV cache one at a time; transformers runs the full sequence at once, eager attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from exl3cli.engine.loader import load_causal_lm
+from exl3cli.errors import ContextOverflow
+from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
+
+TOLERANCE = 1e-3
+DECODE_STEPS = 20
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    # Small original context so the prompt positions reach the scaled band.
+    "original_max_position_embeddings": 16,
+}
+
+CASES = {
+    "llama": ("llama", {}),
+    "llama3_rope_scaling": ("llama", {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0}),
+    "llama_tied_embeddings": ("llama", {"tie_word_embeddings": True}),
+    "mistral_sliding_window": ("mistral", {"sliding_window": 6, "num_hidden_layers": 3}),
+    "qwen2": ("qwen2", {}),
+    "qwen2_sliding_window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
+         "num_hidden_layers": 3},
+    ),
+    "qwen3": ("qwen3", {}),
+}
+
+
+def reference_logits(arch: str, overrides: dict, ids: torch.Tensor) -> torch.Tensor:
+    model = tiny_reference_model(arch, **dict(overrides))
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def greedy_decode(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all token ids, logits of every position) decoding with the cache one token a step."""
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + steps)
+    logits = [model(prompt, cache)]
+    tokens = [prompt]
+    for _ in range(steps):
+        next_token = logits[-1][:, -1].argmax(-1, keepdim=True)
+        tokens.append(next_token)
+        logits.append(model(next_token, cache))
+    assert cache.row_lengths() == [prompt.shape[1] + steps] * prompt.shape[0]
+    return torch.cat(tokens, dim=1)[:, :-1], torch.cat(logits, dim=1)[:, :-1]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prompt_and_greedy_decode_match_transformers(tmp_path, case):
+    arch, overrides = CASES[case]
+    folder = write_tiny_model(tmp_path / case, arch, **dict(overrides))
+    model = load_causal_lm(folder, device="cpu")
+    assert model.dtype == torch.float32
+    prompt = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+
+    full = model(prompt)
+    expected_prompt = reference_logits(arch, overrides, prompt)
+    assert full.dtype == torch.float32 and full.shape == (1, 12, 300)
+    assert (full - expected_prompt).abs().max() < TOLERANCE
+
+    ids, decoded_logits = greedy_decode(model, prompt, DECODE_STEPS)
+    expected = reference_logits(arch, overrides, ids)
+    assert ids.shape[1] == 12 + DECODE_STEPS - 1
+    assert (decoded_logits - expected).abs().max() < TOLERANCE
+    # The reference picks the same greedy tokens.
+    assert torch.equal(expected[:, 11:-1].argmax(-1), ids[:, 12:])
+
+
+def test_sliding_window_changes_the_result(tmp_path):
+    """Guards the sliding-window cases above against testing nothing."""
+    ids = torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(2))
+    windowed = load_causal_lm(write_tiny_model(tmp_path / "w", "mistral", sliding_window=6), "cpu")
+    unwindowed = load_causal_lm(write_tiny_model(tmp_path / "u", "mistral", sliding_window=None), "cpu")
+    early, late = slice(0, 6), slice(12, 24)
+    assert (windowed(ids)[:, early] - unwindowed(ids)[:, early]).abs().max() < 1e-5
+    assert (windowed(ids)[:, late] - unwindowed(ids)[:, late]).abs().max() > 1e-2
+
+
+def test_sharded_checkpoint_matches_transformers(tmp_path):
+    folder = write_tiny_model(tmp_path, "qwen2", shards=True)
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(3))
+    logits = load_causal_lm(folder, device="cpu")(ids)
+    assert (logits - reference_logits("qwen2", {}, ids)).abs().max() < TOLERANCE
+
+
+def test_bfloat16_checkpoint_loads_as_bfloat16_and_stays_close(tmp_path):
+    folder = write_tiny_model(tmp_path, "llama", dtype="bfloat16")
+    model = load_causal_lm(folder, device="cpu")
+    assert model.dtype == torch.bfloat16  # the CPU default for bf16 checkpoints
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(4))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = reference.eval()(ids).logits.float()
+    ours = model(ids)
+    assert ours.dtype == torch.float32
+    # bf16 rounding differs in op order; compare against the logit scale.
+    assert (ours - expected).abs().max() < 0.05 * expected.abs().max()
+    # Loading the same file as float32 is exact against transformers in float32.
+    exact = load_causal_lm(folder, device="cpu", dtype=torch.float32)
+    upcast = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected_fp32 = upcast.eval()(ids).logits
+    assert (exact(ids) - expected_fp32).abs().max() < TOLERANCE
+
+
+def test_batched_prefill_of_different_lengths_matches_single_rows(tmp_path):
+    model = load_causal_lm(write_tiny_model(tmp_path, "qwen3"), device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    long_prompt = torch.randint(3, 300, (1, 11), generator=gen)
+    short_prompt = torch.randint(3, 300, (1, 6), generator=gen)
+    padded = torch.zeros(2, 11, dtype=torch.long)
+    padded[0] = long_prompt[0]
+    padded[1, :6] = short_prompt[0]
+
+    cache = model.new_cache(2, 32)
+    batched = model(padded, cache, input_lengths=[11, 6])
+    assert cache.row_lengths() == [11, 6]
+    assert (batched[0] - model(long_prompt)[0]).abs().max() < TOLERANCE
+    assert (batched[1, :6] - model(short_prompt)[0]).abs().max() < TOLERANCE
+
+    # Decode 5 steps with both rows at different positions; compare with each row alone.
+    rows = [long_prompt, short_prompt]
+    last = torch.stack([batched[0, 10], batched[1, 5]])  # each row's last valid token
+    for _ in range(5):
+        next_tokens = last.argmax(-1, keepdim=True)
+        rows = [torch.cat([rows[b], next_tokens[b : b + 1]], dim=1) for b in range(2)]
+        last = model(next_tokens, cache)[:, -1]
+        for b in range(2):
+            assert (last[b] - model(rows[b])[0, -1]).abs().max() < TOLERANCE
+    assert cache.row_lengths() == [16, 11]
+
+
+def test_last_logits_only_picks_each_rows_last_valid_token(tmp_path):
+    model = load_causal_lm(write_tiny_model(tmp_path, "llama"), device="cpu")
+    ids = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(6))
+    full = model(ids)
+    last = model(ids, model.new_cache(2, 8), input_lengths=[8, 3], last_logits_only=True)
+    assert last.shape == (2, 1, 300)
+    assert (last[0, 0] - full[0, 7]).abs().max() < TOLERANCE
+    assert (last[1, 0] - full[1, 2]).abs().max() < TOLERANCE
+
+
+def test_chunked_prefill_matches_one_shot(tmp_path):
+    model = load_causal_lm(write_tiny_model(tmp_path, "mistral", sliding_window=4), "cpu")
+    ids = torch.randint(3, 300, (2, 15), generator=torch.Generator().manual_seed(7))
+    cache = model.new_cache(2, 15)
+    chunks = [model(ids[:, a:b], cache) for a, b in ((0, 5), (5, 12), (12, 15))]
+    assert (torch.cat(chunks, dim=1) - model(ids)).abs().max() < TOLERANCE
+    with pytest.raises(ContextOverflow):
+        model(ids[:, :1], cache)

@@ -1,0 +1,64 @@
+import math
+
+import pytest
+import torch
+
+from exl3cli.engine.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from exl3cli.errors import UnsupportedArchitecture
+
+
+def test_default_frequencies():
+    inv_freq = rope_inv_freq(8, 10000.0, {"rope_type": "default"})
+    expected = torch.tensor([10000.0 ** (-i / 8) for i in (0, 2, 4, 6)])
+    assert torch.allclose(inv_freq, expected)
+
+
+def test_linear_divides_every_frequency():
+    base = rope_inv_freq(16, 10000.0, {"rope_type": "default"})
+    assert torch.allclose(rope_inv_freq(16, 10000.0, {"rope_type": "linear", "factor": 4.0}),
+                          base / 4)
+
+
+def test_llama3_keeps_high_and_divides_low_frequencies():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    base = rope_inv_freq(64, 500000.0, {"rope_type": "default"})
+    scaled = rope_inv_freq(64, 500000.0, scaling)
+    wavelen = 2 * math.pi / base
+    high = wavelen < 64 / 4
+    low = wavelen > 64 / 1
+    assert high.any() and low.any() and (~high & ~low).any()
+    assert torch.equal(scaled[high], base[high])
+    assert torch.allclose(scaled[low], base[low] / 8)
+    middle = ~high & ~low
+    assert (scaled[middle] < base[middle]).all() and (scaled[middle] > base[middle] / 8).all()
+
+
+def test_dynamic_only_changes_past_the_original_length():
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 32}
+    base = rope_inv_freq(16, 10000.0, {"rope_type": "default"})
+    assert torch.equal(rope_inv_freq(16, 10000.0, scaling, seq_len=20), base)
+    longer = rope_inv_freq(16, 10000.0, scaling, seq_len=128)
+    assert (longer[1:] < base[1:]).all()
+
+
+def test_unknown_rope_type_is_unsupported():
+    with pytest.raises(UnsupportedArchitecture, match="yarn-like"):
+        rope_inv_freq(8, 10000.0, {"rope_type": "yarn-like"})
+
+
+def test_rotation_preserves_norm_and_position_zero_is_identity():
+    rope = RotaryEmbedding(8, 10000.0, {"rope_type": "default"}, 64, torch.device("cpu"),
+                           torch.float32)
+    positions = torch.arange(5)[None]
+    cos, sin = rope.lookup(positions, 5)
+    x = torch.randn(1, 5, 8)
+    rotated = apply_rotary(x, cos, sin)
+    assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    assert torch.allclose(rotated[:, 0], x[:, 0])
+    assert not torch.allclose(rotated[:, 1:], x[:, 1:])
+    # Relative property: <R(p) q, R(p + d) k> depends only on d.
+    q, k = torch.randn(8), torch.randn(8)
+    cos, sin = rope.lookup(torch.tensor([0, 3, 10, 13]), 14)
+    r = apply_rotary(torch.stack([q, k, q, k]), cos, sin)
+    assert torch.allclose(r[0] @ r[1], r[2] @ r[3], atol=1e-4)
