@@ -58,3 +58,15 @@ class ContextOverflow(Exl3Error):
 
 class ChatTemplateError(Exl3Error):
     """A chat template that does not compile, or that rejects the given messages."""
+
+
+class ServerBusy(Exl3Error):
+    """The daemon's queue for a model is full; retry later."""
+
+    http_status = 503
+
+
+class GeneratorBusy(Exl3Error):
+    """The generator's job queue is full; try again later."""
+
+    http_status = 503

@@ -35,9 +35,9 @@ def main(verbose: bool) -> None:
 
 
 def _register_commands() -> None:
-    from exl3cli.cli import models, pull, run
+    from exl3cli.cli import models, pull, run, serve
 
-    for module in (models, pull, run):
+    for module in (models, pull, run, serve):
         for command in module.COMMANDS:
             main.add_command(command)
 

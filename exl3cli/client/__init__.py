@@ -6,7 +6,12 @@ from exl3cli.client.base import Client
 
 
 def get_client() -> Client:
-    """The client every command uses. In-process for now; the seam for the daemon client."""
+    """The client every command uses: the daemon at EXL3_HOST when one answers, else in-process."""
+    from exl3cli.client.http import HttpClient, daemon_url
+
+    url = daemon_url()
+    if url:
+        return HttpClient(url)
     from exl3cli.client.local import LocalClient
 
     return LocalClient()

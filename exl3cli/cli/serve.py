@@ -1,0 +1,118 @@
+"""`exl3 serve` (the daemon), `exl3 ps` (loaded models) and `exl3 stop MODEL`."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import click
+
+from exl3cli.errors import Exl3Error, InvalidModelName
+
+SHUTDOWN_SECONDS = 10  # how long running streams get to finish after SIGTERM
+
+
+@click.command("serve")
+def serve() -> None:
+    """Start the daemon (Ollama and OpenAI APIs) on EXL3_HOST."""
+    from aiohttp import web
+
+    from exl3cli import __version__
+    from exl3cli.hostaddr import parse_host
+    from exl3cli.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host = parse_host()
+    app = create_app(host=host)
+
+    def announce(*_args: Any, **_kwargs: Any) -> None:
+        click.echo(f"exl3 {__version__} listening on {host.url}", err=True)
+
+    try:
+        # run_app turns SIGINT/SIGTERM into a graceful exit: stop accepting, let the
+        # manager cancel running jobs so their streams end, then return (status 0).
+        web.run_app(app, host=host.host, port=host.port, print=announce,
+                    shutdown_timeout=SHUTDOWN_SECONDS, access_log=None)
+    except OSError as error:
+        raise Exl3Error(f"could not listen on {host.url}: {error.strerror or error}") from None
+
+
+def _client() -> Any:
+    """The daemon's client when one answers at EXL3_HOST (only a daemon has models
+    loaded between commands), else the usual one."""
+    from exl3cli.client import get_client
+    from exl3cli.client.http import HttpClient, daemon_url
+
+    url = daemon_url()
+    return HttpClient(url) if url else get_client()
+
+
+def processor_text(model: dict[str, Any]) -> str:
+    """Where the weights live, as Ollama prints it: `100% GPU`, `100% CPU`, or a split."""
+    size = int(model.get("size") or 0)
+    vram = int(model.get("size_vram") or 0)
+    if size <= 0 or vram <= 0:
+        return "100% CPU"
+    if vram >= size:
+        return "100% GPU"
+    gpu = round(100 * vram / size)
+    return f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+def until_text(expires_at: str | None, now: datetime | None = None) -> str:
+    """`4 minutes from now`, `Forever` (keep_alive < 0), `Stopping...` once past."""
+    from exl3cli.cli.models import human_ago
+
+    if not expires_at:
+        return "Forever"
+    now = now or datetime.now(timezone.utc)
+    expires = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    left = expires - now
+    if left > timedelta(days=365 * 50):
+        return "Forever"
+    if left.total_seconds() <= 0:
+        return "Stopping..."
+    # human_ago counts backwards; mirror the instant to reuse its wording.
+    return human_ago(now - left, now).replace(" ago", " from now")
+
+
+@click.command("ps")
+def ps() -> None:
+    """List the models loaded in the daemon."""
+    from exl3cli.cli.models import format_table, human_size
+
+    rows = []
+    for model in _client().ps().get("models", []):
+        context = model.get("context_length")
+        rows.append([model.get("name") or model.get("model", ""),
+                     str(model.get("digest", ""))[:12], human_size(int(model.get("size") or 0)),
+                     processor_text(model), str(context) if context else "",
+                     until_text(model.get("expires_at"))])
+    click.echo(format_table(["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows))
+
+
+def _canonical(name: str) -> str:
+    from exl3cli.store.names import ModelName
+
+    try:
+        return str(ModelName.parse(name))
+    except InvalidModelName:
+        return name
+
+
+@click.command("stop")
+@click.argument("model")
+def stop(model: str) -> None:
+    """Unload MODEL from the daemon now."""
+    client = _client()
+    wanted = _canonical(model)
+    loaded = [m for m in client.ps().get("models", [])
+              if wanted in (_canonical(m.get("name") or ""), _canonical(m.get("model") or ""))]
+    if not loaded:
+        raise Exl3Error(f"couldn't find model \"{model}\" to stop")
+    for _ in client.generate({"model": model, "keep_alive": 0}):
+        pass
+
+
+COMMANDS = [serve, ps, stop]

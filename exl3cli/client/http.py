@@ -1,0 +1,138 @@
+"""The client interface over HTTP, for when `exl3 serve` runs: the same dicts as
+`LocalClient`, sent to and read from the daemon's Ollama routes.
+
+Only the standard library (urllib), so commands stay quick to start. Errors come back
+as the same `Exl3Error` subclasses the in-process client raises, so the CLI prints
+the same message either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+from exl3cli.client.base import Body
+from exl3cli.errors import Exl3Error, ModelNotFound, ServerBusy
+
+PROBE_TIMEOUT = 0.3
+
+
+def _error_for(status: int, message: str) -> Exl3Error:
+    if status == 404:
+        return ModelNotFound(message)
+    if status == 503:
+        return ServerBusy(message)
+    error = Exl3Error(message)
+    error.http_status = status
+    return error
+
+
+def _message_of(raw: bytes, fallback: str) -> str:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace").strip() or fallback
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(error) if error else fallback
+
+
+class HttpClient:
+    """Implements `exl3cli.client.base.Client` against a daemon at `base_url`."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("EXL3_API_KEY")
+        self.timeout = timeout
+
+    # -- transport --------------------------------------------------------------------
+    def _open(self, method: str, path: str, body: Body | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base_url + path, data=data, method=method)
+        request.add_header("Accept", "application/json")
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as error:
+            raw = error.read()
+            error.close()
+            raise _error_for(error.code, _message_of(raw, f"HTTP {error.code}")) from None
+        except urllib.error.URLError as error:
+            raise Exl3Error(f"could not reach the exl3 daemon at {self.base_url} "
+                            f"({error.reason})") from None
+
+    def _call(self, method: str, path: str, body: Body | None = None) -> Body:
+        with self._open(method, path, body) as response:
+            raw = response.read()
+        return json.loads(raw) if raw.strip() else {}
+
+    def _stream(self, path: str, body: Body) -> Iterator[Body]:
+        """POST with stream: true; the request is sent (and errors raised) now, the
+        NDJSON lines are read as the iterator is consumed. Closing it early closes
+        the connection, which makes the daemon cancel the job."""
+        response = self._open("POST", path, dict(body, stream=body.get("stream", True)))
+        return self._lines(response)
+
+    @staticmethod
+    def _lines(response: Any) -> Iterator[Body]:
+        with response:
+            for line in response:
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if isinstance(item, dict) and "error" in item:
+                    raise Exl3Error(_message_of(line, "request failed"))
+                yield item
+
+    # -- the Client interface ---------------------------------------------------------
+    def list(self) -> Body:
+        return self._call("GET", "/api/tags")
+
+    def show(self, req: Body) -> Body:
+        return self._call("POST", "/api/show", req)
+
+    def copy(self, req: Body) -> Body:
+        return self._call("POST", "/api/copy", req)
+
+    def delete(self, req: Body) -> Body:
+        return self._call("DELETE", "/api/delete", req)
+
+    def create(self, req: Body) -> Iterator[Body]:
+        # Relative FROM paths are relative to where the command runs, not the daemon.
+        return self._stream("/api/create", {"base_dir": os.getcwd(), **req})
+
+    def pull(self, req: Body) -> Iterator[Body]:
+        return self._stream("/api/pull", req)
+
+    def ps(self) -> Body:
+        return self._call("GET", "/api/ps")
+
+    def generate(self, req: Body) -> Iterator[Body]:
+        return self._stream("/api/generate", req)
+
+    def chat(self, req: Body) -> Iterator[Body]:
+        return self._stream("/api/chat", req)
+
+
+def daemon_url(timeout: float = PROBE_TIMEOUT) -> str | None:
+    """The URL of an exl3 daemon answering at EXL3_HOST, or None (a quick GET /)."""
+    from exl3cli.hostaddr import parse_host
+
+    try:
+        url = parse_host().client_url
+    except Exl3Error:
+        return None
+    try:
+        with urllib.request.urlopen(url + "/", timeout=timeout) as response:
+            answer = response.read(64)
+    except (OSError, ValueError):
+        return None
+    return url if answer.startswith(b"exl3 is running") else None

@@ -1,0 +1,255 @@
+"""The two request kinds the in-process runner serves: /api/generate and /api/chat.
+
+A job turns its request dict into prompt token ids (applying the manifest's SYSTEM,
+TEMPLATE and MESSAGEs the way Ollama does) and shapes the streamed response objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exl3cli.errors import InvalidOption
+
+_THINK_OPEN = "<think>"
+_THINK_CLOSE = "</think>"
+
+
+def _now_iso() -> str:
+    from exl3cli.client.inference import now_iso
+
+    return now_iso()
+
+
+class ThinkingSplitter:
+    """Routes a reply's leading `<think>...</think>` block to `thinking`, the rest to
+    `content`. Tags may arrive split over several deltas, so a possible tag prefix is
+    held back until it is decided. Disabled, it passes everything through as content.
+    """
+
+    def __init__(self, enabled: bool):
+        self._state = "start" if enabled else "content"
+        self._pending = ""
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        if self._state == "content":
+            return [("content", text)] if text else []
+        self._pending += text
+        out: list[tuple[str, str]] = []
+        if self._state == "start":
+            stripped = self._pending.lstrip()
+            if _THINK_OPEN.startswith(stripped):
+                return out  # still could become "<think>"
+            if stripped.startswith(_THINK_OPEN):
+                self._state = "thinking"
+                self._pending = stripped[len(_THINK_OPEN):].lstrip("\n")
+            else:
+                self._state = "content"
+                text, self._pending = self._pending, ""
+                return [("content", text)]
+        # thinking: emit all but a tail that could be the start of "</think>"
+        end = self._pending.find(_THINK_CLOSE)
+        if end >= 0:
+            thought = self._pending[:end]
+            rest = self._pending[end + len(_THINK_CLOSE):].lstrip("\n")
+            self._pending = ""
+            self._state = "content"
+            if thought:
+                out.append(("thinking", thought))
+            if rest:
+                out.append(("content", rest))
+            return out
+        keep = _partial_suffix(self._pending, _THINK_CLOSE)
+        ready = self._pending[:len(self._pending) - keep]
+        self._pending = self._pending[len(self._pending) - keep:]
+        if ready:
+            out.append(("thinking", ready))
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        text, self._pending = self._pending, ""
+        if not text:
+            return []
+        return [("thinking" if self._state == "thinking" else "content", text)]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def _think_enabled(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.lower() not in ("", "false", "0", "no", "off")
+    return bool(value)
+
+
+class _Job:
+    """What generate and chat share: model name, streaming flag, thinking, metrics."""
+
+    response_key = ""
+
+    def __init__(self, req: dict):
+        if not isinstance(req, dict):
+            raise InvalidOption("request must be a JSON object")
+        model = req.get("model") or req.get("name")
+        if not model or not isinstance(model, str):
+            raise InvalidOption("model is required")
+        self.req = req
+        self.model = model
+        self.streaming = req.get("stream", True) is not False
+        self.think = _think_enabled(req.get("think"))
+        fmt = req.get("format")
+        if fmt not in (None, "", "json") and not isinstance(fmt, dict):
+            raise InvalidOption(f"invalid format: {fmt!r} (use \"json\" or a JSON schema)")
+
+    def thinking_splitter(self) -> ThinkingSplitter:
+        return ThinkingSplitter(self.think)
+
+    def _base(self) -> dict[str, Any]:
+        return {"model": self.model, "created_at": _now_iso()}
+
+    def final(self, pieces: list[tuple[str, str]] | None, done_reason: str,
+              metrics: dict[str, int], warnings: list[str],
+              context: list[int] | None) -> dict[str, Any]:
+        content = "".join(p for kind, p in pieces or [] if kind == "content")
+        thinking = "".join(p for kind, p in pieces or [] if kind == "thinking")
+        body = self._base()
+        body.update(self._final_payload(content, thinking))
+        body["done"] = True
+        body["done_reason"] = done_reason
+        body.update(metrics)
+        if warnings:
+            body["warnings"] = warnings
+        if context is not None:
+            self._attach_context(body, context)
+        return body
+
+    def _attach_context(self, body: dict[str, Any], context: list[int]) -> None:
+        pass
+
+    def _final_payload(self, content: str, thinking: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def render_prompt_ids(text_model: Any, messages: list[dict], tools: Any,
+                      template: str | None, think: bool | None) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, or with
+    `template` (a Modelfile/request TEMPLATE) in its place. `think` reaches the template
+    as `enable_thinking`, the switch thinking models' templates read."""
+    if not template and think is None:
+        return list(text_model.chat_prompt(messages, tools=tools))
+    from exl3cli.engine.chat_template import ChatTemplate
+
+    chat_template = (ChatTemplate.from_folder(text_model.folder, template=template)
+                     if template else text_model.chat_template)
+    extra = {} if think is None else {"enable_thinking": think}
+    text = chat_template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+    return list(text_model.tokenizer.encode(text))
+
+
+def _message_list(value: Any) -> list[dict]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise InvalidOption("messages must be a list of objects")
+    for message in value:
+        if message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise InvalidOption(f"invalid message role: {message.get('role')!r}")
+    return [dict(m) for m in value]
+
+
+def _explicit_think(req: dict) -> bool | None:
+    return None if req.get("think") is None else _think_enabled(req.get("think"))
+
+
+def _drop_oldest(messages: list[dict], count: int) -> list[dict]:
+    """`messages` without its `count` oldest non-system ones (never the last one)."""
+    droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+    gone = set(droppable[:count])
+    return [m for i, m in enumerate(messages) if i not in gone]
+
+
+class GenerateJob(_Job):
+    """/api/generate: one prompt, optional system/template/raw/context."""
+
+    def droppable(self, manifest: dict[str, Any]) -> int:
+        return 0
+
+    def is_load_only(self) -> bool:
+        return not self.req.get("prompt") and not self.req.get("images")
+
+    def prompt_ids(self, text_model: Any, manifest: dict[str, Any]) -> list[int]:
+        prompt = self.req.get("prompt") or ""
+        if not isinstance(prompt, str):
+            raise InvalidOption("prompt must be a string")
+        if self.req.get("raw"):
+            return list(text_model.tokenizer.encode(prompt))
+        context = self.req.get("context") or []
+        messages: list[dict] = []
+        system = self.req.get("system") or manifest.get("system")
+        if system:
+            messages.append({"role": "system", "content": system})
+        if not context:  # a continued conversation already holds the model's MESSAGEs
+            messages.extend(_message_list(manifest.get("messages")))
+        messages.append({"role": "user", "content": prompt})
+        template = self.req.get("template") or manifest.get("template")
+        ids = render_prompt_ids(text_model, messages, None, template, _explicit_think(self.req))
+        return [int(t) for t in context] + ids
+
+    def chunk(self, text: str, kind: str) -> dict[str, Any]:
+        body = self._base()
+        if kind == "thinking":
+            body.update({"response": "", "thinking": text})
+        else:
+            body["response"] = text
+        body["done"] = False
+        return body
+
+    def _final_payload(self, content: str, thinking: str) -> dict[str, Any]:
+        payload: dict[str, Any] = {"response": content}
+        if thinking:
+            payload["thinking"] = thinking
+        return payload
+
+    def _attach_context(self, body: dict[str, Any], context: list[int]) -> None:
+        body["context"] = context
+
+
+class ChatJob(_Job):
+    """/api/chat: a message list, optional tools. A conversation too long for the
+    context loses its oldest turns (system messages stay), as in Ollama."""
+
+    def droppable(self, manifest: dict[str, Any]) -> int:
+        count = len(_message_list(manifest.get("messages"))) + len(self.req.get("messages") or [])
+        return max(0, count - 1)
+
+    def is_load_only(self) -> bool:
+        return not self.req.get("messages")
+
+    def prompt_ids(self, text_model: Any, manifest: dict[str, Any], drop: int = 0) -> list[int]:
+        request_messages = _message_list(self.req.get("messages"))
+        messages = _message_list(manifest.get("messages")) + request_messages
+        system = manifest.get("system")
+        if system and (not messages or messages[0].get("role") != "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        messages = _drop_oldest(messages, drop)
+        template = self.req.get("template") or manifest.get("template")
+        return render_prompt_ids(text_model, messages, self.req.get("tools"), template,
+                                 _explicit_think(self.req))
+
+    def chunk(self, text: str, kind: str) -> dict[str, Any]:
+        body = self._base()
+        message = {"role": "assistant", "content": ""}
+        message["thinking" if kind == "thinking" else "content"] = text
+        body["message"] = message
+        body["done"] = False
+        return body
+
+    def _final_payload(self, content: str, thinking: str) -> dict[str, Any]:
+        message = {"role": "assistant", "content": content}
+        if thinking:
+            message["thinking"] = thinking
+        return {"message": message}

@@ -1,0 +1,55 @@
+"""The daemon's aiohttp application: routes, guards, and the model manager's lifecycle."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from aiohttp import web
+
+from exl3cli.hostaddr import HostAddress, parse_host
+from exl3cli.server import ollama_routes, openai_routes
+from exl3cli.server.model_manager import ModelManager
+from exl3cli.server.security import api_key_middleware, error_middleware, host_check_middleware
+
+DEFAULT_MAX_BODY = 32 * 1024 * 1024  # base64 images make bodies large; this is plenty
+
+
+def create_app(store: Any = None, *, host: HostAddress | None = None,
+               api_key: str | None = None, num_parallel: int | None = None,
+               max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY,
+               manager: ModelManager | None = None) -> web.Application:
+    """The daemon for `store` (default: EXL3_MODELS). `host` is where it is bound: when
+    that is loopback, requests must carry a local Host header. `api_key` defaults to
+    EXL3_API_KEY; when set, requests need `Authorization: Bearer <key>`."""
+    if store is None:
+        from exl3cli.store.store import ModelStore
+
+        store = ModelStore()
+    host = host or parse_host()
+    if api_key is None:
+        api_key = os.environ.get("EXL3_API_KEY") or None
+    middlewares = [error_middleware]
+    if host.is_loopback:
+        middlewares.append(host_check_middleware(host.host))
+    if api_key:
+        middlewares.append(api_key_middleware(api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=max_body)
+    manager = manager or ModelManager(store, num_parallel=num_parallel, max_queue=max_queue)
+    app[ollama_routes.MANAGER] = manager
+    app.add_routes(ollama_routes.routes)
+    app.add_routes(openai_routes.routes)
+
+    async def start(_app: web.Application) -> None:
+        await manager.start()
+
+    async def stop(_app: web.Application) -> None:
+        await manager.shutdown()
+
+    async def cleanup(_app: web.Application) -> None:
+        manager.close()
+
+    app.on_startup.append(start)
+    app.on_shutdown.append(stop)
+    app.on_cleanup.append(cleanup)
+    return app

@@ -1,0 +1,280 @@
+"""Engine work off the event loop: bounded per-model queues, streaming from threads,
+cancellation when a client goes away, and keep_alive expiry.
+
+`InferenceRunner` (client/inference.py) owns loading, caching and keep_alive
+bookkeeping; this module decides *when* its blocking calls run. Each job runs in a
+worker thread and hands its response objects to the event loop through an
+`asyncio.Queue`, so the loop only ever waits, never computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from exl3cli.client.inference import InferenceRunner
+from exl3cli.client.local import LocalClient
+from exl3cli.errors import Exl3Error, ServerBusy
+from exl3cli.store.names import ModelName
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NUM_PARALLEL = 4
+DEFAULT_MAX_QUEUE = 512
+SWEEP_SECONDS = 1.0
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return max(minimum, int(text))
+    except ValueError:
+        raise Exl3Error(f"{name} must be an integer, got {text!r}") from None
+
+
+@dataclass
+class ModelStats:
+    """Counters for one model's jobs (GET /api/stats)."""
+
+    active: int = 0
+    queued: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+@dataclass
+class _Slot:
+    """The bounded queue of one model: `num_parallel` run, `max_queue` wait."""
+
+    semaphore: asyncio.Semaphore
+    stats: ModelStats = field(default_factory=ModelStats)
+
+
+class StreamJob:
+    """One blocking iterator run in a worker thread, read from the event loop.
+
+    `first()` waits for the first object (or raises the job's error, so a handler can
+    still answer with a proper status); iterate for the rest; `close()` cancels the
+    job if it still runs and waits until the worker has let go of the engine.
+    """
+
+    _END = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, executor: ThreadPoolExecutor,
+                 factory: Callable[[threading.Event], Iterator[dict]]):
+        self.cancel = threading.Event()
+        self.count = 0
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._factory = factory
+        self._future = loop.run_in_executor(executor, self._work)
+        self._pending: list[dict] = []
+        self.finished_normally = False
+        self.outcome = "running"  # then "completed", "cancelled" or "failed"
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel.set()
+
+    def _work(self) -> None:
+        iterator: Any = None
+        outcome = "completed"
+        try:
+            iterator = self._factory(self.cancel)
+            for item in iterator:
+                self._put(item)
+                if self.cancel.is_set():
+                    if not (isinstance(item, dict) and item.get("done")):
+                        outcome = "cancelled"  # stopped before the job's natural end
+                    break
+        except BaseException as error:  # delivered to the loop, raised there
+            outcome = "failed"
+            self._put(_Failure(error))
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                try:
+                    close()  # runs the runner's finally: sets its cancel, frees the model
+                except Exception:
+                    log.exception("closing a job failed")
+            self.outcome = outcome
+            self._put(self._END)
+
+    async def _next(self) -> Any:
+        item = await self._queue.get()
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    async def first(self) -> dict | None:
+        """The first object, or None when the job produced nothing; raises its error."""
+        item = await self._next()
+        if item is self._END:
+            self.finished_normally = True
+            return None
+        self._pending.append(item)
+        return item
+
+    def __aiter__(self) -> AsyncIterator[dict]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[dict]:
+        while self._pending:
+            self.count += 1
+            yield self._pending.pop(0)
+        while True:
+            item = await self._next()
+            if item is self._END:
+                self.finished_normally = True
+                return
+            self.count += 1
+            yield item
+
+    async def close(self) -> None:
+        if not self.finished_normally:
+            self.cancel.set()
+        try:
+            await asyncio.shield(self._future)
+        except Exception:
+            pass
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class ModelManager:
+    """Runs generate/chat jobs through per-model bounded queues on worker threads."""
+
+    def __init__(self, store: Any, num_parallel: int | None = None,
+                 max_queue: int | None = None, runner: InferenceRunner | None = None,
+                 max_loaded: int | None = None):
+        self.store = store
+        self.num_parallel = num_parallel or _env_int("EXL3_NUM_PARALLEL",
+                                                     DEFAULT_NUM_PARALLEL, 1)
+        self.max_queue = max_queue if max_queue is not None else _env_int(
+            "EXL3_MAX_QUEUE", DEFAULT_MAX_QUEUE, 0)
+        loaded = max_loaded or _env_int("EXL3_MAX_LOADED_MODELS", 1, 1)
+        self.runner = runner or InferenceRunner(store, max_loaded=loaded)
+        self.local = LocalClient(store)  # store operations: list, show, pull, create, ...
+        self.executor = ThreadPoolExecutor(max_workers=self.num_parallel * 2 + 8,
+                                           thread_name_prefix="exl3-job")
+        self._slots: dict[str, _Slot] = {}
+        self._jobs: dict[int, StreamJob] = {}
+        self._ids = itertools.count()
+        self._closing = False
+        self._sweeper: asyncio.Task | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def shutdown(self) -> None:
+        """Refuse new jobs and cancel running ones (their streams end promptly)."""
+        self._closing = True
+        for job in list(self._jobs.values()):
+            job.cancel.set()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _sweep(self) -> None:
+        """Unload models whose keep_alive ran out, even when no request comes."""
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            try:
+                await self.blocking(self.runner.ps)
+            except Exception:
+                log.exception("keep_alive sweep failed")
+
+    # ---- jobs -----------------------------------------------------------------------
+
+    async def blocking(self, func: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking call (store work) on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, func, *args)
+
+    def stream(self, factory: Callable[[threading.Event], Iterator[dict]]) -> StreamJob:
+        """A job with no queue (pull, create): runs at once on a worker thread."""
+        return StreamJob(asyncio.get_running_loop(), self.executor, factory)
+
+    async def inference(self, kind: str, req: dict[str, Any],
+                        client_gone: Callable[[], bool] = lambda: False) -> StreamJob:
+        """Queue a generate/chat request for its model; returns the started job once it
+        has produced its first object. Raises ServerBusy when the queue is full, or the
+        request's own error (unknown model, prompt too long) before anything is sent."""
+        if self._closing:
+            raise ServerBusy("server is shutting down")
+        slot = self._slot(str(req.get("model") or ""))
+        stats = slot.stats
+        if stats.active + stats.queued >= self.num_parallel + self.max_queue:
+            raise ServerBusy("server busy, please try again (maximum pending requests "
+                             "exceeded)")
+        stats.queued += 1
+        try:
+            await slot.semaphore.acquire()
+        finally:
+            stats.queued -= 1
+        if self._closing or client_gone():
+            slot.semaphore.release()
+            raise ServerBusy("server is shutting down") if self._closing else \
+                ConnectionResetError("client went away while queued")
+        stats.active += 1
+        method = getattr(self.runner, kind)
+
+        def factory(cancel: threading.Event) -> Iterator[dict]:
+            return method(dict(req, _cancel=cancel))
+
+        job = self.stream(factory)
+        job_id = next(self._ids)
+        self._jobs[job_id] = job
+        job_future = job._future
+
+        def finished(_future: Any) -> None:
+            self._jobs.pop(job_id, None)
+            stats.active -= 1
+            key = job.outcome if job.outcome in ("completed", "cancelled") else "failed"
+            setattr(stats, key, getattr(stats, key) + 1)
+            slot.semaphore.release()
+
+        try:
+            await job.first()
+        except BaseException:
+            await job.close()
+            job_future.add_done_callback(finished)
+            raise
+        job_future.add_done_callback(finished)
+        return job
+
+    def _slot(self, model: str) -> _Slot:
+        try:
+            key = str(ModelName.parse(model))
+        except Exl3Error:
+            key = model
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot(asyncio.Semaphore(self.num_parallel))
+        return slot
+
+    def stats(self) -> dict[str, Any]:
+        """Per-model job counters and totals, for GET /api/stats."""
+        models = {name: vars(slot.stats).copy() for name, slot in self._slots.items()}
+        totals = {key: sum(m[key] for m in models.values())
+                  for key in ("active", "queued", "completed", "cancelled", "failed")}
+        return {"models": models, **totals, "num_parallel": self.num_parallel,
+                "max_queue": self.max_queue}

@@ -1,0 +1,278 @@
+"""The Ollama REST API: /, /api/version, generate, chat, tags, show, pull, create, copy,
+delete, ps, embed. Bodies are exactly what `LocalClient` / `InferenceRunner` take and
+return, so these handlers only validate, schedule and stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+
+from exl3cli import __version__
+from exl3cli.errors import Exl3Error
+from exl3cli.server.model_manager import ModelManager, StreamJob
+from exl3cli.server.validation import (
+    BOOL,
+    INT,
+    LIST,
+    NUM,
+    OBJ,
+    STR,
+    BadRequest,
+    check_fields,
+    check_list_of,
+    check_options,
+    read_json,
+)
+from exl3cli.store.modelfile import Modelfile, parse_modelfile
+
+log = logging.getLogger(__name__)
+
+MANAGER: web.AppKey[ModelManager] = web.AppKey("manager", ModelManager)
+routes = web.RouteTableDef()
+
+_COMMON = {"model": (STR,), "name": (STR,), "options": (OBJ,), "stream": (BOOL,),
+           "keep_alive": (STR, NUM), "format": (STR, OBJ), "think": (BOOL, STR),
+           "template": (STR,)}
+GENERATE_FIELDS = {**_COMMON, "prompt": (STR,), "suffix": (STR,), "system": (STR,),
+                   "raw": (BOOL,), "context": (LIST,), "images": (LIST,)}
+CHAT_FIELDS = {**_COMMON, "messages": (LIST,), "tools": (LIST,)}
+MESSAGE_FIELDS = {"role": (STR,), "content": (STR,), "images": (LIST,),
+                  "tool_calls": (LIST,), "thinking": (STR,), "tool_name": (STR,)}
+
+
+def client_gone(request: web.Request) -> bool:
+    """True once the peer has closed its connection."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def watch_disconnect(request: web.Request, job: StreamJob) -> None:
+    """Cancel `job` as soon as its client goes away, even while nothing is written
+    (a long prefill, a non-streaming answer)."""
+    while not client_gone(request):
+        await asyncio.sleep(0.1)
+    job.cancel.set()
+
+
+def check_model(body: dict[str, Any]) -> None:
+    if not (body.get("model") or body.get("name")):
+        raise BadRequest("model is required")
+
+
+def check_generate(body: dict[str, Any]) -> None:
+    check_fields(body, GENERATE_FIELDS)
+    check_model(body)
+    check_options(body.get("options"))
+    check_list_of(body, "context", (INT,))
+    check_list_of(body, "images", (STR,))
+
+
+def check_chat(body: dict[str, Any]) -> None:
+    check_fields(body, CHAT_FIELDS)
+    check_model(body)
+    check_options(body.get("options"))
+    check_list_of(body, "messages", (OBJ,))
+    check_list_of(body, "tools", (OBJ,))
+    for index, message in enumerate(body.get("messages") or []):
+        check_fields(message, MESSAGE_FIELDS, required=("role",), where=f"messages[{index}].")
+        check_list_of(message, "images", (STR,))
+
+
+async def run_inference(request: web.Request, kind: str,
+                        body: dict[str, Any]) -> web.StreamResponse:
+    """Queue the job; answer one object (stream: false) or NDJSON lines."""
+    manager = request.app[MANAGER]
+    job = await manager.inference(kind, body, client_gone=lambda: client_gone(request))
+    watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, job))
+    try:
+        if body.get("stream") is False:
+            items = [item async for item in job]
+            return web.json_response(items[-1] if items else {})
+        return await write_ndjson(request, job)
+    finally:
+        watcher.cancel()
+        await job.close()
+
+
+async def write_ndjson(request: web.Request, job: StreamJob) -> web.StreamResponse:
+    """Stream a job's objects one per line; a failure mid-stream ends it with an
+    {"error": ...} line (the status is already sent)."""
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    try:
+        async for item in job:
+            await response.write(json.dumps(item).encode() + b"\n")
+    except ConnectionError:
+        return response  # the client left; closing the job cancels the engine
+    except Exception as error:
+        if not isinstance(error, Exl3Error):
+            log.exception("job failed mid-stream")
+        try:
+            await response.write(json.dumps({"error": str(error)}).encode() + b"\n")
+        except ConnectionError:
+            return response
+    await response.write_eof()
+    return response
+
+
+# ---- status --------------------------------------------------------------------------
+
+@routes.get("/")
+async def root(request: web.Request) -> web.Response:
+    return web.Response(text="exl3 is running")
+
+
+@routes.get("/api/version")
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+@routes.get("/api/stats")
+async def stats(request: web.Request) -> web.Response:
+    """Job counters per model: active, queued, completed, cancelled, failed."""
+    return web.json_response(request.app[MANAGER].stats())
+
+
+# ---- inference -----------------------------------------------------------------------
+
+@routes.post("/api/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    check_generate(body)
+    return await run_inference(request, "generate", body)
+
+
+@routes.post("/api/chat")
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    check_chat(body)
+    return await run_inference(request, "chat", body)
+
+
+@routes.get("/api/ps")
+async def ps(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    return web.json_response(await manager.blocking(manager.runner.ps))
+
+
+# ---- store ---------------------------------------------------------------------------
+
+@routes.get("/api/tags")
+async def tags(request: web.Request) -> web.Response:
+    manager = request.app[MANAGER]
+    return web.json_response(await manager.blocking(manager.local.list))
+
+
+@routes.post("/api/show")
+async def show(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    check_fields(body, {"model": (STR,), "name": (STR,), "verbose": (BOOL,)})
+    check_model(body)
+    manager = request.app[MANAGER]
+    shown = await manager.blocking(manager.local.show, body)
+    shown.setdefault("capabilities", ["completion"])
+    return web.json_response(shown)
+
+
+@routes.post("/api/copy")
+async def copy(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    check_fields(body, {"source": (STR,), "destination": (STR,)},
+                 required=("source", "destination"))
+    manager = request.app[MANAGER]
+    await manager.blocking(manager.local.copy, body)
+    return web.Response(status=200)
+
+
+@routes.delete("/api/delete")
+async def delete(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    check_fields(body, {"model": (STR,), "name": (STR,)})
+    check_model(body)
+    manager = request.app[MANAGER]
+    await manager.blocking(manager.local.delete, body)
+    return web.Response(status=200)
+
+
+@routes.post("/api/pull")
+async def pull(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    check_fields(body, {"model": (STR,), "name": (STR,), "stream": (BOOL,),
+                        "insecure": (BOOL,)})
+    check_model(body)
+    manager = request.app[MANAGER]
+    req = {"model": body.get("model") or body.get("name")}
+    return await run_store_stream(request, body, lambda cancel: manager.local.pull(req))
+
+
+CREATE_FIELDS = {"model": (STR,), "name": (STR,), "modelfile": (STR,), "from": (STR,),
+                 "template": (STR,), "system": (STR,), "license": (STR, LIST),
+                 "parameters": (OBJ,), "messages": (LIST,), "stream": (BOOL,),
+                 "quantize": (STR,), "files": (OBJ,), "adapters": (OBJ,),
+                 "base_dir": (STR,)}
+
+
+def create_request(body: dict[str, Any]) -> dict[str, Any]:
+    """Our create body ({model, modelfile, base_dir}) from either Ollama form: Modelfile
+    text, or the newer structured fields (`from`, `parameters`, `system`, ...)."""
+    check_fields(body, CREATE_FIELDS)
+    check_model(body)
+    model = body.get("model") or body.get("name")
+    req: dict[str, Any] = {"model": model}
+    if body.get("base_dir"):
+        req["base_dir"] = body["base_dir"]
+    for unsupported in ("files", "adapters", "quantize"):
+        if body.get(unsupported):
+            raise BadRequest(f"create: '{unsupported}' is not supported; name the model "
+                             "folder or GGUF file in 'from' (or FROM in a Modelfile)")
+    if body.get("modelfile"):
+        parse_modelfile(body["modelfile"])  # a bad Modelfile is a 400, before streaming
+        req["modelfile"] = body["modelfile"]
+        return req
+    if not body.get("from"):
+        raise BadRequest("create needs 'from' (a model name or path) or a 'modelfile'")
+    check_options(body.get("parameters"), where="parameters.")
+    check_list_of(body, "messages", (OBJ,))
+    messages = []
+    for index, message in enumerate(body.get("messages") or []):
+        check_fields(message, {"role": (STR,), "content": (STR,)}, required=("role",),
+                     where=f"messages[{index}].")
+        messages.append({"role": message["role"], "content": message.get("content") or ""})
+    license_ = body.get("license")
+    licenses = [license_] if isinstance(license_, str) else list(license_ or [])
+    check_list_of({"license": licenses}, "license", (STR,))
+    parameters = {k: v for k, v in (body.get("parameters") or {}).items() if v is not None}
+    req["modelfile"] = Modelfile(
+        from_=body["from"], parameters=parameters, template=body.get("template"),
+        system=body.get("system"), license=licenses, messages=messages,
+    ).to_text()
+    return req
+
+
+@routes.post("/api/create")
+async def create(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    req = create_request(body)
+    manager = request.app[MANAGER]
+    return await run_store_stream(request, body, lambda cancel: manager.local.create(req))
+
+
+async def run_store_stream(request: web.Request, body: dict[str, Any],
+                           factory: Callable[[threading.Event], Iterator[dict]]
+                           ) -> web.StreamResponse:
+    """Pull/create progress: NDJSON lines, or the last line alone (stream: false)."""
+    job = request.app[MANAGER].stream(factory)
+    try:
+        await job.first()  # errors before any progress get a proper status
+        if body.get("stream") is False:
+            items = [item async for item in job]
+            return web.json_response(items[-1] if items else {"status": "success"})
+        return await write_ndjson(request, job)
+    finally:
+        await job.close()

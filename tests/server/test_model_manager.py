@@ -1,0 +1,117 @@
+"""Scheduling on a real daemon: bounded queue (503), client disconnect cancels the job,
+many concurrent streams all complete, greedy output does not depend on load."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import ollama
+import pytest
+
+from tests.fixtures.daemon import Daemon
+from tests.fixtures.tiny_store import make_tiny_store
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_tiny_store(tmp_path_factory.mktemp("manager"))
+
+
+def open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    connection.request("POST", "/api/chat", body=json.dumps(body))
+    return connection, connection.getresponse()
+
+
+def stats(url: str) -> dict:
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    connection.request("GET", "/api/stats")
+    try:
+        return json.loads(connection.getresponse().read())
+    finally:
+        connection.close()
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def long_chat() -> dict:
+    return {"model": "tiny", "messages": HELLO, "options": {"num_predict": 200}}
+
+
+def test_a_full_queue_answers_503(store):
+    with Daemon(store, num_parallel=1, max_queue=1) as daemon:
+        running, response = open_stream(daemon.url, long_chat())
+        assert response.status == 200 and json.loads(response.readline())["done"] is False
+        queued_result: list = []
+        waiter = threading.Thread(target=lambda: queued_result.append(ollama.Client(
+            host=daemon.url).chat(model="tiny", messages=HELLO, options={"num_predict": 2})))
+        waiter.start()
+        wait_for(lambda: stats(daemon.url)["queued"] == 1)
+        with pytest.raises(ollama.ResponseError) as busy:
+            ollama.Client(host=daemon.url).chat(model="tiny", messages=HELLO)
+        assert busy.value.status_code == 503 and "busy" in busy.value.error
+        running.close()  # frees the slot: the queued request runs
+        waiter.join(60)
+        assert queued_result and queued_result[0].done
+
+
+def test_a_client_that_disconnects_frees_its_job(store):
+    with Daemon(store) as daemon:
+        connection, response = open_stream(daemon.url, long_chat())
+        for _ in range(2):
+            assert json.loads(response.readline())["done"] is False
+        assert stats(daemon.url)["active"] == 1
+        started = time.monotonic()
+        connection.sock.close()
+        connection.close()
+        wait_for(lambda: stats(daemon.url)["active"] == 0, timeout=10)
+        elapsed = time.monotonic() - started
+        counters = stats(daemon.url)
+        assert counters["cancelled"] == 1 and counters["completed"] == 0
+        assert elapsed < 10
+        # the model stays usable: nothing was left holding it
+        answer = ollama.Client(host=daemon.url).chat(model="tiny", messages=HELLO,
+                                                    options={"num_predict": 2})
+        assert answer.done and stats(daemon.url)["completed"] == 1
+
+
+def test_32_concurrent_streams_complete_and_greedy_text_does_not_change(store):
+    greedy = {"temperature": 0, "num_predict": 4}
+    with Daemon(store) as daemon:
+        client = ollama.Client(host=daemon.url)
+        alone = client.chat(model="tiny", messages=HELLO, options=greedy).message.content
+
+        def stream(index: int) -> tuple[str, dict]:
+            if index % 4 == 0:  # the same greedy request, under load
+                messages, options = HELLO, greedy
+            else:
+                messages = [{"role": "user", "content": f"question {index}"}]
+                options = {"num_predict": 3, "seed": index}
+            chunks = list(ollama.Client(host=daemon.url).chat(
+                model="tiny", messages=messages, options=options, stream=True))
+            return "".join(c.message.content or "" for c in chunks), chunks[-1]
+
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(stream, range(32)))
+        assert all(final.done and final.eval_count >= 1 for _, final in results)
+        assert all(final.eval_count == 4 for _, final in results[::4])
+        assert [text for text, _ in results[::4]] == [alone] * 8
+        wait_for(lambda: stats(daemon.url)["active"] == 0)  # workers finish after the reply
+        counters = stats(daemon.url)
+        assert counters["completed"] == 33 and counters["failed"] == 0
+        assert counters["active"] == 0 and counters["queued"] == 0
