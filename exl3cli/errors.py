@@ -70,3 +70,7 @@ class GeneratorBusy(Exl3Error):
     """The generator's job queue is full; try again later."""
 
     http_status = 503
+
+
+class ConversionError(Exl3Error):
+    """A model conversion that cannot proceed (bad calibration text, mismatched --resume)."""

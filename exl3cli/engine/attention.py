@@ -7,6 +7,7 @@ time) so a decode step runs one matmul instead of three.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ class AttentionStep:
     sin: torch.Tensor
     span: int
     start: int | None
-    cache: KVCache | None = None
+    cache: KVCache | Any = None  # or a paged step (paged_attention.PagedBatch)
     _masks: dict[int | None, tuple[torch.Tensor | None, bool]] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
@@ -98,6 +99,10 @@ class Attention(nn.Module):
         query = qk[:, :, :heads].transpose(1, 2)
         key = qk[:, :, heads:].transpose(1, 2)
         value = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        if getattr(step.cache, "paged", False):  # per-sequence attention over pages
+            out = step.cache.attend(self.layer_index, query, key, value, self.window)
+            out = out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
+            return F.linear(out, self.o_weight, self.o_bias)
         if step.cache is not None:
             key, value = step.cache.write(self.layer_index, key, value, step.positions, step.span)
         mask, is_causal = step.mask(self.window)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,10 @@ class CausalLM(nn.Module):
         T (padding positions are written but never attended to, and later overwritten).
         `last_logits_only` returns [B, 1, V]: each row's last valid token only, which
         saves the vocabulary projection for the rest of a prompt.
+
+        `cache` may also be a paged step (paged_attention.PagedBatch): input_ids is then
+        [1, N], the new tokens of several sequences back to back, each at its own
+        positions; `last_logits_only` gives [1, num_sequences, V].
         """
         batch, steps = input_ids.shape
         input_ids = input_ids.to(self.device)
@@ -96,14 +101,17 @@ class CausalLM(nn.Module):
             input_lengths = [int(n) for n in input_lengths]
             if len(input_lengths) != batch or not all(0 <= n <= steps for n in input_lengths):
                 raise ValueError(f"input_lengths must hold {batch} values in 0..{steps}")
-        step = self._plan_step(batch, steps, cache)
+        paged = getattr(cache, "paged", False)
+        step = self._plan_paged_step(cache) if paged else self._plan_step(batch, steps, cache)
+        if paged:
+            cache.check_input(input_ids)
         hidden = F.embedding(input_ids, self.embed_weight)
         for layer in self.layers:
             hidden = layer(hidden, step)
         if cache is not None:
             cache.advance(input_lengths if input_lengths is not None else [steps] * batch)
         if last_logits_only:
-            hidden = self._last_valid(hidden, input_lengths)
+            hidden = cache.select_last(hidden) if paged else self._last_valid(hidden, input_lengths)
         hidden = self.final_norm(hidden)
         return F.linear(hidden, self.lm_head_weight).float()
 
@@ -126,6 +134,14 @@ class CausalLM(nn.Module):
         return AttentionStep(
             positions=positions, cos=cos.unsqueeze(2), sin=sin.unsqueeze(2),
             span=span, start=start, cache=cache,
+        )
+
+    def _plan_paged_step(self, batch: Any) -> AttentionStep:
+        positions = batch.positions.to(self.device)
+        cos, sin = self.rotary.lookup(positions, batch.span)
+        return AttentionStep(
+            positions=positions, cos=cos.unsqueeze(2), sin=sin.unsqueeze(2),
+            span=batch.span, start=None, cache=batch,
         )
 
     @staticmethod

@@ -40,6 +40,7 @@ PARAMETER_TYPES: dict[str, type] = {
     "kv_cache_type": str,
     "draft_num_predict": int,
     "num_gpu": int,
+    "truncate": bool,
 }
 
 MESSAGE_ROLES = ("system", "user", "assistant")

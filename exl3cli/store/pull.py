@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound, PullError
-from exl3cli.store.catalog import catalog_sources
+from exl3cli.store.catalog import catalog_entry, catalog_sources
 from exl3cli.store.names import DEFAULT_TAG, ModelName
 from exl3cli.store.sources import FetchedModel, fetch_ref
 from exl3cli.store.store import Manifest, ModelStore
@@ -51,6 +51,13 @@ def pull_model(store: ModelStore, name: str,
     model = ModelName.parse(name)
     report = _ReportedDigests(progress or (lambda _event: None))
     report({"status": "pulling manifest"})
+    twin = _stored_catalog_twin(store, model)
+    if twin is not None:
+        # `smollm2` and `smollm2:135m` are one catalog model: name the stored copy again.
+        store.copy(twin, model)
+        report({"status": "using existing layers"})
+        report({"status": "success"})
+        return store.read_manifest(model)
     refs = source_refs(model)
     failures: list[tuple[str, Exl3Error]] = []
     for ref in refs:
@@ -71,6 +78,17 @@ def pull_model(store: ModelStore, name: str,
         raise failures[0][1]
     details = "; ".join(f"{ref}: {error}" for ref, error in failures)
     raise PullError(f"could not pull '{model}' from any source ({details})")
+
+
+def _stored_catalog_twin(store: ModelStore, model: ModelName) -> ModelName | None:
+    """Another stored name of the same catalog model, when `model` itself is not stored."""
+    entry = catalog_entry(model)
+    if entry is None or store.exists(model):
+        return None
+    for stored in store.list_models():
+        if stored.name != model and catalog_entry(stored.name) == entry:
+            return stored.name
+    return None
 
 
 def download_dir(store: ModelStore, ref: str) -> Path:

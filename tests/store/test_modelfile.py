@@ -154,6 +154,8 @@ def _random_modelfile(rng: random.Random) -> Modelfile:
             parameters[name] = rng.choice([0.0, 1.5, -0.001, 1e-9, 12345.678, rng.random()])
         elif kind is list:
             parameters[name] = [_random_text(rng, allow_empty=False) for _ in range(3)]
+        elif kind is bool:
+            parameters[name] = rng.random() < 0.5
         else:
             parameters[name] = _random_text(rng, allow_empty=False)
     maybe = lambda: _random_text(rng) if rng.random() < 0.7 else None  # noqa: E731

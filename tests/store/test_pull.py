@@ -96,3 +96,19 @@ def test_catalog_pull_reports_every_failure(tmp_path, monkeypatch):
 def test_invalid_names_are_rejected(tmp_path):
     with pytest.raises(InvalidModelName):
         pull_model(ModelStore(tmp_path), "../evil")
+
+
+def test_a_second_alias_of_a_stored_catalog_model_reuses_it(tmp_path, monkeypatch):
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    entry = catalog.CatalogEntry("twincat:1m", (f"gguf:{gguf_path}",), "test model", "mit")
+    monkeypatch.setitem(catalog.CATALOG, "twincat:1m", entry)
+    monkeypatch.setitem(catalog.ALIASES, "twincat:latest", "twincat:1m")
+    store = ModelStore(tmp_path / "store")
+    first = pull_model(store, "twincat")
+    gguf_path.unlink()  # a second fetch would now fail
+    events = []
+    second = pull_model(store, "twincat:1m", events.append)
+    assert second.files == first.files
+    assert "using existing layers" in [e["status"] for e in events]
+    assert {str(m.name) for m in store.list_models()} == {"twincat:latest", "twincat:1m"}

@@ -1,0 +1,157 @@
+"""The Python API: load a model once, generate text, serve many requests at once.
+
+    from exl3cli.api import load
+
+    llm = load(model_path, max_seq_len=1024, kv_cache_type="q8")
+    print(llm.generate("The sky is", max_tokens=16, temperature=0))
+    for chunk in llm.generate("Once upon a time", max_tokens=16, stream=True):
+        print(chunk, end="", flush=True)
+    reply = llm.chat([{"role": "user", "content": "Hello!"}], max_tokens=16)
+    jobs = [llm.submit(p, max_tokens=8) for p in ["One", "Two", "Three"]]
+    answers = [job.text() for job in jobs]  # the three ran as one batch
+
+`model` is a model folder (Hugging Face layout) or a name in the local model store
+(`exl3 pull` puts models there). Every call goes through one `Generator`
+(exl3cli/engine/generator.py): a paged, optionally quantized KV cache with continuous
+batching and prefix reuse, so concurrent callers (threads) share the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from exl3cli.engine.generator import Generator, GeneratorThread
+from exl3cli.engine.generator_jobs import GenerationJob, JobHandle
+from exl3cli.engine.textmodel import TextModel
+
+__all__ = ["LLM", "load"]
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """A loaded model with its tokenizer, chat template and generator."""
+
+    def __init__(self, text_model: TextModel, generator: Generator):
+        self.text_model = text_model
+        self.generator = generator
+        self._thread: GeneratorThread | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.text_model.tokenizer
+
+    @property
+    def model(self) -> Any:
+        return self.text_model.model
+
+    def submit(
+        self,
+        prompt: Prompt | Messages,
+        *,
+        max_tokens: int = -1,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        truncate: bool = False,
+        **options: Any,
+    ) -> JobHandle:
+        """Start one request and return its handle (iterate it for events, or
+        `.text()`); a text prompt is encoded as is, a message list through the chat
+        template. `options` are further sampler options (min_p, repeat_penalty...)."""
+        sampler_options = {name: value for name, value in
+                           {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                            "seed": seed, **options}.items() if value is not None}
+        job = GenerationJob(
+            prompt_ids=self._prompt_ids(prompt), options=sampler_options,
+            stop=list(stop or ()), num_predict=max_tokens, truncate=truncate,
+        )
+        return self.generator.submit(job)
+
+    def generate(self, prompt: Prompt, *, stream: bool = False,
+                 **settings: Any) -> str | Iterator[str]:
+        """The completion of `prompt` as one string, or (stream=True) text chunks.
+        Settings as in `submit`."""
+        handle = self.submit(prompt, **settings)
+        return _chunks(handle) if stream else handle.text()
+
+    def chat(self, messages: Messages, *, stream: bool = False,
+             **settings: Any) -> str | Iterator[str]:
+        """The assistant's reply to a conversation ([{"role", "content"}, ...])."""
+        if not isinstance(messages, list):
+            raise TypeError("chat() takes a list of {'role': ..., 'content': ...} messages")
+        return self.generate(messages, stream=stream, **settings)  # type: ignore[arg-type]
+
+    def start_background(self) -> LLM:
+        """Step the generator on its own thread (for servers with many callers)."""
+        if self._thread is None:
+            self._thread = GeneratorThread(self.generator).start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _prompt_ids(self, prompt: Prompt | Messages) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self.text_model.chat_prompt(prompt)
+        return [int(t) for t in prompt]
+
+
+def _chunks(handle: JobHandle) -> Iterator[str]:
+    for event in handle:
+        if event.text:
+            yield event.text
+
+
+def resolve_model_folder(model: str | Path, store_root: str | Path | None = None) -> Path:
+    """A folder path as is; anything else is looked up as a model-store name."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from exl3cli.store.store import ModelStore
+
+    return Path(ModelStore(store_root).model_folder(str(model)))
+
+
+def load(
+    model: str | Path,
+    *,
+    max_seq_len: int = 4096,
+    kv_cache_type: str | None = None,
+    max_batch: int = 16,
+    num_pages: int | None = None,
+    device: Any = None,
+    dtype: Any = None,
+    store_root: str | Path | None = None,
+    background: bool = False,
+) -> LLM:
+    """Load a model folder or store name into an LLM.
+
+    `max_seq_len` is the longest context of one request; `kv_cache_type` is fp16
+    (default, or $EXL3_KV_CACHE_TYPE), q8, q6, q4, kXvY; `max_batch` requests run
+    together; `num_pages` (256 tokens each) sizes the cache, by default for
+    max_batch full contexts. `background=True` runs the generator on a thread.
+    """
+    text_model = TextModel.load(resolve_model_folder(model, store_root), device=device,
+                                dtype=dtype)
+    generator = Generator(
+        text_model.model, text_model.tokenizer, max_batch=max_batch, num_ctx=max_seq_len,
+        kv_cache_type=kv_cache_type, num_pages=num_pages,
+    )
+    llm = LLM(text_model, generator)
+    return llm.start_background() if background else llm

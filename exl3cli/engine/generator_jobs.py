@@ -1,0 +1,216 @@
+"""Jobs of the batched generator: what a caller submits, the handle it gets back, and
+the per-job state the generator advances one step at a time.
+
+A job's events have the shape of generate.stream_text's (`TextEvent`: text deltas cut
+at stop strings, then one `done` event with Ollama's counters) plus
+`prompt_cache_count`, the prompt tokens taken from the prefix cache. In the done
+event `prompt_eval_count` counts the prompt tokens actually evaluated (the rest), as
+Ollama reports it.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from exl3cli.engine.generate import StopStringMatcher, TextEvent
+from exl3cli.engine.paged_cache import PageTable
+from exl3cli.engine.sampling import Sampler, build_sampler
+from exl3cli.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from exl3cli.engine.generator import Generator
+
+
+@dataclass
+class GenerationJob:
+    """One request: prompt token ids, sampler options, stop conditions and limits.
+
+    `num_predict` < 0 means until EOS / stop string / context end. `num_ctx` (at most
+    the generator's) limits this job's context. A prompt that does not fit raises
+    ContextOverflow at submit, unless `truncate` is set: then the prompt keeps its
+    first `num_keep` tokens and its most recent ones, half a context in all.
+    """
+
+    prompt_ids: Sequence[int]
+    options: dict[str, Any] | None = None
+    stop: Sequence[str] = ()
+    num_predict: int = -1
+    num_ctx: int | None = None
+    truncate: bool = False
+    num_keep: int = 0
+    sampler: Sampler | None = None  # a prebuilt sampler wins over `options`
+
+
+@dataclass
+class GeneratorEvent(TextEvent):
+    """TextEvent plus the number of prompt tokens reused from the prefix cache."""
+
+    prompt_cache_count: int = 0
+
+
+class JobHandle:
+    """What submit() returns: iterate it for events, or call text(); cancel() stops it.
+
+    Iterating drives the generator when no background thread runs it, so a single
+    thread can consume several handles in turn; an abandoned iteration cancels the job.
+    """
+
+    def __init__(self, generator: Generator, job: GenerationJob, job_id: int,
+                 prompt: list[int]):
+        self.generator = generator
+        self.job = job
+        self.id = job_id
+        self.prompt = prompt  # the prompt ids the job runs on (after any truncation)
+        self.error: BaseException | None = None  # a failure of the generator itself
+        self.events: queue.Queue[GeneratorEvent] = queue.Queue()
+        self.final: GeneratorEvent | None = None  # set when the job ends
+        self.token_ids: list[int] = []  # generated tokens (EOS excluded)
+
+    @property
+    def done(self) -> bool:
+        return self.final is not None
+
+    def __iter__(self) -> Iterator[GeneratorEvent]:
+        finished = False
+        try:
+            while True:
+                try:
+                    event = self.events.get_nowait()
+                except queue.Empty:
+                    if self.generator.background:
+                        event = self.events.get()
+                    else:
+                        self.generator.step()
+                        continue
+                finished = event.done
+                if finished and self.error is not None:
+                    raise self.error
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel()
+
+    def text(self) -> str:
+        """Run to the end and return the whole answer."""
+        return "".join(event.text for event in self)
+
+    def cancel(self) -> None:
+        self.generator.cancel(self)
+
+
+def special_stop_ids(tokenizer: Tokenizer, stops: Iterable[str]) -> set[int]:
+    """Stop strings naming a special token (e.g. "<|im_end|>") stop on its id, because
+    special tokens never reach the decoded text."""
+    specials = {added.content: token_id
+                for token_id, added in tokenizer.backend.get_added_tokens_decoder().items()
+                if added.special}
+    return {specials[s] for s in stops if s in specials}
+
+
+@dataclass
+class ActiveJob:
+    """A job admitted to the generator: its pages, its position, its text state."""
+
+    handle: JobHandle
+    table: PageTable
+    prompt: list[int]
+    sampler: Sampler
+    budget: int  # tokens it may still sample in all
+    eos_ids: set[int]
+    tokenizer: Tokenizer
+    stops: list[str]
+    cursor: int = 0  # prompt tokens already in the cache
+    pending_token: int | None = None  # sampled, to be fed at the next step
+    produced: int = 0
+    prompt_eval_ns: int = 0
+    eval_ns: int = 0
+    history: list[int] = field(default_factory=list)
+    _decoder: Any = None
+    _matcher: StopStringMatcher | None = None
+    _held: list[int] = field(default_factory=list)  # tokens whose text is held back
+
+    def __post_init__(self) -> None:
+        self.cursor = self.table.length
+        self.history = list(self.prompt)
+        self._decoder = self.tokenizer.incremental_decoder(context_ids=self.prompt)
+        self._matcher = StopStringMatcher(self.stops)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cursor < len(self.prompt)
+
+    def next_tokens(self, prefill_room: int) -> list[int]:
+        """Tokens to feed this step: one decode token, or a prompt chunk."""
+        if not self.prefilling:
+            return [] if self.pending_token is None else [self.pending_token]
+        return self.prompt[self.cursor : self.cursor + prefill_room]
+
+    def after_forward(self, fed: list[int], logits: torch.Tensor,
+                      elapsed_ns: int) -> list[GeneratorEvent]:
+        """Account for a step that fed `fed`; sample when the logits are due."""
+        if self.prefilling:
+            self.cursor += len(fed)
+            self.prompt_eval_ns += elapsed_ns
+            if self.prefilling:
+                return []
+            if self.budget <= 0:
+                return self.finish("length")
+        else:
+            self.pending_token = None
+            self.eval_ns += elapsed_ns
+        return self._sample(logits)
+
+    def _sample(self, logits: torch.Tensor) -> list[GeneratorEvent]:
+        start = time.perf_counter_ns()
+        token = self.sampler.sample(logits, self.history)
+        self.produced += 1
+        self.eval_ns += time.perf_counter_ns() - start
+        if token in self.eos_ids:
+            return self.finish("stop")
+        self.history.append(token)
+        self.handle.token_ids.append(token)
+        self._held.append(token)
+        events: list[GeneratorEvent] = []
+        text, stopped = self._matcher.push(self._decoder.push(token))
+        if text:
+            events.append(GeneratorEvent(text=text, token_ids=self._held))
+            self._held = []
+        if stopped:
+            return events + self.finish("stop", flush=False)
+        if self.produced >= self.budget:
+            return events + self.finish("length")
+        self.pending_token = token
+        return events
+
+    def finish(self, reason: str, flush: bool = True,
+               cancelled: bool = False) -> list[GeneratorEvent]:
+        """The closing events; pages are freed by the generator."""
+        events: list[GeneratorEvent] = []
+        if flush and not cancelled:
+            text, stopped = self._matcher.push(self._decoder.flush())
+            text += self._matcher.flush()
+            if text:
+                events.append(GeneratorEvent(text=text, token_ids=self._held))
+            if stopped:
+                reason = "stop"
+        reused = self.table.reused_tokens
+        events.append(GeneratorEvent(
+            done=True, done_reason=reason, cancelled=cancelled,
+            prompt_eval_count=min(self.cursor, len(self.prompt)) - reused,
+            prompt_eval_duration=self.prompt_eval_ns,
+            eval_count=self.produced, eval_duration=self.eval_ns,
+            prompt_cache_count=reused,
+        ))
+        return events
+
+
+def build_job_sampler(job: GenerationJob) -> Sampler:
+    return job.sampler if job.sampler is not None else build_sampler(job.options)

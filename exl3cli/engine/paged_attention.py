@@ -1,0 +1,151 @@
+"""Reference (PyTorch) attention over the paged cache, and the batch object that lets
+`CausalLM.forward` run one step over many sequences of different lengths.
+
+A step flattens every sequence's new tokens into one row: input_ids [1, N], where
+sequence i contributes `counts[i]` tokens (1 for a decoding job, a chunk for a prompt
+being ingested). Linear layers see N tokens without padding; attention is per
+sequence: each layer writes the new keys/values into the sequence's pages, then reads
+the sequence's whole history back from the pages (dequantized when the cache is
+quantized, so a token attends to exactly what later tokens will see).
+Decoding sequences (one new token) are attended to together in one padded batch;
+prompt chunks one sequence at a time with a causal mask offset by the cached length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from exl3cli.engine.paged_cache import PagePool, PageTable
+
+
+def attend_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 start: int, window: int | None) -> torch.Tensor:
+    """query [H, T, D] at positions start..start+T-1 over keys/values [S, KV, D]
+    (positions 0..S-1, S = start + T); returns [H, T, D]."""
+    heads, steps, _ = query.shape
+    span, kv_heads = keys.shape[0], keys.shape[1]
+    key_pos = torch.arange(span, device=query.device)
+    query_pos = torch.arange(start, start + steps, device=query.device)[:, None]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return F.scaled_dot_product_attention(
+        query.unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0), attn_mask=allowed,
+        enable_gqa=heads != kv_heads,
+    )[0]
+
+
+def attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+    """One query per sequence: query [B, H, D]; keys/values [B, S, KV, D] right-padded;
+    `lengths` [B] valid keys per row (the query sits at position lengths - 1)."""
+    batch, heads, dim = query.shape
+    kv_heads = keys.shape[2]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)) * dim**-0.5  # [B, KV, G, S]
+    key_pos = torch.arange(keys.shape[1], device=query.device)
+    allowed = key_pos < lengths[:, None]
+    if window is not None:
+        allowed &= key_pos >= (lengths[:, None] - window)
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    out = torch.matmul(probs, values.transpose(1, 2))  # [B, KV, G, D]
+    return out.reshape(batch, heads, dim)
+
+
+class PagedBatch:
+    """The `cache` argument of CausalLM.forward for one step over paged sequences.
+
+    `tables[i]` receives `new_tokens[i]` (token ids, in the order they appear in
+    input_ids [1, N]). After the forward pass the tables hold the new tokens
+    (`advance`, called by the model, commits them and publishes full pages).
+    """
+
+    paged = True
+
+    def __init__(self, pool: PagePool, tables: Sequence[PageTable],
+                 new_tokens: Sequence[Sequence[int]]):
+        if len(tables) != len(new_tokens) or not tables:
+            raise ValueError("a paged batch needs one token list per sequence")
+        if any(len(tokens) == 0 for tokens in new_tokens):
+            raise ValueError("every sequence in a paged batch needs at least one new token")
+        self.pool = pool
+        self.tables = list(tables)
+        self.new_tokens = [list(tokens) for tokens in new_tokens]
+        device = pool.device
+        self.starts = [table.length for table in self.tables]
+        self.counts = [len(tokens) for tokens in self.new_tokens]
+        self.total = sum(self.counts)
+        positions: list[int] = []
+        slots: list[int] = []
+        for table, start, count in zip(self.tables, self.starts, self.counts, strict=True):
+            positions.extend(range(start, start + count))
+            slots.extend(table.slots(count))
+        self.positions = torch.tensor([positions], dtype=torch.long, device=device)
+        self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.span = max(s + c for s, c in zip(self.starts, self.counts, strict=True))
+        offsets = [0]
+        for count in self.counts:
+            offsets.append(offsets[-1] + count)
+        self.offsets = offsets
+        self.last_index = torch.tensor([o - 1 for o in offsets[1:]], device=device)
+        self._decode_rows = [i for i, c in enumerate(self.counts) if c == 1]
+        self._chunk_rows = [i for i, c in enumerate(self.counts) if c > 1]
+        self._decode_slots, self._decode_lengths = self._plan_decode()
+        self._chunk_slots = {
+            i: torch.tensor(self.tables[i].all_slots(self.starts[i] + self.counts[i]),
+                            dtype=torch.long, device=device)
+            for i in self._chunk_rows
+        }
+
+    def _plan_decode(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self._decode_rows:
+            return None, None
+        lengths = [self.starts[i] + 1 for i in self._decode_rows]
+        width = max(lengths)
+        rows = []
+        for i, length in zip(self._decode_rows, lengths, strict=True):
+            slots = self.tables[i].all_slots(length)
+            rows.append(slots + [slots[0]] * (width - length))  # padding is masked out
+        device = self.pool.device
+        return (torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(lengths, dtype=torch.long, device=device))
+
+    def check_input(self, input_ids: torch.Tensor) -> None:
+        if tuple(input_ids.shape) != (1, self.total):
+            raise ValueError(f"a paged step takes input_ids [1, {self.total}], "
+                             f"got {list(input_ids.shape)}")
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               window: int | None) -> torch.Tensor:
+        """query [1, H, N, D], new key/value [1, KV, N, D] -> attention output [1, H, N, D]."""
+        self.pool.write(layer, self.write_slots, key[0].transpose(0, 1),
+                        value[0].transpose(0, 1))
+        out = torch.empty_like(query[0])  # [H, N, D]
+        if self._decode_rows:
+            index = torch.tensor([self.offsets[i] for i in self._decode_rows],
+                                 device=query.device)
+            keys, values = self.pool.read(layer, self._decode_slots)
+            decoded = attend_decode(query[0, :, index].transpose(0, 1),
+                                    keys.to(query.dtype), values.to(query.dtype),
+                                    self._decode_lengths, window)
+            out[:, index] = decoded.transpose(0, 1)
+        for i in self._chunk_rows:
+            begin, end = self.offsets[i], self.offsets[i + 1]
+            keys, values = self.pool.read(layer, self._chunk_slots[i])
+            out[:, begin:end] = attend_chunk(query[0, :, begin:end], keys.to(query.dtype),
+                                             values.to(query.dtype), self.starts[i], window)
+        return out.unsqueeze(0)
+
+    def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [1, N, E] -> each sequence's last new token, [1, num_seqs, E]."""
+        return hidden[:, self.last_index]
+
+    def advance(self, counts: Sequence[int] | None = None) -> None:
+        """Commit the new tokens into the page tables (the model calls this)."""
+        for table, tokens in zip(self.tables, self.new_tokens, strict=True):
+            table.commit(tokens)

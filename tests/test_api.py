@@ -1,0 +1,94 @@
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import exl3cli.api
+from exl3cli.api import load
+from exl3cli.engine.generate import generate_tokens
+from exl3cli.engine.sampling import build_sampler
+from exl3cli.errors import ContextOverflow
+from tests.fixtures.tiny_store import make_tiny_store, write_tiny_chat_model
+
+
+def documented_snippet() -> str:
+    """The indented example at the top of exl3cli/api.py (the README shows the same)."""
+    lines = exl3cli.api.__doc__.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    "))
+    end = next(i for i in range(start, len(lines))
+               if lines[i].strip() and not lines[i].startswith("    "))
+    return textwrap.dedent("\n".join(lines[start:end])).strip() + "\n"
+
+
+def readme_snippet() -> str:
+    """The Python block of the README's "From Python" section."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### From Python", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_shows_the_documented_snippet():
+    assert readme_snippet() == documented_snippet()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("api") / "model",
+                                 max_position_embeddings=1024)
+
+
+def test_the_documented_snippet_runs(model_path, capsys):
+    snippet = documented_snippet()
+    assert snippet.startswith("from exl3cli.api import load")
+    namespace = {"model_path": str(model_path)}
+    exec(snippet, namespace)  # exactly the documented code
+    llm = namespace["llm"]
+    assert llm.generator.cache_type.name == "q8"
+    assert isinstance(namespace["reply"], str)
+    assert [type(a) for a in namespace["answers"]] == [str, str, str]
+    printed = capsys.readouterr().out
+    assert printed  # the two generate calls printed their text
+    assert llm.generator.pool.pages_in_use == 0
+
+
+def test_generate_returns_the_greedy_completion(model_path):
+    llm = load(model_path, max_seq_len=512, max_batch=4)
+    prompt = "The quick brown fox"
+    text = llm.generate(prompt, max_tokens=10, temperature=0)
+    ids = llm.tokenizer.encode(prompt)
+    expected = list(generate_tokens(llm.model, ids, build_sampler({"temperature": 0}),
+                                    max_seq_len=512, num_predict=10,
+                                    eos_ids=llm.tokenizer.eos_token_ids))
+    assert text == llm.tokenizer.decode(expected)
+    streamed = llm.generate(prompt, max_tokens=10, temperature=0, stream=True)
+    assert not isinstance(streamed, str)
+    assert "".join(streamed) == text
+
+
+def test_chat_uses_the_template_and_jobs_run_concurrently(model_path):
+    llm = load(model_path, max_seq_len=512, max_batch=4)
+    messages = [{"role": "user", "content": "Hello there"}]
+    handle = llm.submit(messages, max_tokens=5, temperature=0)
+    assert handle.prompt == llm.text_model.chat_prompt(messages)
+    reply = "".join(e.text for e in handle)
+    assert llm.chat(messages, max_tokens=5, temperature=0) == reply
+    handles = [llm.submit(p, max_tokens=4, temperature=0) for p in ("One", "Two", "Three")]
+    report = llm.generator.step()
+    assert report.jobs == 3  # all three prompts went through one forward pass
+    texts = [h.text() for h in handles]
+    assert texts == [llm.generate(p, max_tokens=4, temperature=0) for p in ("One", "Two", "Three")]
+
+
+def test_background_mode_and_errors(model_path):
+    with load(model_path, max_seq_len=64, background=True) as llm:
+        assert isinstance(llm.generate("Hello", max_tokens=3, temperature=0), str)
+        with pytest.raises(ContextOverflow):
+            llm.generate("word " * 200, max_tokens=3)
+
+
+def test_load_by_store_name(tmp_path):
+    store = make_tiny_store(tmp_path, name="tiny")
+    llm = load("tiny", store_root=store.root, max_seq_len=128, kv_cache_type="q4")
+    assert llm.generator.cache_type.name == "q4"
+    assert isinstance(llm.generate("Hi", max_tokens=2), str)
