@@ -1,0 +1,10 @@
+// Fused decode + GEMM, mul1 codebook (integer and half-integer K).
+#include "gemm_impl.cuh"
+
+#define EXL3_GEMM_CASE_mul1(K2_)                                                        \
+  case K2_:                                                                             \
+    gemm::run_gemm<K2_, CB_MUL1>(xh, trellis, partial, rows, kb, nb, splits, stream);   \
+    return true;
+#define EXL3_MUL1_K2(X) EXL3_FOR_INTEGER_K2(X) EXL3_FOR_HALF_K2(X)
+
+EXL3_DEFINE_GEMM_LAUNCHER(mul1, CB_MUL1, EXL3_MUL1_K2)

@@ -1,0 +1,289 @@
+"""EXL3 CUDA kernels (``csrc/``), compiled on first use, with a pure-PyTorch fallback.
+
+The extension is built with ``torch.utils.cpp_extension.load`` (JIT, ninja) into a
+cache folder keyed by the sources, torch, CUDA and the GPU architecture, so a second
+process loads it in well under a second. When no GPU, compiler or ninja is present, or
+``EXL3_NO_EXT=1`` is set, every wrapper runs the reference codec of
+``exl3cli.engine.quant`` instead (one line on stderr says why, once).
+
+Public API:
+- ``available() -> bool`` / ``unavailable_reason() -> str | None``
+- ``exl3_decode(trellis, k, codebook, out=None) -> Tensor[float16, (16*kb, 16*nb)]``:
+  the rotated weight Ŵ, bit-exact with ``decode_tiles``.
+- ``exl3_gemm(x, trellis, suh, svh, k, codebook, bias=None, out=None, out_features=None)
+  -> y``: ``y = x @ W + bias`` with ``W = diag(suh)·Hblk·Ŵ·Hblk·diag(svh)``, in x's dtype.
+  1..32 rows: fused decode-GEMM kernel; more rows: decode + cuBLAS.
+- ``hadamard128(x, pre=None, post=None, bias=None, out_dtype=None) -> Tensor``.
+Environment: ``EXL3_NO_EXT=1`` forces the fallback; ``EXL3_KERNEL_CACHE`` sets the
+build cache folder (default ``~/.cache/exl3/kernels``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .engine.quant import block_hadamard, decode_tiles
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = ("bindings.cpp", "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu",
+            "hadamard.cu")
+_CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+FUSED_MAX_ROWS = 32
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "ext": None, "reason": None}
+
+
+def _arch_flags(major: int, minor: int) -> list[str]:
+    """Machine code for the GPU at hand (sm_90a on Hopper) plus compute_80 PTX."""
+    if (major, minor) == (9, 0):
+        own = ["-gencode=arch=compute_90a,code=sm_90a"]
+    else:
+        own = [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+    return own + ["-gencode=arch=compute_80,code=compute_80"]
+
+
+def _why_not() -> str | None:
+    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
+        return "EXL3_NO_EXT is set"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return "GPU older than sm_80 (Ampere)"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        return "no CUDA compiler (CUDA_HOME/nvcc not found)"
+    if shutil.which("ninja") is None and not _has_ninja_module():
+        return "ninja not found"
+    return None
+
+
+def _has_ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    major, minor = torch.cuda.get_device_capability()
+    flags = _arch_flags(major, minor)
+    digest = hashlib.sha256()
+    for name in _SOURCES + ("exl3_ops.h", "exl3_trellis.cuh", "gemm_impl.cuh"):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(f"{torch.__version__}|{torch.version.cuda}|{flags}".encode())
+    name = f"exl3_kernels_{digest.hexdigest()[:16]}"
+    root = Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
+    build_dir = root / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
+    return cpp_extension.load(
+        name=name,
+        sources=[str(CSRC / s) for s in _SOURCES],
+        extra_cflags=["-O3"],
+        # No fast-math: the decode must round exactly as the format says.
+        extra_cuda_cflags=["-O3", "-lineinfo", *flags],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
+    )
+
+
+def _extension() -> ModuleType | None:
+    if _state["tried"]:
+        return _state["ext"]  # type: ignore[return-value]
+    with _lock:
+        if not _state["tried"]:
+            reason = _why_not()
+            if reason is None:
+                try:
+                    _state["ext"] = _build()
+                except Exception as exc:  # compiler errors arrive as many exception types
+                    first = str(exc).strip().splitlines()
+                    reason = f"build failed: {first[0] if first else type(exc).__name__}"
+            _state["reason"] = reason
+            _state["tried"] = True
+            if reason is not None and torch.cuda.is_available():
+                print(f"exl3: CUDA kernels unavailable ({reason}); using the PyTorch "
+                      "reference path", file=sys.stderr)
+    return _state["ext"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the compiled CUDA kernels can be used (builds them on first call)."""
+    return _extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are not in use, or None when they are."""
+    _extension()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def _k2(k: float) -> int:
+    k2 = round(2 * float(k))
+    if k2 / 2 != float(k) or k2 not in (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16):
+        raise ValueError(f"unsupported EXL3 bits per weight {k!r}")
+    return k2
+
+
+def _codebook_id(codebook: str, k2: int) -> int:
+    if codebook not in _CODEBOOK_IDS:
+        raise ValueError(f"unknown EXL3 codebook {codebook!r}")
+    if k2 % 2 and codebook != "mul1":
+        raise ValueError(f"K={k2 / 2} needs the mul1 codebook, got {codebook}")
+    return _CODEBOOK_IDS[codebook]
+
+
+def _use_ext(*tensors: torch.Tensor) -> ModuleType | None:
+    if not all(t.is_cuda for t in tensors):
+        return None
+    return _extension()
+
+
+def exl3_decode(
+    trellis: torch.Tensor, k: float, codebook: str = "mul1", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Decode a packed trellis (kb, nb, 16*K) int16 to Ŵ (16*kb, 16*nb) float16."""
+    k2 = _k2(k)
+    cb = _codebook_id(codebook, k2)
+    ext = _use_ext(trellis)
+    if ext is None:
+        result = decode_tiles(trellis, k2 / 2, codebook)
+        if out is None:
+            return result
+        return out.copy_(result)
+    kb, nb = trellis.shape[0], trellis.shape[1]
+    if out is None:
+        out = torch.empty(16 * kb, 16 * nb, dtype=torch.float16, device=trellis.device)
+    ext.decode(trellis.contiguous(), k2, cb, out)
+    return out
+
+
+def _as_f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    # The kernels read float32 vectors; callers that keep float32 copies pay nothing.
+    if t is None:
+        return None
+    return t.reshape(-1).to(torch.float32).contiguous()
+
+
+def _padded_f32(t: torch.Tensor, size: int) -> torch.Tensor:
+    t = _as_f32(t)
+    return t if t.numel() == size else torch.nn.functional.pad(t, (0, size - t.numel()))
+
+
+def hadamard128(
+    x: torch.Tensor,
+    pre: torch.Tensor | None = None,
+    post: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``H128(x * pre) * post + bias`` over the last dimension (a multiple of 128)."""
+    out_dtype = out_dtype or x.dtype
+    width = x.shape[-1]
+    ext = _use_ext(x)
+    if ext is None or width % 128:
+        y = x.to(torch.float32)
+        if pre is not None:
+            y = y * pre.to(torch.float32)
+        y = block_hadamard(y, dim=-1)
+        if post is not None:
+            y = y * post.to(torch.float32)
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(out_dtype)
+    rows = x.reshape(1, -1, width)
+    if rows.stride(2) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[1], width, dtype=out_dtype, device=x.device)
+    ext.hadamard(rows, _as_f32(pre), _as_f32(post), _as_f32(bias), out, width)
+    return out.view(*x.shape[:-1], width)
+
+
+def choose_splits(kb: int, nb: int, device: torch.device) -> int:
+    """Runs of tile rows for the fused GEMM: enough warps to fill the GPU (~16 per SM),
+    each run at least 8 tile rows long."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    groups = -(-nb // 4)
+    want = -(-16 * sms // groups)
+    return max(1, min(want, kb // 8 if kb >= 8 else 1))
+
+
+def _reference_gemm(x2, trellis, suh, svh, k2, codebook, bias):
+    kb, nb = trellis.shape[0], trellis.shape[1]
+    pad_in, pad_out = 16 * kb, 16 * nb
+    xf = torch.nn.functional.pad(x2.to(torch.float32), (0, pad_in - x2.shape[-1]))
+    xf = xf * torch.nn.functional.pad(suh.to(torch.float32), (0, pad_in - suh.numel()))
+    xh = block_hadamard(xf, dim=-1)
+    y = xh @ decode_tiles(trellis, k2 / 2, codebook).to(torch.float32)
+    y = block_hadamard(y, dim=-1)
+    y = y * torch.nn.functional.pad(svh.to(torch.float32), (0, pad_out - svh.numel()))
+    return y
+
+
+def exl3_gemm(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    k: float,
+    codebook: str = "mul1",
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_features: int | None = None,
+) -> torch.Tensor:
+    """``y = x @ W + bias`` for an EXL3 linear (x: (..., in), y: (..., out), x's dtype).
+
+    ``suh``/``svh`` may be shorter than the padded trellis (zero padding); ``out_features``
+    (default ``svh.numel()``) trims the padded output."""
+    k2 = _k2(k)
+    cb = _codebook_id(codebook, k2)
+    kb, nb = trellis.shape[0], trellis.shape[1]
+    pad_in, pad_out = 16 * kb, 16 * nb
+    n_out = out_features if out_features is not None else min(svh.numel(), pad_out)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if x2.shape[-1] > pad_in or n_out > pad_out:
+        raise ValueError(f"x/out ({x2.shape[-1]}, {n_out}) exceed the trellis {pad_in}x{pad_out}")
+    ext = _use_ext(x, trellis)
+    if ext is None or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or rows == 0:
+        y = _reference_gemm(x2, trellis, suh, svh, k2, codebook, bias)[:, :n_out]
+        if bias is not None:
+            y = y + bias.to(torch.float32)[:n_out]
+        y = y.to(x.dtype).reshape(*lead, n_out)
+        return y if out is None else out.copy_(y)
+
+    suh32 = _padded_f32(suh, pad_in)
+    svh32 = _padded_f32(svh, pad_out)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xh = torch.empty(rows, pad_in, dtype=torch.float16, device=x.device)
+    ext.hadamard(x2.unsqueeze(0), suh32, None, None, xh, pad_in)
+    if rows <= FUSED_MAX_ROWS:
+        splits = choose_splits(kb, nb, x.device)
+        acc = torch.empty(splits, rows, pad_out, dtype=torch.float32, device=x.device)
+        ext.gemm_partial(xh, trellis.contiguous(), k2, cb, acc)
+    else:
+        weight = torch.empty(pad_in, pad_out, dtype=torch.float16, device=x.device)
+        ext.decode(trellis.contiguous(), k2, cb, weight)
+        acc = (xh @ weight).unsqueeze(0)
+    if out is None:
+        out = torch.empty(*lead, n_out, dtype=x.dtype, device=x.device)
+    ext.hadamard(acc, None, svh32, _as_f32(bias), out.view(rows, n_out), pad_out)
+    return out
