@@ -121,6 +121,10 @@ class HttpClient:
     def chat(self, req: Body) -> Iterator[Body]:
         return self._stream("/api/chat", req)
 
+    def embed(self, req: Body) -> Body:
+        """/api/embed: {model, input} -> {embeddings, ...} (InferenceRunner.embed)."""
+        return self._call("POST", "/api/embed", req)
+
 
 def daemon_url(timeout: float = PROBE_TIMEOUT) -> str | None:
     """The URL of an exl3 daemon answering at EXL3_HOST, or None (a quick GET /)."""

@@ -182,6 +182,13 @@ class InferenceRunner:
 
         return self._run(ChatJob(req))
 
+    def embed(self, req: dict, normalize: bool = True) -> dict:
+        """/api/embed in-process: L2-normalised mean-pooled embeddings of `input`
+        (unnormalised with normalize=False, as the legacy /api/embeddings)."""
+        from exl3cli.client.embeddings import run_embed
+
+        return run_embed(self, req, normalize)
+
     def ps(self) -> dict:
         """Loaded models, shaped like Ollama's /api/ps body."""
         with self._lock:
@@ -217,6 +224,9 @@ class InferenceRunner:
         manifest = self.store.read_manifest(job.model)
         keep_alive = parse_keep_alive(job.req.get("keep_alive"))
         options, ignored = merge_options(manifest.get("parameters"), job.req.get("options"))
+        from exl3cli.engine.structured import compile_format
+
+        compile_format(job.req.get("format"))  # a bad schema fails before any loading
         load_started = time.perf_counter_ns()
         loaded = self._acquire(job.model, manifest)
         load_ns = time.perf_counter_ns() - load_started
@@ -240,7 +250,7 @@ class InferenceRunner:
             stop = [s for s in (options.get("stop") or []) if s]
             events = text_model.stream(prompt_ids, options, stop=stop,
                                        num_predict=-1 if num_predict is None else num_predict,
-                                       cancel=cancel)
+                                       cancel=cancel, format=job.req.get("format"))
         except BaseException:
             self._release(loaded, keep_alive)
             raise
@@ -256,18 +266,27 @@ class InferenceRunner:
         pieces: list[tuple[str, str]] = []
         generated: list[int] = []
         splitter = job.thinking_splitter()
+        tool_parser = job.tool_parser()
+
+        def routed(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+            """Thinking passes through; content goes through the tool-call parser."""
+            out: list[tuple[str, Any]] = []
+            for kind, part in items:
+                out.extend(tool_parser.push(part) if kind == "content" else [(kind, part)])
+            return out
+
         try:
             for event in events:
                 if event.done:
                     final_event = event
                     break
                 generated.extend(event.token_ids)
-                for kind, part in splitter.push(event.text):
+                for kind, part in routed(splitter.push(event.text)):
                     if job.streaming:
                         yield job.chunk(part, kind)
                     else:
                         pieces.append((kind, part))
-            for kind, part in splitter.flush():
+            for kind, part in routed(splitter.flush()) + tool_parser.flush():
                 if job.streaming:
                     yield job.chunk(part, kind)
                 else:

@@ -6,8 +6,10 @@ TEMPLATE and MESSAGEs the way Ollama does) and shapes the streamed response obje
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from exl3cli.client.tool_calls import ToolCallParser
 from exl3cli.errors import InvalidOption
 
 _THINK_OPEN = "<think>"
@@ -108,6 +110,10 @@ class _Job:
     def thinking_splitter(self) -> ThinkingSplitter:
         return ThinkingSplitter(self.think)
 
+    def tool_parser(self) -> ToolCallParser:
+        """Finds tool calls in the answer (only chat requests that declare tools)."""
+        return ToolCallParser(None)
+
     def _base(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": _now_iso()}
 
@@ -116,8 +122,11 @@ class _Job:
               context: list[int] | None) -> dict[str, Any]:
         content = "".join(p for kind, p in pieces or [] if kind == "content")
         thinking = "".join(p for kind, p in pieces or [] if kind == "thinking")
+        calls = [call for kind, p in pieces or [] if kind == "tool_calls" for call in p]
         body = self._base()
         body.update(self._final_payload(content, thinking))
+        if calls:
+            body["message"]["tool_calls"] = calls
         body["done"] = True
         body["done_reason"] = done_reason
         body.update(metrics)
@@ -158,7 +167,26 @@ def _message_list(value: Any) -> list[dict]:
     for message in value:
         if message.get("role") not in ("system", "user", "assistant", "tool"):
             raise InvalidOption(f"invalid message role: {message.get('role')!r}")
-    return [dict(m) for m in value]
+    return [_with_decoded_arguments(dict(m)) for m in value]
+
+
+def _with_decoded_arguments(message: dict) -> dict:
+    """Tool-call arguments as objects: OpenAI clients send them as JSON text, chat
+    templates expect a mapping (they write `arguments | tojson`)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    decoded = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                arguments = function["arguments"]
+            call = {**call, "function": {**function, "arguments": arguments}}
+        decoded.append(call)
+    return {**message, "tool_calls": decoded}
 
 
 def _explicit_think(req: dict) -> bool | None:
@@ -240,10 +268,16 @@ class ChatJob(_Job):
         return render_prompt_ids(text_model, messages, self.req.get("tools"), template,
                                  _explicit_think(self.req))
 
-    def chunk(self, text: str, kind: str) -> dict[str, Any]:
+    def tool_parser(self) -> ToolCallParser:
+        return ToolCallParser(self.req.get("tools"))
+
+    def chunk(self, text: Any, kind: str) -> dict[str, Any]:
         body = self._base()
-        message = {"role": "assistant", "content": ""}
-        message["thinking" if kind == "thinking" else "content"] = text
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        if kind == "tool_calls":
+            message["tool_calls"] = text
+        else:
+            message["thinking" if kind == "thinking" else "content"] = text
         body["message"] = message
         body["done"] = False
         return body

@@ -1,7 +1,8 @@
 """Grouped-query self-attention with RoPE, optional q/k RMSNorm and sliding windows.
 
-q, k and v come from one fused projection (their weights are concatenated at load
-time) so a decode step runs one matmul instead of three.
+q, k and v come from one fused projection (a `Linear`: dense weights concatenated at
+load time, so a decode step runs one matmul instead of three; or EXL3 layers side by
+side), see engine/linear.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl3cli.engine.cache import KVCache
+from exl3cli.engine.linear import Linear
 from exl3cli.engine.norm import RMSNorm
 from exl3cli.engine.rope import apply_rotary
 
@@ -64,10 +66,8 @@ class Attention(nn.Module):
     def __init__(
         self,
         layer_index: int,
-        qkv_weight: torch.Tensor,
-        qkv_bias: torch.Tensor | None,
-        o_weight: torch.Tensor,
-        o_bias: torch.Tensor | None,
+        qkv: Linear,
+        o: Linear,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -76,10 +76,8 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.layer_index = layer_index
-        self.register_buffer("qkv_weight", qkv_weight, persistent=False)
-        self.register_buffer("qkv_bias", qkv_bias, persistent=False)
-        self.register_buffer("o_weight", o_weight, persistent=False)
-        self.register_buffer("o_bias", o_bias, persistent=False)
+        self.qkv = qkv
+        self.o = o
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -89,7 +87,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         batch, steps, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         qkv = qkv.view(batch, steps, heads + 2 * kv_heads, self.head_dim)
         # q and k heads are normalised and rotated together: one op each instead of two.
         qk = qkv[:, :, : heads + kv_heads]
@@ -102,7 +100,7 @@ class Attention(nn.Module):
         if getattr(step.cache, "paged", False):  # per-sequence attention over pages
             out = step.cache.attend(self.layer_index, query, key, value, self.window)
             out = out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
-            return F.linear(out, self.o_weight, self.o_bias)
+            return self.o(out)
         if step.cache is not None:
             key, value = step.cache.write(self.layer_index, key, value, step.positions, step.span)
         mask, is_causal = step.mask(self.window)
@@ -114,7 +112,7 @@ class Attention(nn.Module):
                 enable_gqa=heads != kv_heads,
             )
         out = out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
-        return F.linear(out, self.o_weight, self.o_bias)
+        return self.o(out)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

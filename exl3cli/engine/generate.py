@@ -141,11 +141,14 @@ def generate_tokens(
     cancel: threading.Event | None = None,
     stats: GenerationStats | None = None,
     cache: Any = None,
+    constraint: Any = None,
 ) -> Iterator[int]:
     """Yield sampled token ids until EOS (not yielded), num_predict, context end or cancel.
 
     `num_predict` < 0 means up to the context limit (`max_seq_len`, or the given
-    cache's capacity). The reason and counters land in `stats`.
+    cache's capacity). The reason and counters land in `stats`. A `constraint`
+    (engine/structured.py: `mask`, `accept`, `finished`) masks the logits before each
+    sample, e.g. to keep the answer valid JSON; it ends the answer when it is finished.
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = [int(t) for t in prompt_ids]
@@ -186,7 +189,14 @@ def generate_tokens(
             return
         # Time only our own work, not what the consumer does between tokens.
         start = time.perf_counter_ns()
+        if constraint is not None:
+            if constraint.finished:
+                stats.done_reason = "stop"
+                return
+            logits = constraint.mask(logits, budget - produced)
         token = sampler.sample(logits, history)
+        if constraint is not None:
+            token = constraint.accept(token, logits)
         produced += 1
         stats.eval_count += 1
         if token in eos:
@@ -222,8 +232,10 @@ def stream_text(
     num_predict: int = -1,
     cancel: threading.Event | None = None,
     cache: Any = None,
+    constraint: Any = None,
 ) -> Iterator[TextEvent]:
-    """Text deltas of the answer to `prompt_ids`, then one event with done=True."""
+    """Text deltas of the answer to `prompt_ids`, then one event with done=True.
+    `constraint`: see generate_tokens (structured output)."""
     stops = [s for s in stop if s]
     stats = GenerationStats()
     eos_ids = set(tokenizer.eos_token_ids) | _special_stop_ids(tokenizer, stops)
@@ -231,7 +243,7 @@ def stream_text(
     matcher = StopStringMatcher(stops)
     tokens = generate_tokens(
         model, prompt_ids, sampler, max_seq_len=max_seq_len, num_predict=num_predict,
-        eos_ids=eos_ids, cancel=cancel, stats=stats, cache=cache,
+        eos_ids=eos_ids, cancel=cancel, stats=stats, cache=cache, constraint=constraint,
     )
     stopped = False
     pending: list[int] = []  # tokens whose text is still held back

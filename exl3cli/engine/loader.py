@@ -9,6 +9,7 @@ import torch
 from exl3cli.engine.architecture import SLIDING_ATTENTION, ArchitectureSpec, get_architecture
 from exl3cli.engine.attention import Attention
 from exl3cli.engine.config import ModelConfig, load_model_config
+from exl3cli.engine.linear import Linear, fuse_linears, load_linear
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.norm import RMSNorm
@@ -34,14 +35,19 @@ def load_causal_lm(
     folder: str | Path,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    linear_mode: str | None = None,
 ) -> CausalLM:
-    """Load the model in `folder`; ModelLoadError / UnsupportedArchitecture on failure."""
+    """Load the model in `folder`; ModelLoadError / UnsupportedArchitecture on failure.
+
+    EXL3 layers are dequantized at load on CPU and decoded in forward on CUDA;
+    `linear_mode` ("dense" or "trellis") forces one way (see engine/linear.py)."""
     config = load_model_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(config, device)
     reader = WeightReader(folder)
-    return build_causal_lm(config, spec, reader, device, dtype)
+    return build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode)
 
 
 def build_causal_lm(
@@ -50,6 +56,8 @@ def build_causal_lm(
     reader: WeightReader,
     device: torch.device,
     dtype: torch.dtype,
+    *,
+    linear_mode: str | None = None,
 ) -> CausalLM:
     """Assemble the shared blocks as `spec` describes, with weights from `reader`."""
     names = spec.tensors
@@ -57,22 +65,27 @@ def build_causal_lm(
     def tensor(name: str) -> torch.Tensor:
         return reader.get(name, dtype=dtype, device=device).contiguous()
 
-    def linear(prefixes: list[str], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # Fused projections: concatenate along the output dimension.
-        weight = torch.cat([tensor(p + ".weight") for p in prefixes])
-        if not bias:
-            return weight, None
-        return weight, torch.cat([tensor(p + ".bias") for p in prefixes])
+    def linear(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
+        # Each module as stored (dense .weight or EXL3 .trellis), trimmed to its logical
+        # (in, out) shape; fused projections concatenate along the output dimension.
+        parts = [
+            load_linear(reader, p, i, o, device, dtype, mode=linear_mode, require_bias=bias)
+            for p, (i, o) in zip(prefixes, shapes, strict=True)
+        ]
+        return fuse_linears(parts)
 
     layer_types = spec.layer_types(config)
     if len(layer_types) != config.num_layers:
         raise ModelLoadError("config.json layer_types does not match num_hidden_layers")
     layers = []
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     for i in range(config.num_layers):
-        qkv_w, qkv_b = linear(
-            [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)], spec.qkv_bias
+        qkv = linear(
+            [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
+            [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
         )
-        o_w, o_b = linear([names.o_proj.format(i=i)], spec.o_bias)
+        o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
         qk_norm = None
         if spec.qk_norm == "rms":
             # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
@@ -83,24 +96,29 @@ def build_causal_lm(
             qk_norm = RMSNorm(weight, config.rms_norm_eps)
         window = config.sliding_window if layer_types[i] == SLIDING_ATTENTION else None
         attention = Attention(
-            i, qkv_w, qkv_b, o_w, o_b, config.num_heads, config.num_kv_heads,
+            i, qkv, o_proj, config.num_heads, config.num_kv_heads,
             config.head_dim, qk_norm, window,
         )
-        gate_up_w, gate_up_b = linear(
-            [names.gate_proj.format(i=i), names.up_proj.format(i=i)], spec.mlp_bias
+        gate_up = linear(
+            [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
+            [(hidden, inter), (hidden, inter)], spec.mlp_bias,
         )
-        down_w, down_b = linear([names.down_proj.format(i=i)], spec.mlp_bias)
+        down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
         act = config.hidden_act or spec.activation
         layers.append(DecoderLayer(
             RMSNorm(tensor(names.input_norm.format(i=i)), config.rms_norm_eps),
             attention,
             RMSNorm(tensor(names.post_attention_norm.format(i=i)), config.rms_norm_eps),
-            GatedMLP(gate_up_w, gate_up_b, down_w, down_b, act),
+            GatedMLP(gate_up, down, act),
         ))
     embed = tensor(names.embed)
-    if config.tie_word_embeddings or not reader.has(names.lm_head):
+    head_prefix = names.lm_head.removesuffix(".weight")
+    lm_head: Linear | torch.Tensor
+    if reader.has(head_prefix + ".trellis"):  # EXL3 stores the head quantized, untied
+        lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
+    elif config.tie_word_embeddings or not reader.has(names.lm_head):
         lm_head = embed
     else:
-        lm_head = tensor(names.lm_head)
+        lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
     final_norm = RMSNorm(tensor(names.final_norm), config.rms_norm_eps)
     return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl3cli.engine.linear import Linear
 from exl3cli.errors import UnsupportedArchitecture
 
 ACTIVATIONS = {
@@ -17,25 +18,16 @@ ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
-    """gate and up share one fused weight [2 * intermediate, hidden] (one matmul)."""
+    """gate and up are one fused Linear (outputs [gate | up]; one matmul when dense)."""
 
-    def __init__(
-        self,
-        gate_up_weight: torch.Tensor,
-        gate_up_bias: torch.Tensor | None,
-        down_weight: torch.Tensor,
-        down_bias: torch.Tensor | None,
-        activation: str,
-    ):
+    def __init__(self, gate_up: Linear, down: Linear, activation: str):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise UnsupportedArchitecture(f"unsupported activation {activation!r}")
-        self.register_buffer("gate_up_weight", gate_up_weight, persistent=False)
-        self.register_buffer("gate_up_bias", gate_up_bias, persistent=False)
-        self.register_buffer("down_weight", down_weight, persistent=False)
-        self.register_buffer("down_bias", down_bias, persistent=False)
+        self.gate_up = gate_up
+        self.down = down
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_weight, self.down_bias)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)

@@ -13,6 +13,7 @@ from exl3cli.engine.architecture import ArchitectureSpec
 from exl3cli.engine.attention import Attention, AttentionStep
 from exl3cli.engine.cache import KVCache
 from exl3cli.engine.config import ModelConfig
+from exl3cli.engine.linear import DenseLinear, Linear
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.norm import RMSNorm
 from exl3cli.engine.rope import RotaryEmbedding
@@ -44,20 +45,26 @@ class CausalLM(nn.Module):
         embed_weight: torch.Tensor,
         layers: list[DecoderLayer],
         final_norm: RMSNorm,
-        lm_head_weight: torch.Tensor,
+        lm_head: torch.Tensor | Linear,
     ):
         super().__init__()
         self.config = config
         self.spec = spec
         self.register_buffer("embed_weight", embed_weight, persistent=False)
         # Tied embeddings share the storage: no second copy of the largest matrix.
-        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+        self.lm_head = lm_head if isinstance(lm_head, Linear) else DenseLinear(lm_head)
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling,
             config.max_position_embeddings, embed_weight.device, embed_weight.dtype,
         )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The head's (vocab, hidden) matrix when it holds one (dense or dequantized)."""
+        dense = self.lm_head.dense_weight()
+        return None if dense is None else dense[0]
 
     @property
     def device(self) -> torch.device:
@@ -113,7 +120,18 @@ class CausalLM(nn.Module):
         if last_logits_only:
             hidden = cache.select_last(hidden) if paged else self._last_valid(hidden, input_lengths)
         hidden = self.final_norm(hidden)
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H] (float32) of input_ids [B, T], without a
+        cache (embeddings pool these instead of projecting them to the vocabulary)."""
+        batch, steps = input_ids.shape
+        step = self._plan_step(batch, steps, None)
+        hidden = F.embedding(input_ids.to(self.device), self.embed_weight)
+        for layer in self.layers:
+            hidden = layer(hidden, step)
+        return self.final_norm(hidden).float()
 
     def _plan_step(self, batch: int, steps: int, cache: KVCache | None) -> AttentionStep:
         offsets = torch.arange(steps, device=self.device)

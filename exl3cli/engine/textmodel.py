@@ -10,6 +10,7 @@ from typing import Any
 from exl3cli.engine.chat_template import ChatTemplate
 from exl3cli.engine.generate import TextEvent, stream_text
 from exl3cli.engine.sampling import ParamSpec, build_sampler
+from exl3cli.engine.structured import build_constraint
 from exl3cli.engine.tokenizer import Tokenizer
 
 # Ollama's default context when a request does not set num_ctx.
@@ -84,14 +85,18 @@ class TextModel:
         stop: Iterable[str] = (),
         num_predict: int = -1,
         cancel: threading.Event | None = None,
+        format: Any = None,
     ) -> Iterator[TextEvent]:
         """Text deltas for `prompt_ids`, then a done event (see generate.stream_text).
 
-        Raises InvalidOption for bad sampler options before anything is generated;
+        `format` ("json" or a JSON schema) constrains the answer (engine/structured.py).
+        Raises InvalidOption for bad sampler options or formats before anything is
+        generated;
         the sampler's `unknown_options` are not reported here (build one with
         build_sampler first to warn about them).
         """
         sampler = build_sampler(options)
+        constraint = build_constraint(format, self.tokenizer)
         return stream_text(
             self.model,
             self.tokenizer,
@@ -101,4 +106,5 @@ class TextModel:
             stop=stop,
             num_predict=num_predict,
             cancel=cancel,
+            constraint=constraint,
         )

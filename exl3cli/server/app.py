@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli.hostaddr import HostAddress, parse_host
-from exl3cli.server import ollama_routes, openai_routes
+from exl3cli.server import embed_routes, ollama_routes, openai_routes
 from exl3cli.server.model_manager import ModelManager
 from exl3cli.server.security import api_key_middleware, error_middleware, host_check_middleware
 
@@ -39,6 +39,7 @@ def create_app(store: Any = None, *, host: HostAddress | None = None,
     app[ollama_routes.MANAGER] = manager
     app.add_routes(ollama_routes.routes)
     app.add_routes(openai_routes.routes)
+    app.add_routes(embed_routes.routes)
 
     async def start(_app: web.Application) -> None:
         await manager.start()

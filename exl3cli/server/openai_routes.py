@@ -140,6 +140,8 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
                                      "content": _message_text(message.get("content"), where)}
         if isinstance(message.get("tool_calls"), list):
             converted["tool_calls"] = message["tool_calls"]
+        if role == "tool" and isinstance(message.get("name"), str):
+            converted["tool_name"] = message["name"]
         messages.append(converted)
     req["messages"] = messages
     if body.get("tools"):
@@ -167,8 +169,27 @@ def _usage(final: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-def _finish_reason(final: dict[str, Any]) -> str:
+def _finish_reason(final: dict[str, Any], called: bool = False) -> str:
+    if called:
+        return "tool_calls"
     return "length" if final.get("done_reason") == "length" else "stop"
+
+
+def openai_tool_calls(calls: list[dict[str, Any]], start: int = 0,
+                      streaming: bool = False) -> list[dict[str, Any]]:
+    """Ollama-shaped calls ({"function": {"name", "arguments": {...}}}) in OpenAI's
+    shape: an id, type "function", and the arguments as JSON text."""
+    out = []
+    for offset, call in enumerate(calls):
+        function = call.get("function") or {}
+        entry: dict[str, Any] = {
+            "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": function.get("name", ""),
+                         "arguments": json.dumps(function.get("arguments") or {})}}
+        if streaming:
+            entry["index"] = start + offset
+        out.append(entry)
+    return out
 
 
 class _Shape:
@@ -191,11 +212,16 @@ class _Shape:
             return message.get("content") or "", message.get("thinking") or ""
         return item.get("response") or "", item.get("thinking") or ""
 
-    def chunk(self, text: str, thinking: str, first: bool,
-              finish: str | None) -> dict[str, Any]:
+    def calls_of(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        return list((item.get("message") or {}).get("tool_calls") or []) if self.chat else []
+
+    def chunk(self, text: str, thinking: str, first: bool, finish: str | None,
+              calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text or finish is None:
+            if calls:
+                delta["tool_calls"] = calls
+            elif text or finish is None:
                 delta["content"] = text
             if thinking:
                 delta["reasoning"] = thinking
@@ -204,13 +230,17 @@ class _Shape:
         return self.envelope("text_completion", [{"index": 0, "text": text,
                                                   "logprobs": None, "finish_reason": finish}])
 
-    def whole(self, text: str, thinking: str, final: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, text: str, thinking: str, final: dict[str, Any],
+              calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if thinking:
                 message["reasoning"] = thinking
-            choice = {"index": 0, "message": message, "finish_reason": _finish_reason(final),
-                      "logprobs": None}
+            if calls:
+                message["tool_calls"] = openai_tool_calls(calls)
+                message["content"] = text or None
+            choice = {"index": 0, "message": message,
+                      "finish_reason": _finish_reason(final, bool(calls)), "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": _finish_reason(final)}
@@ -229,14 +259,16 @@ async def _run(request: web.Request, kind: str, req: dict[str, Any],
         if body.get("stream"):
             include = bool((body.get("stream_options") or {}).get("include_usage"))
             return await _write_sse(request, job, shape, include)
-        texts, thoughts, final = [], [], {}
+        texts, thoughts, calls, final = [], [], [], {}
         async for item in job:
             if item.get("done"):
                 final = item
             text, thinking = shape.text_of(item)
             texts.append(text)
             thoughts.append(thinking)
-        return web.json_response(shape.whole("".join(texts), "".join(thoughts), final))
+            calls.extend(shape.calls_of(item))
+        return web.json_response(shape.whole("".join(texts), "".join(thoughts), final,
+                                             calls))
     finally:
         watcher.cancel()
         await job.close()
@@ -254,14 +286,22 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
 
     try:
         first = True
+        called = 0
         async for item in job:
             text, thinking = shape.text_of(item)
+            calls = shape.calls_of(item)
+            if calls:
+                await send(_with_usage(shape.chunk("", "", first, None, openai_tool_calls(
+                    calls, start=called, streaming=True)), include_usage))
+                first = False
+                called += len(calls)
             if item.get("done"):
                 if text or thinking:
                     await send(_with_usage(shape.chunk(text, thinking, first, None),
                                            include_usage))
                     first = False
-                await send(_with_usage(shape.chunk("", "", first, _finish_reason(item)),
+                await send(_with_usage(shape.chunk("", "", first,
+                                                   _finish_reason(item, called > 0)),
                                        include_usage))
                 if include_usage:
                     usage_chunk = shape.envelope(shape.object + (".chunk" if shape.chat

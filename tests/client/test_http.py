@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 import pytest
 
 from exl3cli.client.http import HttpClient, daemon_url
+from exl3cli.client.inference import InferenceRunner
 from exl3cli.client.local import LocalClient
 from exl3cli.errors import Exl3Error, InvalidOption, ModelNotFound
 from tests.fixtures.daemon import Daemon
@@ -117,3 +119,14 @@ def test_daemon_url_probes_exl3_host(daemon, monkeypatch):
 def test_an_unreachable_daemon_is_a_clear_error():
     with pytest.raises(Exl3Error, match="could not reach"):
         HttpClient(f"http://127.0.0.1:{free_port()}").list()
+
+
+def test_embed_and_json_format_match_the_in_process_runner(http, store):
+    req = {"model": "tiny", "input": ["hi", "the sky"]}
+    remote, here = http.embed(req), InferenceRunner(store).embed(req)
+    assert strip_times(remote) == strip_times(here) and len(remote["embeddings"]) == 2
+    asked = {"model": "tiny", "prompt": "hi", "format": "json",
+             "options": {"temperature": 0, "num_predict": 30}, "stream": False}
+    answer = list(http.generate(asked))[-1]["response"]
+    assert answer == list(InferenceRunner(store).generate(asked))[-1]["response"]
+    assert isinstance(json.loads(answer), dict)

@@ -20,12 +20,15 @@ ROUTES = [("POST", "/api/generate"), ("POST", "/api/chat"), ("POST", "/api/show"
           ("DELETE", "/api/delete"), ("GET", "/api/tags"), ("GET", "/api/ps"),
           ("GET", "/api/version"), ("GET", "/"), ("GET", "/api/stats"),
           ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-          ("GET", "/v1/models"), ("GET", "/v1/models/tiny")]
+          ("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("POST", "/api/embed"),
+          ("POST", "/api/embeddings"), ("POST", "/v1/embeddings")]
 FIELDS = ["model", "name", "prompt", "messages", "options", "stream", "keep_alive", "format",
           "system", "template", "raw", "context", "images", "think", "tools", "source",
           "destination", "modelfile", "from", "parameters", "license", "max_tokens",
           "temperature", "top_p", "stop", "seed", "n", "stream_options", "response_format",
-          "role", "content", "num_predict", "top_k", "presence_penalty", "suffix", "quantize"]
+          "role", "content", "num_predict", "top_k", "presence_penalty", "suffix", "quantize",
+          "input", "truncate", "dimensions", "encoding_format", "type", "properties",
+          "required", "items", "enum", "$ref", "anyOf"]
 
 
 def post(url: str, method: str, path: str, body: bytes) -> tuple[int, bytes]:

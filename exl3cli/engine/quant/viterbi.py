@@ -11,12 +11,20 @@ rotated by half a tile, whose path through step 255 (far from both loose ends) p
 the entry node; then a search of steps 0..255 that starts from that node and must
 end on a state that closes the ring.
 
-The work is vectorised over tiles in torch; tiles are processed in chunks so that
-the stored node costs (4 bytes per node per step per tile) stay bounded; chunks run
-in parallel on as many worker threads as ``torch.get_num_threads()``.
+``viterbi_states`` dispatches: CUDA tensors to the CUDA kernel
+(``exl3cli.cuda_viterbi``) when it builds, else to the PyTorch reference on the GPU;
+CPU tensors to the C++ kernel (``exl3cli.cpu_kernels``) when it builds, else to the
+PyTorch reference. The kernels use the same float arithmetic and tie-breaking, so
+every path returns the same states. ``EXL3_NO_EXT=1`` forces the reference.
+
+The reference is vectorised over tiles in torch; tiles are processed in chunks so
+that the stored node costs (4 bytes per node per step per tile) stay bounded. On the
+CPU chunks run in parallel on as many worker threads as ``torch.get_num_threads()``;
+on a GPU they run one after another, each as large as the memory budget allows.
 
 Public API:
 - ``viterbi_states(targets[N, 256], k_bits, codebook) -> states[N, 256]`` (int64)
+- ``viterbi_states_reference(targets, k_bits, codebook)``: the PyTorch path alone.
 - ``encode_tiles(values, k_bits, codebook) -> trellis int16 (kb, nb, 16*K)``;
   ``values`` is a tile grid ``(kb, nb, 16, 16)`` or a matrix ``(16*kb, 16*nb)``.
 """
@@ -35,6 +43,10 @@ from .tiles import matrix_to_tiles, tile_to_steps
 _STORED_COST_BYTES = 128 * 2**20
 # Tiles per chunk at most: keeps the per-step (tiles, 65536) cost arrays cache-sized.
 _MAX_CHUNK = 32
+# On a GPU: one large chunk per launch sequence, bounded by this many bytes of stored
+# node costs (plus ~3 (tiles, 65536) float32 temporaries per step).
+_GPU_STORED_COST_BYTES = 2 * 2**30
+_GPU_MAX_CHUNK = 4096
 
 
 def _search(
@@ -118,13 +130,40 @@ def _viterbi_chunk(
     return _search(targets, list(range(STEPS)), per_step, lut, lut_sq, start_node, 0)
 
 
-def viterbi_states(targets: torch.Tensor, k_bits: float, codebook: str = "mul1") -> torch.Tensor:
-    """Best tail-biting state sequence (N, 256) for target values (N, 256) in step order."""
+def _check_args(targets: torch.Tensor, k_bits: float, codebook: str) -> None:
     if targets.dim() != 2 or targets.shape[1] != STEPS:
         raise ValueError(f"targets must have shape (N, {STEPS}), got {tuple(targets.shape)}")
-    per_step = bits_per_step(k_bits)
+    bits_per_step(k_bits)  # raises on an unsupported K
     if codebook != "mul1" and not float(k_bits).is_integer():
         raise ValueError("half-integer bits per weight need the mul1 codebook")
+    codebook_lut_float32(codebook)  # raises on an unknown codebook
+
+
+def viterbi_states(targets: torch.Tensor, k_bits: float, codebook: str = "mul1") -> torch.Tensor:
+    """Best tail-biting state sequence (N, 256) for target values (N, 256) in step order,
+    on the fastest path available for ``targets``' device (same states on every path)."""
+    _check_args(targets, k_bits, codebook)
+    if targets.shape[0] == 0:
+        return torch.empty(0, STEPS, dtype=torch.int64, device=targets.device)
+    if targets.is_cuda:
+        from exl3cli import cuda_viterbi
+
+        if cuda_viterbi.available():
+            return cuda_viterbi.viterbi_states_cuda(targets, k_bits, codebook)
+    elif targets.device.type == "cpu":
+        from exl3cli import cpu_kernels
+
+        if cpu_kernels.available():
+            return cpu_kernels.viterbi_states_cpu(targets, k_bits, codebook)
+    return viterbi_states_reference(targets, k_bits, codebook)
+
+
+def viterbi_states_reference(
+    targets: torch.Tensor, k_bits: float, codebook: str = "mul1"
+) -> torch.Tensor:
+    """The PyTorch search on ``targets``' device (the reference for the kernels)."""
+    _check_args(targets, k_bits, codebook)
+    per_step = bits_per_step(k_bits)
     device = targets.device
     lut = codebook_lut_float32(codebook).to(device)
     lut_sq = lut * lut
@@ -132,11 +171,17 @@ def viterbi_states(targets: torch.Tensor, k_bits: float, codebook: str = "mul1")
     n_tiles = targets.shape[0]
     if n_tiles == 0:
         return torch.empty(0, STEPS, dtype=torch.int64, device=device)
+    per_tile_bytes = 4 * STEPS * (1 << (16 - min(per_step)))
+    if device.type != "cpu":
+        # A GPU wants few large launches: chunks in sequence, each as big as allowed.
+        chunk = max(1, min(_GPU_MAX_CHUNK, _GPU_STORED_COST_BYTES // per_tile_bytes))
+        out = [_viterbi_chunk(targets[start : start + chunk], per_step, lut, lut_sq)
+               for start in range(0, n_tiles, chunk)]
+        return torch.cat(out, dim=0)
     # Parallel over chunks of tiles, one single-threaded torch worker per thread the
     # caller allows: the per-step ops are small, and intra-op threads waiting on each
     # other at every step are many times slower on a busy machine.
     workers = max(1, min(torch.get_num_threads(), n_tiles))
-    per_tile_bytes = 4 * STEPS * (1 << (16 - min(per_step)))
     chunk = min(
         _MAX_CHUNK, _STORED_COST_BYTES // (workers * per_tile_bytes), -(-n_tiles // workers)
     )

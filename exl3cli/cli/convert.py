@@ -1,0 +1,88 @@
+"""`exl3 convert SRC -b BPW`: quantize a model to EXL3 (folder and/or store entry)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import click
+
+
+def _default_work_dir(store_root: Path, src: str, bits: float) -> Path:
+    key = hashlib.sha256(f"{Path(src).expanduser().resolve()}|{bits}".encode()).hexdigest()[:12]
+    return store_root / "convert-work" / key
+
+
+@click.command("convert")
+@click.argument("src")
+@click.option("-b", "--bits", "bits", type=click.FloatRange(1.5, 8.0), required=True,
+              help="Target average bits per weight of the decoder layers (1.5..8).")
+@click.option("-o", "name", default=None, help="Register the result in the store as NAME:TAG.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Write the EXL3 folder here.")
+@click.option("--head-bits", type=click.IntRange(1, 16), default=6, show_default=True,
+              help="Bits of the output head (16 keeps it unquantized).")
+@click.option("--codebook", type=click.Choice(["mul1", "mcg", "3inst"]), default="mul1",
+              show_default=True)
+@click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
+              help="Work folder for checkpoints (default: under the store).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion.")
+@click.option("--calib", "calib", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Calibration text file (default: the bundled sample).")
+@click.option("--calib-rows", type=click.IntRange(1), default=None, help="Calibration rows.")
+@click.option("--calib-cols", type=click.IntRange(16), default=None,
+              help="Tokens per calibration row.")
+@click.option("--scale-search-tiles", type=click.IntRange(0), default=16, hidden=True)
+@click.option("--device", default=None, help="torch device (default: cuda if present).")
+def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_bits: int,
+            codebook: str, work_dir: str | None, resume: bool, calib: str | None,
+            calib_rows: int | None, calib_cols: int | None, scale_search_tiles: int,
+            device: str | None) -> None:
+    """Quantize SRC (HF folder, GGUF file, store or hub name) to EXL3."""
+    from exl3cli.convert.calibration import DEFAULT_COLS, DEFAULT_ROWS
+    from exl3cli.convert.pipeline import ConvertOptions, convert_model
+    from exl3cli.convert.report import LayerReport
+    from exl3cli.convert.source import resolve_source
+    from exl3cli.store.names import ModelName
+    from exl3cli.store.store import ModelStore
+
+    if name is None and out_dir is None:
+        raise click.UsageError("give -o NAME:TAG, --out DIR, or both")
+    if name is not None:
+        ModelName.parse(name)  # reject a bad name before hours of work
+    store = ModelStore()
+    work = Path(work_dir) if work_dir else _default_work_dir(store.root, src, bits)
+    source = resolve_source(src, store, work.with_name(work.name + "-src"),
+                            lambda e: click.echo(e.get("status", ""), err=True))
+    options = ConvertOptions(
+        bits=bits, head_bits=head_bits, codebook=codebook,
+        rows=calib_rows or DEFAULT_ROWS, cols=calib_cols or DEFAULT_COLS,
+        calib_path=str(Path(calib).resolve()) if calib else None,
+        scale_search_tiles=scale_search_tiles, device=device,
+    )
+    target = Path(out_dir) if out_dir else work.with_name(work.name + "-out")
+
+    def progress(event: LayerReport | str) -> None:
+        if isinstance(event, LayerReport):
+            click.echo(event.line(num_layers), err=True)
+        else:
+            click.echo(event, err=True)
+
+    from exl3cli.engine.config import load_model_config
+
+    num_layers = load_model_config(source).num_layers
+    summary = convert_model(source, target, options, work, resume=resume, progress=progress)
+    click.echo(summary.table())
+    if name is not None:
+        store.import_folder(name, target, {"type": "convert", "from": src, "bits": bits,
+                                           "head_bits": head_bits, "codebook": codebook})
+        click.echo(f"registered {name}")
+    if out_dir is None:
+        shutil.rmtree(target, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work.with_name(work.name + "-src"), ignore_errors=True)
+    click.echo(f"wrote {target}" if out_dir else "done")
+
+
+COMMANDS = [convert]

@@ -1,0 +1,116 @@
+"""Block LDL of a Hessian and LDLQ: quantize 16-row blocks, feeding errors forward.
+
+With ``W`` (in, out) quantized block by block (rows ``16k .. 16k+15`` in order), LDLQ
+quantizes ``W_k + Σ_{j<k} A_kj (W_j - Q_j)`` for a strictly block-lower ``A``. The
+errors then satisfy ``(I + A) E = η`` (η: each block's own rounding error), and the
+proxy loss ``tr(Eᵀ H E)`` equals ``Σ_k tr(η_kᵀ D_k η_k)`` exactly when
+``H = (I + A)ᵀ D (I + A)`` with ``D`` block diagonal. That factorisation is a block LDL
+of ``H`` with the block order reversed, computed here from a Cholesky factor.
+
+Public API:
+- ``block_ldl_feedback(h, block=16) -> (a, d)``: ``a`` (n, n) strictly block-lower
+  feedback matrix, ``d`` (n/block, block, block) diagonal blocks; ``h = (I+a)ᵀ·D·(I+a)``.
+- ``ldlq(target, h, quantize_block, block=16) -> (q, payloads)``: runs the loop with
+  any block quantizer ``quantize_block(rows[block, out]) -> (values[block, out],
+  payload)``; returns the quantized matrix and the payloads in block order.
+- ``trellis_block_quantizer(k_bits, codebook) -> quantize_block`` whose payload is the
+  packed trellis row ``(1, out/16, 16*K)`` of that block (Viterbi per tile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from exl3cli.engine.quant import codebook_lut, pack_states, viterbi_states
+from exl3cli.engine.quant.tiles import (
+    matrix_to_tiles,
+    steps_to_tile,
+    tile_to_steps,
+    tiles_to_matrix,
+)
+
+BlockQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, Any]]
+
+
+def _cholesky_with_retry(h: torch.Tensor) -> torch.Tensor:
+    """Cholesky factor; adds growing diagonal damping if h is numerically singular."""
+    mean_diag = h.diagonal().mean().clamp_min(1e-30)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    extra = 0.0
+    for _ in range(8):
+        factor, info = torch.linalg.cholesky_ex(h + extra * mean_diag * eye)
+        if int(info) == 0:
+            return factor
+        extra = 1e-4 if extra == 0.0 else extra * 10
+    raise ValueError("Hessian is not positive definite even after damping")
+
+
+def block_ldl_feedback(h: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, d)`` with ``h = (I + a)ᵀ · blockdiag(d) · (I + a)``, ``a`` strictly block-lower."""
+    n = h.shape[0]
+    if n % block:
+        raise ValueError(f"Hessian size {n} is not a multiple of {block}")
+    h64 = h.to(torch.float64)
+    # Reversing the order turns the needed "U D Uᵀ" into an ordinary lower factorisation.
+    reversed_h = h64.flip(0).flip(1)
+    chol = _cholesky_with_retry(reversed_h)  # reversed_h = C Cᵀ
+    blocks = n // block
+    diag_blocks = chol.view(blocks, block, blocks, block).diagonal(dim1=0, dim2=2)
+    diag_blocks = diag_blocks.permute(2, 0, 1)  # (blocks, block, block), lower triangular
+    # L' = C · blockdiag(C_kk)^-1 has identity diagonal blocks; D'_k = C_kk C_kkᵀ.
+    block_diag = torch.block_diag(*diag_blocks)
+    unit_lower = torch.linalg.solve_triangular(block_diag, chol, upper=False, left=False)
+    d_rev = diag_blocks @ diag_blocks.transpose(1, 2)
+    # Undo the reversal: h = (P L'ᵀ P)ᵀ (P D' P) (P L'ᵀ P) with M = P L'ᵀ P block-lower.
+    m = unit_lower.T.flip(0).flip(1)
+    # Exactly zero on and above the diagonal blocks (the solve leaves ~1e-16 there).
+    index = torch.arange(n, device=m.device) // block
+    a = torch.where(index[:, None] > index[None, :], m, torch.zeros((), dtype=m.dtype,
+                                                                  device=m.device))
+    d = d_rev.flip(0).flip(1).flip(2)  # reversed block order; each block reversed too
+    return a, d
+
+
+def ldlq(
+    target: torch.Tensor,
+    h: torch.Tensor,
+    quantize_block: BlockQuantizer,
+    block: int = 16,
+) -> tuple[torch.Tensor, list[Any]]:
+    """Quantize ``target`` (in, out) in ``block``-row blocks with LDLQ error feedback."""
+    a, _ = block_ldl_feedback(h, block)
+    a = a.to(device=target.device, dtype=torch.float32)
+    target = target.to(torch.float32)
+    quantized = torch.empty_like(target)
+    errors = torch.zeros_like(target)
+    payloads = []
+    for start in range(0, target.shape[0], block):
+        stop = start + block
+        rows = target[start:stop]
+        if start:
+            rows = rows + a[start:stop, :start] @ errors[:start]
+        values, payload = quantize_block(rows)
+        quantized[start:stop] = values
+        errors[start:stop] = target[start:stop] - values
+        payloads.append(payload)
+    return quantized, payloads
+
+
+def trellis_block_quantizer(k_bits: float, codebook: str = "mul1") -> BlockQuantizer:
+    """A block quantizer for ``ldlq``: one Viterbi search per 16x16 tile of the block."""
+    lut_cache: dict[torch.device, torch.Tensor] = {}
+
+    def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows.device not in lut_cache:
+            lut_cache[rows.device] = codebook_lut(codebook).to(rows.device, torch.float32)
+        tiles = matrix_to_tiles(rows)  # (1, nb, 16, 16)
+        targets = tile_to_steps(tiles).reshape(-1, 256)
+        states = viterbi_states(targets, k_bits, codebook)
+        values = steps_to_tile(lut_cache[rows.device][states]).reshape(tiles.shape)
+        packed = pack_states(states, k_bits).reshape(1, tiles.shape[1], -1)
+        return tiles_to_matrix(values), packed
+
+    return quantize

@@ -1,0 +1,320 @@
+"""Convert a Hugging Face model folder to EXL3, layer by layer, with resumable checkpoints.
+
+Layers are quantized in order on calibration activations that went through the
+already-quantized earlier layers (and, inside a layer, o_proj and down_proj see the
+outputs of the quantized q/k/v and gate/up). After each layer its stored tensors are
+written atomically to ``work_dir/layer-NNNN.safetensors``; ``resume=True`` reloads them
+and only recomputes activations. The output folder is always written from the
+checkpoints, and everything random is seeded, so a killed and resumed run writes the
+same bytes as an uninterrupted one.
+
+Public API:
+- ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
+  scale_search_tiles, seed, device)``
+- ``convert_model(src, out_dir, options, work_dir, resume=False, progress=None)
+  -> ConversionSummary`` (``progress`` receives each ``LayerReport`` and status strings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from exl3cli.engine.architecture import get_architecture
+from exl3cli.engine.config import load_model_config
+from exl3cli.engine.quant import dequantize_linear
+from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config, padded_size
+from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.weights import WeightReader
+from exl3cli.errors import ConversionError
+
+from .allocation import GroupShape, allocate_bits, average_bits
+from .calibration import DEFAULT_COLS, DEFAULT_ROWS, calibration_tokens, read_calibration_text
+from .hessian import HessianAccumulator
+from .layer_forward import LayerRunner
+from .quantize_layer import QuantizedLinear, QuantSettings, quantize_group
+from .report import ConversionSummary, LayerReport
+
+JOB_FILE = "job.json"
+_WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    bits: float
+    head_bits: int = 6
+    codebook: str = "mul1"
+    rows: int = DEFAULT_ROWS
+    cols: int = DEFAULT_COLS
+    calib_path: str | None = None
+    damping: float = 0.02
+    scale_search_tiles: int = 16
+    seed: int = 0
+    device: str | None = None
+
+
+Progress = Callable[[LayerReport | str], None]
+
+
+def _layer_modules(spec, i: int) -> dict[str, list[str]]:
+    t = spec.tensors
+    return {
+        "qkv": [t.q_proj.format(i=i), t.k_proj.format(i=i), t.v_proj.format(i=i)],
+        "o": [t.o_proj.format(i=i)],
+        "gate_up": [t.gate_proj.format(i=i), t.up_proj.format(i=i)],
+        "down": [t.down_proj.format(i=i)],
+    }
+
+
+def _group_shapes(config, spec, reader: WeightReader) -> list[GroupShape]:
+    shapes = []
+    for i in range(config.num_layers):
+        for group, modules in _layer_modules(spec, i).items():
+            weights = 0
+            for m in modules:
+                out_f, in_f = reader.get(m + ".weight").shape
+                weights += padded_size(in_f) * padded_size(out_f)
+            shapes.append(GroupShape(i, group, weights))
+    return shapes
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    with safe_open(str(path), "pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        meta = json.loads(handle.metadata()["report"])
+    return tensors, meta
+
+
+def _module_tensors(tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
+    prefix = module + "."
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+class _Converter:
+    def __init__(self, src: Path, options: ConvertOptions, work_dir: Path, progress: Progress):
+        self.src, self.options, self.work_dir, self.progress = src, options, work_dir, progress
+        self.config = load_model_config(src)
+        self.spec = get_architecture(self.config.architecture)
+        self.reader = WeightReader(src)
+        self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.runner = LayerRunner(self.config, self.spec, self.device)
+
+    def weight(self, module: str) -> torch.Tensor:
+        """(in, out) float32 on the working device."""
+        return self.reader.get(module + ".weight", dtype=torch.float32, device=self.device).T
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.reader.get(name, dtype=torch.float32, device=self.device)
+
+    def bias(self, module: str) -> torch.Tensor | None:
+        name = module + ".bias"
+        return self.tensor(name) if self.reader.has(name) else None
+
+    def settings(self, k_bits: int) -> QuantSettings:
+        o = self.options
+        return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed)
+
+    def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int) -> list[QuantizedLinear]:
+        acc = HessianAccumulator(x.shape[-1], self.device)
+        acc.add(x)
+        return quantize_group(
+            modules, [self.weight(m) for m in modules], [self.bias(m) for m in modules],
+            acc.hessian(), self.settings(k_bits),
+        )
+
+    def norms(self, i: int) -> dict[str, torch.Tensor]:
+        t = self.spec.tensors
+        names = [t.input_norm.format(i=i), t.post_attention_norm.format(i=i)]
+        if self.spec.qk_norm:
+            names += [t.q_norm.format(i=i), t.k_norm.format(i=i)]
+        return {n: self.tensor(n) for n in names}
+
+    def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
+                  quantize_bits: dict[str, int] | None = None) -> tuple[torch.Tensor, dict]:
+        """Forward one layer; with ``quantize_bits``, quantize each group on the way
+        (filling ``dense``) and return the stored tensors and proxy errors too."""
+        t, mods, r = self.spec.tensors, _layer_modules(self.spec, i), self.runner
+        stored, errors = {}, {}
+
+        def group(name: str, x: torch.Tensor) -> list[tuple]:
+            if quantize_bits is not None:
+                results = self.quantize(mods[name], x, quantize_bits[name])
+                for q in results:
+                    dense[q.name] = (q.weight, self.bias(q.name))
+                    stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
+                errors[name] = sum(q.proxy_error for q in results) / len(results)
+            return [dense[m] for m in mods[name]]
+
+        qk_norms = None
+        if self.spec.qk_norm:
+            qk_norms = (self.tensor(t.q_norm.format(i=i)), self.tensor(t.k_norm.format(i=i)))
+        x = r.rms_norm(hidden, self.tensor(t.input_norm.format(i=i)))
+        qkv = group("qkv", x)
+        attn = r.attention_core(x, i, tuple(w for w, _ in qkv), tuple(b for _, b in qkv), qk_norms)
+        (o_w, o_b), = group("o", attn)
+        hidden = hidden + r.linear(attn, o_w, o_b)
+        x = r.rms_norm(hidden, self.tensor(t.post_attention_norm.format(i=i)))
+        (g_w, g_b), (u_w, u_b) = group("gate_up", x)
+        mid = r.gated(x, g_w, u_w, (g_b, u_b))
+        (d_w, d_b), = group("down", mid)
+        hidden = hidden + r.linear(mid, d_w, d_b)
+        return hidden, {"stored": stored, "errors": errors}
+
+    def dense_from_stored(self, stored: dict[str, torch.Tensor], modules: list[str]) -> dict:
+        dense = {}
+        for m in modules:
+            out_f, in_f = self.reader.get(m + ".weight").shape
+            tensors = _module_tensors(stored, m)
+            w = dequantize_linear({k: v.to(self.device) for k, v in tensors.items()}, in_f, out_f)
+            dense[m] = (w, self.bias(m))
+        return dense
+
+
+def _prepare_work_dir(work_dir: Path, job: dict, resume: bool) -> None:
+    job_path = work_dir / JOB_FILE
+    if resume and job_path.is_file():
+        previous = json.loads(job_path.read_text(encoding="utf-8"))
+        if previous != job:
+            raise ConversionError(
+                f"--resume: the work folder {work_dir} belongs to a conversion with other "
+                "settings; start again without --resume")
+        return
+    if work_dir.exists():
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True)
+    job_path.write_text(json.dumps(job, indent=2, sort_keys=True), encoding="utf-8")
+
+
+def convert_model(
+    src: str | Path,
+    out_dir: str | Path,
+    options: ConvertOptions,
+    work_dir: str | Path,
+    resume: bool = False,
+    progress: Progress | None = None,
+) -> ConversionSummary:
+    """Quantize the HF model in ``src`` into an EXL3 folder ``out_dir``."""
+    started = time.perf_counter()
+    src, out_dir, work_dir = Path(src), Path(out_dir), Path(work_dir)
+    progress = progress or (lambda _event: None)
+    conv = _Converter(src, options, work_dir, progress)
+    job = {"source": str(src.resolve()), "options": asdict(options) | {"device": None}}
+    _prepare_work_dir(work_dir, job, resume)
+
+    shapes = _group_shapes(conv.config, conv.spec, conv.reader)
+    bits = allocate_bits(shapes, options.bits)
+    tokenizer = Tokenizer.from_folder(src)
+    text = read_calibration_text(options.calib_path)
+    tokens = calibration_tokens(tokenizer, text, options.rows, options.cols).to(conv.device)
+    embed = conv.tensor(conv.spec.tensors.embed)
+    hidden = F.embedding(tokens, embed)
+
+    reports = []
+    with torch.inference_mode():
+        for i in range(conv.config.num_layers):
+            layer_bits = {g: bits[(i, g)] for g in ("qkv", "o", "gate_up", "down")}
+            path = work_dir / f"layer-{i:04d}.safetensors"
+            begun = time.perf_counter()
+            modules = [m for ms in _layer_modules(conv.spec, i).values() for m in ms]
+            if resume and path.is_file():
+                stored, meta = _load_checkpoint(path)
+                report = LayerReport.from_dict(meta)
+            else:
+                _, out = conv.run_layer(i, hidden, {}, layer_bits)
+                stored = out["stored"]
+                report = LayerReport(i, layer_bits, out["errors"], time.perf_counter() - begun)
+                _atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
+            # Activations always come from the stored tensors, in both paths alike.
+            hidden, _ = conv.run_layer(i, hidden, conv.dense_from_stored(stored, modules))
+            reports.append(report)
+            progress(report)
+        head_error = _head(conv, hidden, work_dir, resume)
+    del hidden
+
+    progress("writing output folder")
+    _write_output(conv, out_dir, work_dir, options, bits, shapes)
+    return ConversionSummary(
+        reports, options.head_bits, head_error, average_bits(shapes, bits),
+        time.perf_counter() - started, out_dir,
+    )
+
+
+def _head_name(conv: _Converter) -> str:
+    return conv.spec.tensors.lm_head.removesuffix(".weight")
+
+
+def _head_weight(conv: _Converter) -> torch.Tensor:
+    t = conv.spec.tensors
+    name = t.lm_head if conv.reader.has(t.lm_head) else t.embed  # tied: copy the embedding
+    return conv.tensor(name).T
+
+
+def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool) -> float | None:
+    if conv.options.head_bits >= 16:
+        return None
+    path = work_dir / "head.safetensors"
+    if resume and path.is_file():
+        return float(_load_checkpoint(path)[1]["error"])
+    x = conv.runner.rms_norm(hidden, conv.tensor(conv.spec.tensors.final_norm))
+    acc = HessianAccumulator(x.shape[-1], conv.device)
+    acc.add(x)
+    name = _head_name(conv)
+    q, = quantize_group([name], [_head_weight(conv)], [None], acc.hessian(),
+                        conv.settings(conv.options.head_bits))
+    _atomic_save({f"{name}.{k}": v for k, v in q.tensors.items()}, path,
+                 {"report": json.dumps({"error": q.proxy_error})})
+    conv.progress(f"head {conv.options.head_bits}b {q.proxy_error:.2e}")
+    return q.proxy_error
+
+
+def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: ConvertOptions,
+                  bits: dict, shapes: list[GroupShape]) -> None:
+    raw = json.loads((conv.src / "config.json").read_text(encoding="utf-8"))
+    building = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(building, ignore_errors=True)
+    writer = Exl3FolderWriter(building, raw)
+    t = conv.spec.tensors
+    writer.add_tensor(t.embed, conv.reader.get(t.embed))
+    for i in range(conv.config.num_layers):
+        stored, _ = _load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
+        for name in conv.norms(i):
+            writer.add_tensor(name, conv.reader.get(name))
+        for modules in _layer_modules(conv.spec, i).values():
+            for m in modules:
+                writer.add_linear_tensors(m, _module_tensors(stored, m))
+    writer.add_tensor(t.final_norm, conv.reader.get(t.final_norm))
+    head = _head_name(conv)
+    if options.head_bits >= 16:
+        writer.add_dense_linear(head, _head_weight(conv).T)
+    else:
+        stored, _ = _load_checkpoint(work_dir / "head.safetensors")
+        writer.add_linear_tensors(head, _module_tensors(stored, head))
+    qconfig = make_quantization_config(
+        average_bits(shapes, bits), options.head_bits, options.codebook,
+        {"rows": options.rows, "cols": options.cols},
+    )
+    writer.close(qconfig)
+    for path in sorted(conv.src.iterdir()):
+        if path.is_file() and path.name not in _WEIGHT_FILES and path.suffix != ".safetensors":
+            shutil.copyfile(path, building / path.name)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(building, out_dir)

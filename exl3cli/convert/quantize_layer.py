@@ -1,0 +1,191 @@
+"""Quantize the linears that share one input (q/k/v, gate/up, or a single one) to EXL3.
+
+Steps (EXL3-FORMAT.md section 5): per-column then per-row RMS scales, random ±1 signs
+and the 128-point block Hadamard on both sides make ``Ŵ`` close to i.i.d. Gaussian;
+one global scale per tensor is searched on a sample of tiles; the Hessian is damped
+and rotated like the weights; LDLQ with 16-row blocks runs over all tensors of the
+group at once (they share the input side, so one pass serves them all), calling the
+tail-biting Viterbi on each 16x16 tile.
+
+Everything random comes from generators seeded by ``(seed, name)``: the same inputs
+give the same bits, which is what lets ``--resume`` reproduce an uninterrupted run.
+
+Public API:
+- ``QuantSettings(k_bits, codebook="mul1", damping=0.02, scale_search_tiles=16, seed=0)``
+- ``QuantizedLinear``: ``name``, ``tensors`` (suffix -> stored tensor: trellis int16,
+  suh/svh float16, codebook marker, bias), ``weight`` (float32 (in, out), the stored
+  tensors dequantized exactly as a loader sees them), ``proxy_error``.
+- ``quantize_group(names, weights[(in, out_i)], biases, hessian, settings)
+  -> list[QuantizedLinear]``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from exl3cli.engine.quant import (
+    MARKER_VALUES,
+    block_hadamard,
+    codebook_lut,
+    dequantize_linear,
+    viterbi_states,
+)
+from exl3cli.engine.quant.format import padded_size
+from exl3cli.engine.quant.tiles import matrix_to_tiles, tile_to_steps
+
+from .hessian import damp_hessian, pad_hessian, proxy_error, rotate_hessian
+from .ldlq import ldlq, trellis_block_quantizer
+
+# Divisors of the unit-RMS rotated weight tried by the global scale search; the codec's
+# measurements put the best one between 1.0 (2 bits) and ~1.15 (4 bits).
+_SCALE_DIVISORS = (0.94, 1.0, 1.06, 1.12, 1.2)
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    k_bits: int
+    codebook: str = "mul1"
+    damping: float = 0.02
+    scale_search_tiles: int = 16
+    seed: int = 0
+
+
+@dataclass
+class QuantizedLinear:
+    name: str
+    tensors: dict[str, torch.Tensor]
+    weight: torch.Tensor
+    proxy_error: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    # crc32, not hash(): stable across processes, so a resumed run draws the same signs.
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return gen
+
+
+def _random_signs(size: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    bits = torch.randint(0, 2, (size,), generator=gen, device=device)
+    return (1 - 2 * bits).to(torch.float32)
+
+
+def _rms(x: torch.Tensor, dim: int) -> torch.Tensor:
+    rms = x.pow(2).mean(dim=dim).sqrt()
+    # All-zero rows/columns (padding, dead channels) keep scale 1: nothing to scale.
+    return torch.where(rms > 1e-10, rms, torch.ones_like(rms))
+
+
+def _pad(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return torch.nn.functional.pad(w, (0, cols - w.shape[1], 0, rows - w.shape[0]))
+
+
+def _codebook_rms(codebook: str, device: torch.device) -> float:
+    return float(codebook_lut(codebook).to(device, torch.float32).pow(2).mean().sqrt())
+
+
+def _sample_tiles(rotated: torch.Tensor, count: int) -> torch.Tensor:
+    """Evenly spaced tiles of a matrix, in step order: (count, 256)."""
+    steps = tile_to_steps(matrix_to_tiles(rotated)).reshape(-1, 256)
+    if steps.shape[0] <= count:
+        return steps
+    index = torch.linspace(0, steps.shape[0] - 1, count, device=steps.device).round().long()
+    return steps[index]
+
+
+def _search_scales(
+    rotated: list[torch.Tensor], settings: QuantSettings, cb_rms: float
+) -> list[float]:
+    """Per tensor, the multiplier m (quantize ``Ŵ·m``) with the least tile MSE."""
+    if settings.scale_search_tiles <= 0:
+        return [cb_rms / 1.06] * len(rotated)
+    samples = [_sample_tiles(r, settings.scale_search_tiles) for r in rotated]
+    candidates = [cb_rms / d for d in _SCALE_DIVISORS]
+    # One Viterbi call for every tensor and candidate: small calls waste the machine.
+    batch = torch.cat([s * m for s in samples for m in candidates])
+    states = viterbi_states(batch, settings.k_bits, settings.codebook)
+    lut = codebook_lut(settings.codebook).to(batch.device, torch.float32)
+    mse_per_tile = (lut[states] - batch).pow(2).mean(dim=1)
+    chosen, offset = [], 0
+    for s in samples:
+        errors = []
+        for m in candidates:
+            # Error measured back in Ŵ units, so candidates compare fairly.
+            errors.append(float(mse_per_tile[offset : offset + s.shape[0]].mean()) / m**2)
+            offset += s.shape[0]
+        chosen.append(candidates[min(range(len(errors)), key=errors.__getitem__)])
+    return chosen
+
+
+def quantize_group(
+    names: list[str],
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    hessian: torch.Tensor,
+    settings: QuantSettings,
+) -> list[QuantizedLinear]:
+    """Quantize linears sharing an input; ``weights[i]`` is (in, out_i), ``y = x W``."""
+    device = weights[0].device
+    in_features = weights[0].shape[0]
+    in_pad = padded_size(in_features)
+    gen = _generator(settings.seed, names[0], device)
+    input_signs = _random_signs(in_pad, gen, device)
+    weights = [w.to(torch.float32) for w in weights]
+
+    # Column (output) RMS first, then the row (input) RMS of the column-normalised group.
+    col_rms = [_rms(w, dim=0) for w in weights]
+    normalised = torch.cat([w / c for w, c in zip(weights, col_rms, strict=True)], dim=1)
+    row_rms = torch.nn.functional.pad(_rms(normalised, dim=1), (0, in_pad - in_features), value=1.0)
+    suh = (input_signs * row_rms).to(torch.float16).to(torch.float32)
+
+    cb_rms = _codebook_rms(settings.codebook, device)
+    out_signs, unit_rotated, padded = [], [], []
+    for name, w, c in zip(names, weights, col_rms, strict=True):
+        out_pad = padded_size(w.shape[1])
+        signs = _random_signs(out_pad, _generator(settings.seed, name + ".out", device), device)
+        col = torch.nn.functional.pad(c, (0, out_pad - w.shape[1]), value=1.0)
+        wp = _pad(w, in_pad, out_pad)
+        rotated = block_hadamard(block_hadamard(wp / suh[:, None] / (signs * col)[None, :], 0), 1)
+        out_signs.append(signs * col)
+        unit_rotated.append(rotated)
+        padded.append(wp)
+    multipliers = _search_scales(unit_rotated, settings, cb_rms)
+
+    svh_list, targets = [], []
+    for wp, side, m in zip(padded, out_signs, multipliers, strict=True):
+        svh = (side / m).to(torch.float16).to(torch.float32)
+        # The target uses the float16-rounded scales a loader will multiply by.
+        targets.append(block_hadamard(block_hadamard(wp / suh[:, None] / svh[None, :], 0), 1))
+        svh_list.append(svh)
+    target = torch.cat(targets, dim=1)
+
+    h = damp_hessian(pad_hessian(hessian.to(device, torch.float64), in_pad), settings.damping)
+    h_rot = rotate_hessian(h, suh)
+    _, payloads = ldlq(target, h_rot, trellis_block_quantizer(settings.k_bits, settings.codebook))
+    trellis = torch.cat(payloads, dim=0)  # (in_pad/16, total_out/16, words)
+
+    results, col_start = [], 0
+    for name, w, b, svh in zip(names, weights, biases, svh_list, strict=True):
+        tiles = svh.numel() // 16
+        tensors = {
+            "trellis": trellis[:, col_start : col_start + tiles].contiguous(),
+            "suh": suh.to(torch.float16),
+            "svh": svh.to(torch.float16),
+        }
+        col_start += tiles
+        if settings.codebook in MARKER_VALUES:
+            tensors[settings.codebook] = torch.tensor(
+                MARKER_VALUES[settings.codebook], dtype=torch.int32, device=device
+            )
+        if b is not None:
+            tensors["bias"] = b.to(torch.float16)
+        dense = dequantize_linear(tensors, w.shape[0], w.shape[1])
+        results.append(QuantizedLinear(
+            name=name, tensors=tensors, weight=dense,
+            proxy_error=proxy_error(hessian.to(device), w, dense),
+        ))
+    return results

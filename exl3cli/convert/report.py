@@ -1,0 +1,67 @@
+"""Progress lines and the closing summary of a conversion.
+
+Public API:
+- ``LayerReport(layer, bits: dict[group, int], errors: dict[group, float], seconds,
+  resumed)``; ``.line(num_layers) -> str`` (one progress line).
+- ``ConversionSummary(layers, head_bits, head_error, average_bits, seconds, out_dir)``;
+  ``.table() -> str``: bits and mean proxy error per layer group, wall time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .allocation import GROUPS
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    bits: dict[str, int]
+    errors: dict[str, float]
+    seconds: float
+    resumed: bool = False
+
+    def line(self, num_layers: int) -> str:
+        parts = "  ".join(
+            f"{g} {self.bits[g]}b {self.errors[g]:.2e}" for g in GROUPS if g in self.bits
+        )
+        how = "resumed" if self.resumed else f"{self.seconds:.1f}s"
+        return f"layer {self.layer + 1}/{num_layers}  {parts}  ({how})"
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "bits": self.bits, "errors": self.errors,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, data: dict, resumed: bool = True) -> LayerReport:
+        return cls(int(data["layer"]), dict(data["bits"]), dict(data["errors"]),
+                   float(data["seconds"]), resumed)
+
+
+@dataclass
+class ConversionSummary:
+    layers: list[LayerReport]
+    head_bits: int
+    head_error: float | None
+    average_bits: float
+    seconds: float
+    out_dir: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        rows = [f"{'group':<8} {'bits (min-max)':>15} {'mean proxy error':>17} {'max':>10}"]
+        for group in GROUPS:
+            bits = [r.bits[group] for r in self.layers if group in r.bits]
+            errors = [r.errors[group] for r in self.layers if group in r.errors]
+            if not bits:
+                continue
+            rows.append(f"{group:<8} {f'{min(bits)}-{max(bits)}':>15} "
+                        f"{sum(errors) / len(errors):>17.3e} {max(errors):>10.3e}")
+        head = "16 (not quantized)" if self.head_error is None else (
+            f"{self.head_bits}  error {self.head_error:.3e}")
+        rows.append(f"head     {head}")
+        rows.append(f"average bits per weight (layers): {self.average_bits:.3f}")
+        rows.append(f"wall time: {self.seconds:.1f}s")
+        return "\n".join(rows)

@@ -1,0 +1,147 @@
+"""EXL3 CPU kernels (``csrc/cpu/*.cpp``), compiled on first use, with a pure-PyTorch
+fallback.
+
+The extension is built with ``torch.utils.cpp_extension.load`` (JIT, ninja) with
+``-O3 -march=native``; a ``-march=native`` binary only runs on CPUs like the one that
+built it, so the cache folder is keyed by the sources, torch and the CPU's model and
+feature flags. When no compiler or ninja is present, or ``EXL3_NO_EXT=1`` is set,
+callers use the PyTorch reference instead (one line on stderr says why, once).
+
+Public API:
+- ``available() -> bool`` / ``unavailable_reason() -> str | None``
+- ``simd_level() -> str``: which inner loop was compiled ("avx512", "avx2", "scalar").
+- ``viterbi_states_cpu(targets[N, 256], k_bits, codebook="mul1") -> states[int64, (N, 256)]``:
+  the same states as ``exl3cli.engine.quant.viterbi.viterbi_states_reference``.
+Environment: ``EXL3_NO_EXT=1`` forces the fallback; ``EXL3_KERNEL_CACHE`` sets the build
+cache folder (default ``~/.cache/exl3/kernels``); ``EXL3_EXT_VERBOSE=1`` shows the build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
+_FLAGS = ["-O3", "-march=native"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "ext": None, "reason": None}
+
+
+def _cpu_fingerprint() -> str:
+    """CPU model and feature flags: what a ``-march=native`` binary depends on."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
+    wanted = [line for line in text.splitlines()
+              if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "|".join(sorted(set(wanted)))
+
+
+def _why_not() -> str | None:
+    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
+        return "EXL3_NO_EXT is set"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler"
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401
+        except ImportError:
+            return "ninja not found"
+    if not any(CSRC_CPU.glob("*.cpp")):
+        return f"no sources in {CSRC_CPU}"
+    return None
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    sources = sorted(CSRC_CPU.glob("*.cpp"))
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(f"{torch.__version__}|{_FLAGS}|{_cpu_fingerprint()}".encode())
+    name = f"exl3_cpu_{digest.hexdigest()[:16]}"
+    root = Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
+    build_dir = root / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=name,
+        sources=[str(p) for p in sources],
+        # No fast-math: the search must round exactly like the PyTorch reference.
+        extra_cflags=_FLAGS,
+        build_directory=str(build_dir),
+        verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
+    )
+
+
+def _extension() -> ModuleType | None:
+    if _state["tried"]:
+        return _state["ext"]  # type: ignore[return-value]
+    with _lock:
+        if not _state["tried"]:
+            reason = _why_not()
+            if reason is None:
+                try:
+                    _state["ext"] = _build()
+                except Exception as exc:  # compiler errors arrive as many exception types
+                    first = str(exc).strip().splitlines()
+                    reason = f"build failed: {first[0] if first else type(exc).__name__}"
+            _state["reason"] = reason
+            _state["tried"] = True
+            if reason is not None and reason != "EXL3_NO_EXT is set":
+                print(f"exl3: CPU kernels unavailable ({reason}); using the PyTorch "
+                      "reference path", file=sys.stderr)
+    return _state["ext"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the compiled CPU kernels can be used (builds them on first call).
+
+    ``EXL3_NO_EXT`` is read on every call, so setting it later still takes effect."""
+    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
+        return False
+    return _extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are not in use, or None when they are."""
+    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
+        return "EXL3_NO_EXT is set"
+    _extension()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def simd_level() -> str:
+    """The node-cost loop the extension was compiled with ("avx512", "avx2", "scalar")."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    return ext.simd_level()
+
+
+def viterbi_states_cpu(
+    targets: torch.Tensor, k_bits: float, codebook: str = "mul1"
+) -> torch.Tensor:
+    """Best tail-biting states (N, 256) int64 for targets (N, 256) in step order, on
+    the CPU kernel; raises RuntimeError when it is unavailable."""
+    from .engine.quant.bitstream import STEPS, bits_per_step
+    from .engine.quant.codebooks import codebook_lut_float32
+
+    ext = _extension() if available() else None
+    if ext is None:
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    if targets.dim() != 2 or targets.shape[1] != STEPS:
+        raise ValueError(f"targets must have shape (N, {STEPS}), got {tuple(targets.shape)}")
+    kbits = torch.tensor(bits_per_step(k_bits), dtype=torch.int32)
+    lut = codebook_lut_float32(codebook)
+    return ext.viterbi_states(targets.detach().to("cpu", torch.float32), kbits, lut)

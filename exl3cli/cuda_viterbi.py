@@ -1,0 +1,149 @@
+"""CUDA Viterbi tile encoder (``csrc/cuda/viterbi_cuda.cu``), compiled on first use.
+
+Built on its own with ``torch.utils.cpp_extension.load`` (JIT, ninja) into a cache
+folder keyed by the source, torch, CUDA and the GPU architecture; ``exl3cli.kernels``
+builds the decode/GEMM kernels from a fixed source list, so this module loads the
+encoder separately (to be folded into one build later). When no GPU, compiler or ninja
+is present, or ``EXL3_NO_EXT=1`` is set, callers use the PyTorch reference instead.
+
+Public API:
+- ``available() -> bool`` / ``unavailable_reason() -> str | None``
+- ``viterbi_states_cuda(targets[N, 256] (CUDA), k_bits, codebook="mul1")
+  -> states[int64, (N, 256)]`` on targets' device: the same states as
+  ``exl3cli.engine.quant.viterbi.viterbi_states_reference``.
+Environment: ``EXL3_NO_EXT=1``, ``EXL3_KERNEL_CACHE`` (default ``~/.cache/exl3/kernels``),
+``EXL3_EXT_VERBOSE=1`` as for ``exl3cli.kernels``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cuda" / "viterbi_cuda.cu"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "ext": None, "reason": None}
+_luts: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _no_ext() -> bool:
+    return os.environ.get("EXL3_NO_EXT", "") not in ("", "0")
+
+
+def _why_not() -> str | None:
+    if _no_ext():
+        return "EXL3_NO_EXT is set"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        return "no CUDA compiler (CUDA_HOME/nvcc not found)"
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401
+        except ImportError:
+            return "ninja not found"
+    return None
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}a" if (major, minor) == (9, 0) else f"{major}{minor}"
+    flags = ["-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__}|{torch.version.cuda}|{flags}".encode())
+    name = f"exl3_viterbi_{digest.hexdigest()[:16]}"
+    root = Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
+    build_dir = root / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
+    return cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3"],
+        # No fast-math: the search must round exactly like the PyTorch reference.
+        extra_cuda_cflags=flags,
+        build_directory=str(build_dir),
+        verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
+    )
+
+
+def _extension() -> ModuleType | None:
+    if _state["tried"]:
+        return _state["ext"]  # type: ignore[return-value]
+    with _lock:
+        if not _state["tried"]:
+            reason = _why_not()
+            if reason is None:
+                try:
+                    _state["ext"] = _build()
+                except Exception as exc:  # compiler errors arrive as many exception types
+                    first = str(exc).strip().splitlines()
+                    reason = f"build failed: {first[0] if first else type(exc).__name__}"
+            _state["reason"] = reason
+            _state["tried"] = True
+            if reason is not None and torch.cuda.is_available() and not _no_ext():
+                print(f"exl3: CUDA Viterbi kernel unavailable ({reason}); using the "
+                      "PyTorch reference on the GPU", file=sys.stderr)
+    return _state["ext"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the CUDA Viterbi kernel can be used (builds it on first call)."""
+    if _no_ext():
+        return False
+    return _extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not in use, or None when it is."""
+    if _no_ext():
+        return "EXL3_NO_EXT is set"
+    _extension()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def _device_luts(codebook: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (codebook, device)
+    if key not in _luts:
+        from .engine.quant.codebooks import codebook_lut, codebook_lut_float32
+
+        _luts[key] = (codebook_lut_float32(codebook).to(device),
+                      codebook_lut(codebook).to(device))
+    return _luts[key]
+
+
+def viterbi_states_cuda(
+    targets: torch.Tensor, k_bits: float, codebook: str = "mul1"
+) -> torch.Tensor:
+    """Best tail-biting states (N, 256) int64 for CUDA targets (N, 256) in step order;
+    raises RuntimeError when the kernel is unavailable."""
+    from .engine.quant.bitstream import STEPS, bits_per_step
+
+    ext = _extension() if available() else None
+    if ext is None:
+        raise RuntimeError(f"CUDA Viterbi kernel unavailable: {unavailable_reason()}")
+    if not targets.is_cuda or targets.dim() != 2 or targets.shape[1] != STEPS:
+        raise ValueError(f"targets must be a CUDA tensor (N, {STEPS}), got "
+                         f"{tuple(targets.shape)} on {targets.device}")
+    per_step = bits_per_step(k_bits)
+    if codebook != "mul1" and not float(k_bits).is_integer():
+        raise ValueError("half-integer bits per weight need the mul1 codebook")
+    device = targets.device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    lut, lut_h = _device_luts(codebook, device)
+    return ext.viterbi_states(targets.detach().to(torch.float32), per_step, lut, lut_h)
