@@ -282,6 +282,11 @@ def exl3_gemm(
     else:
         weight = torch.empty(pad_in, pad_out, dtype=torch.float16, device=x.device)
         ext.decode(trellis.contiguous(), k2, cb, weight)
+        # xh @ Ŵ is svh-times larger than the output (Ŵ has unit RMS): in float16 it
+        # overflows on models with large activations. Fold the largest |svh| into Ŵ.
+        scale = svh32.abs().amax().clamp_min(1e-8)
+        weight.mul_(scale.to(torch.float16))
+        svh32 = svh32 / scale
         acc = (xh @ weight).unsqueeze(0)
     if out is None:
         out = torch.empty(*lead, n_out, dtype=x.dtype, device=x.device)

@@ -155,3 +155,17 @@ def test_trellis_mode_in_half_precision_tracks_float32(layer):
     rel = ((low.float() - ref).norm() / ref.norm()).item()
     assert rel < 2e-2
     assert F.cosine_similarity(low.float().flatten(), ref.flatten(), dim=0) > 0.999
+
+
+def test_trellis_path_in_float16_survives_large_activations(layer):
+    # Ŵ has unit RMS, so H(x*suh) @ Ŵ is ~1/svh times larger than y: with inputs of a
+    # few thousand (real models' outlier channels) it overflows float16 unless the
+    # product is formed in float32 (a SmolLM2 perplexity run hit exactly this).
+    small = dict(layer, svh=(layer["svh"].float() * 1e-3).half())
+    lin = Exl3Linear(small, 200, 150, mode="trellis", dtype=torch.float16)
+    x = torch.randn(4, 200, generator=torch.Generator().manual_seed(1)) * 3000
+    y = lin(x.half())
+    expected = x.double() @ _reference_weight(small, 200, 150).double().t()
+    expected = expected + small["bias"].double()
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
