@@ -1,9 +1,13 @@
 """CPU prompt and decode speed of the reference engine vs transformers, same weights.
 
 Builds a random-initialised model of SmolLM2-135M's shape in memory (no download),
-then measures a 512-token prompt and greedy generation for float32 and bfloat16.
+then measures a 512-token prompt and greedy generation: ours with each CPU weight mode
+(float32 activations; "off" = plain F.linear, see engine/loader.resolve_cpu_weights) and
+with bfloat16 compute, transformers in float32 and bfloat16. Each figure is the best of
+--repeats runs (the machine is shared; the best run is the least disturbed one).
 
-    python3 bench/cpu_decode.py [--new-tokens 64] [--threads N]
+    python3 bench/cpu_decode.py [--new-tokens 64] [--threads N] [--repeats 3]
+        [--modes off,fp32,bf16,int8] [--no-transformers]
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class StateDictReader:
         return self.state[name].to(dtype=dtype, device=device)
 
 
+def best_of(repeats: int, timer, *args) -> tuple[float, float]:
+    runs = [timer(*args) for _ in range(repeats)]
+    return max(r[0] for r in runs), max(r[1] for r in runs)
+
+
 def time_ours(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
     cache = model.new_cache(1, prompt.shape[1] + new_tokens + 1)
     start = time.perf_counter()
@@ -78,6 +87,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="off,fp32,bf16,int8")
+    parser.add_argument("--no-transformers", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,20 +103,27 @@ def main() -> None:
     prompt = torch.randint(0, SMOLLM2_135M["vocab_size"], (1, args.prompt_tokens))
     print(f"threads={torch.get_num_threads()} prompt={args.prompt_tokens} "
           f"new_tokens={args.new_tokens}")
-    for dtype in (torch.float32, torch.bfloat16):
-        ours = build_causal_lm(config, spec, StateDictReader(state), torch.device("cpu"), dtype)
+    runs = [(torch.float32, mode) for mode in args.modes.split(",") if mode]
+    runs.append((torch.bfloat16, "off"))
+    for dtype, mode in runs:
+        ours = build_causal_lm(config, spec, StateDictReader(state), torch.device("cpu"), dtype,
+                               cpu_weights=mode)
         time_ours(ours, prompt[:, :16], 4)  # warm-up
-        ours_prompt, ours_gen = time_ours(ours, prompt, args.new_tokens)
+        ours_prompt, ours_gen = best_of(args.repeats, time_ours, ours, prompt, args.new_tokens)
+        name = f"{str(dtype).removeprefix('torch.')}/{mode}"
+        print(f"{name:14s} exl3   prompt {ours_prompt:8.1f} tok/s  generation {ours_gen:6.1f} tok/s",
+              flush=True)
+        del ours
+    if args.no_transformers:
+        return
+    for dtype in (torch.float32, torch.bfloat16):
         theirs = reference.to(dtype)
         time_transformers(theirs, prompt[:, :16], 4)
-        hf_prompt, hf_gen = time_transformers(theirs, prompt, args.new_tokens)
+        hf_prompt, hf_gen = best_of(args.repeats, time_transformers, theirs, prompt,
+                                    args.new_tokens)
         name = str(dtype).removeprefix("torch.")
-        print(f"{name:9s} exl3   prompt {ours_prompt:8.1f} tok/s  generation {ours_gen:6.1f} tok/s")
-        print(f"{name:9s} hf     prompt {hf_prompt:8.1f} tok/s  generation {hf_gen:6.1f} tok/s")
-        print(f"{name:9s} ratio  prompt {ours_prompt / hf_prompt:8.2f}x      "
-              f"generation {ours_gen / hf_gen:6.2f}x")
-        del ours
-
+        print(f"{name:14s} hf     prompt {hf_prompt:8.1f} tok/s  generation {hf_gen:6.1f} tok/s",
+              flush=True)
 
 if __name__ == "__main__":
     main()

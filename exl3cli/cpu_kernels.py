@@ -12,6 +12,10 @@ Public API:
 - ``simd_level() -> str``: which inner loop was compiled ("avx512", "avx2", "scalar").
 - ``viterbi_states_cpu(targets[N, 256], k_bits, codebook="mul1") -> states[int64, (N, 256)]``:
   the same states as ``exl3cli.engine.quant.viterbi.viterbi_states_reference``.
+- ``pack_gemv_weight(weight[out, in], mode) -> (packed, scale | None)`` (mode "fp32",
+  "bf16", "int8"), ``unpack_gemv_weight(packed, scale=None, transposed=False)``,
+  ``gemv_cpu(x[M, K], packed, scale, bias, n) -> y[M, n]`` (float32; the decode matmul of
+  ``engine/linear.py``, ``csrc/cpu/gemv_cpu.cpp``) and its twin ``gemv_reference``.
 Environment: ``EXL3_NO_EXT=1`` forces the fallback; ``EXL3_KERNEL_CACHE`` sets the build
 cache folder (default ``~/.cache/exl3/kernels``); ``EXL3_EXT_VERBOSE=1`` shows the build.
 """
@@ -145,3 +149,60 @@ def viterbi_states_cpu(
     kbits = torch.tensor(bits_per_step(k_bits), dtype=torch.int32)
     lut = codebook_lut_float32(codebook)
     return ext.viterbi_states(targets.detach().to("cpu", torch.float32), kbits, lut)
+
+
+# --- Dense GEMV for decode (csrc/cpu/gemv_cpu.cpp, op torch.ops.exl3_cpu.gemv) ---
+# Layout: W^T (in, out) cut into 32-column blocks, each contiguous: (ceil(out/32), in, 32),
+# zero-padded past out; int8 weights carry one float32 scale per output column.
+
+GEMV_BLOCK = 32
+_GEMV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def pack_gemv_weight(weight: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, in) weight -> (blocked weights, int8 scales or None) for ``mode`` "fp32",
+    "bf16" (round to nearest) or "int8" (symmetric, absmax / 127 per output row)."""
+    if mode not in _GEMV_DTYPES:
+        raise ValueError(f"unknown GEMV weight mode {mode!r}")
+    out_features, in_features = weight.shape
+    w = weight.detach().to("cpu", torch.float32)
+    scale = None
+    if mode == "int8":
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        w = torch.round(w / scale[:, None])
+    w = torch.nn.functional.pad(w, (0, 0, 0, -out_features % GEMV_BLOCK))
+    blocked = w.to(_GEMV_DTYPES[mode]).view(-1, GEMV_BLOCK, in_features).transpose(1, 2)
+    return blocked.contiguous(), scale
+
+
+def unpack_gemv_weight(packed: torch.Tensor, scale: torch.Tensor | None = None,
+                       transposed: bool = False) -> torch.Tensor:
+    """The (padded out, in) matrix of ``pack_gemv_weight`` (``transposed``: (in, padded
+    out), contiguous), in the stored dtype, or float32 times the scales for int8."""
+    blocks, in_features, _ = packed.shape
+    if transposed:
+        w = packed.permute(1, 0, 2).reshape(in_features, blocks * GEMV_BLOCK)
+        return w if scale is None else w.float() * _pad_to(scale, w.shape[1])
+    w = packed.transpose(1, 2).reshape(blocks * GEMV_BLOCK, in_features)
+    return w if scale is None else w.float() * _pad_to(scale, w.shape[0])[:, None]
+
+
+def _pad_to(v: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.nn.functional.pad(v, (0, n - v.numel()))
+
+
+def gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None,
+                   bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """PyTorch twin of ``gemv_cpu``: float32 ``x (M, K) @ W`` over the first n columns."""
+    w_t = unpack_gemv_weight(packed, scale, transposed=True)[:, :n].float()
+    y = x.float() @ w_t
+    return y + bias[:n] if bias is not None else y
+
+
+def gemv_cpu(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None,
+             bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``gemv_reference`` on the compiled kernel (float32 x (M, K), packed weights
+    float32/bfloat16/int8); raises RuntimeError when the kernels are unavailable."""
+    if _extension() is None:
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    return torch.ops.exl3_cpu.gemv(x, packed, scale, bias, n)

@@ -1,8 +1,10 @@
-"""`exl3 bench`: measure a server under load (`--server URL`).
+"""`exl3 bench`: measure a server under load (`--server URL`) or a model's speed.
 
 One command for every benchmark: with `--server` it replays chat requests against a
-running Ollama/OpenAI-compatible server (cli/bench_load.py); the quality and speed
-modes of a local model (`exl3 bench MODEL --ppl ...`) will hang off the MODEL argument.
+running Ollama/OpenAI-compatible server (cli/bench_load.py); with MODEL (a folder or a
+stored name) or `--synthetic SHAPE -b BPW` it loads the model and measures prompt and
+generation tokens/s, peak GPU memory and the fraction of the memory-bandwidth limit
+(cli/bench_speed.py).
 """
 
 from __future__ import annotations
@@ -34,17 +36,39 @@ import click
 @click.option("--api-key", envvar="EXL3_API_KEY", default=None,
               help="Bearer token (default: EXL3_API_KEY).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--prompt-lengths", default="512,2048", show_default=True,
+              help="Speed mode: prompt lengths (tokens), comma-separated.")
+@click.option("--gen-tokens", default=128, show_default=True, type=click.IntRange(1),
+              help="Speed mode: tokens generated per measurement.")
+@click.option("--batch", "batches", default="1,16", show_default=True,
+              help="Speed mode: batch sizes for generation, comma-separated.")
+@click.option("--synthetic", metavar="SHAPE", default=None,
+              help="Speed mode: write a synthetic EXL3 model of this shape (llama3-8b, "
+                   "llama3.2-1b, smollm2-135m, tiny) to a temporary folder first.")
+@click.option("-b", "--bits", default=4.0, show_default=True, type=float,
+              help="With --synthetic: bits per weight.")
+@click.option("--head-bits", default=6, show_default=True, type=int,
+              help="With --synthetic: bits per weight of the output head.")
+@click.option("--device", default=None, help="Speed mode: cuda or cpu (default: cuda if any).")
+@click.option("--memory-context", default=8192, show_default=True, type=click.IntRange(0),
+              help="Speed mode: cache size of the peak-memory run (0 skips it).")
+@click.option("--no-graphs", is_flag=True, help="Speed mode: decode without CUDA graphs.")
 def bench(model_arg: str | None, server: str | None, model_name: str | None,
           concurrency: int, num_requests: int, prompt: str | None, api: str,
           num_predict: int, temperature: float, timeout: float, api_key: str | None,
-          as_json: bool) -> None:
-    """Benchmark a server under load: requests/s, time to first token, latency
-    percentiles, tokens/s and errors."""
+          as_json: bool, prompt_lengths: str, gen_tokens: int, batches: str,
+          synthetic: str | None, bits: float, head_bits: int, device: str | None,
+          memory_context: int, no_graphs: bool) -> None:
+    """Benchmark a server under load (--server: requests/s, time to first token,
+    latency percentiles, tokens/s, errors), or a model's speed (MODEL or --synthetic:
+    prompt and generation tokens/s, peak GPU memory, fraction of the bandwidth limit)."""
     from exl3cli.cli.bench_load import LoadConfig, format_report, run_load
 
     if not server:
-        raise click.UsageError("give --server URL (local-model benchmarks of MODEL are "
-                               "not available yet)")
+        _speed_command(model_arg, synthetic, bits, head_bits, _int_list(prompt_lengths),
+                       gen_tokens, _int_list(batches), device, memory_context,
+                       not no_graphs, as_json)
+        return
     if "://" not in server:
         server = "http://" + server
     model = model_name or model_arg or _first_model(server, api, api_key)
@@ -82,6 +106,56 @@ def _first_model(server: str, api: str, api_key: str | None) -> str:
     if not names:
         raise click.ClickException(f"{server} lists no models; name one with --model")
     return str(names[0])
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _speed_command(model_arg: str | None, synthetic: str | None, bits: float, head_bits: int,
+                   prompt_lengths: list[int], gen_tokens: int, batches: list[int],
+                   device: str | None, memory_context: int, graphs: bool,
+                   as_json: bool) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from exl3cli.cli.bench_speed import format_speed_report, run_speed
+
+    if synthetic is None and model_arg is None:
+        raise click.UsageError("give MODEL, --synthetic SHAPE, or --server URL")
+    with tempfile.TemporaryDirectory(prefix="exl3-bench-") as scratch:
+        if synthetic is not None:
+            from exl3cli.engine.quant.synthetic import SHAPES, write_synthetic_model
+
+            if synthetic not in SHAPES:
+                raise click.BadParameter(f"unknown shape {synthetic!r}; choose from "
+                                         f"{', '.join(sorted(SHAPES))}")
+            folder = write_synthetic_model(Path(scratch) / synthetic, synthetic, bits=bits,
+                                           head_bits=head_bits)
+            label = f"synthetic {synthetic} {bits:g} bpw (head {head_bits})"
+        else:
+            folder, label = _model_folder(model_arg), model_arg
+        report = run_speed(folder, prompt_lengths=prompt_lengths, gen_tokens=gen_tokens,
+                           batches=batches, device=device, memory_context=memory_context,
+                           graphs=graphs, label=label)
+    click.echo(json.dumps(report, indent=2) if as_json else format_speed_report(report))
+
+
+def _model_folder(model_arg: str):
+    from pathlib import Path
+
+    path = Path(model_arg).expanduser()
+    if path.is_dir():
+        return path
+    from exl3cli.store.store import ModelStore
+
+    return ModelStore().model_folder(model_arg)
 
 
 COMMANDS = [bench]

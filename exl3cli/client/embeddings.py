@@ -61,7 +61,7 @@ def _dimensions(vector: list[float], dimensions: int | None, normalize: bool) ->
 def run_embed(runner: Any, req: dict[str, Any], normalize: bool = True) -> dict[str, Any]:
     """The /api/embed answer for `req` ({model, input, truncate, options, keep_alive,
     dimensions}), using `runner` (an InferenceRunner) to load and keep the model."""
-    from exl3cli.client.inference import merge_options, parse_keep_alive
+    from exl3cli.client.request_options import merge_options, parse_keep_alive
 
     if not isinstance(req, dict):
         raise InvalidOption("request must be a JSON object")

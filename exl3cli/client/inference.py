@@ -4,7 +4,8 @@
 the in-process client and the HTTP daemon answer identically. It resolves a name to a
 store manifest, loads the model once (cached by the digest of its weight files, so two
 names sharing weights share one loaded model), merges options (manifest PARAMETERs <
-request options), applies the manifest SYSTEM / TEMPLATE / MESSAGEs, and streams.
+request options), applies the manifest SYSTEM / TEMPLATE / MESSAGEs, and streams the
+answer from the model's continuous-batching Generator (engine/generator.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -21,95 +20,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from exl3cli.errors import ContextOverflow, InvalidOption
+from exl3cli.client.request_options import (  # noqa: F401  (re-exported)
+    cache_type_option,
+    default_num_parallel,
+    int_option,
+    known_option_names,
+    merge_options,
+    now_iso,
+    parse_keep_alive,
+)
+from exl3cli.errors import ContextOverflow
 
 log = logging.getLogger(__name__)
-
-DEFAULT_KEEP_ALIVE = "5m"
-
-
-def now_iso() -> str:
-    """`created_at` as Ollama writes it: UTC, microseconds, trailing Z."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def parse_keep_alive(value: Any) -> float | None:
-    """Seconds a model stays loaded after a request; None means forever.
-
-    Accepts what Ollama accepts: a number of seconds, or a duration string such as
-    `5m`, `1h30m`, `300ms`, `0`, `-1`.
-    """
-    if value is None or value == "":
-        value = os.environ.get("EXL3_KEEP_ALIVE", DEFAULT_KEEP_ALIVE)
-    if isinstance(value, bool):
-        raise InvalidOption(f"invalid keep_alive: {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        text = str(value).strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            seconds = _parse_duration_text(text)
-    return None if seconds < 0 else seconds
-
-
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
-                   "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-
-
-def _parse_duration_text(text: str) -> float:
-    sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
-    parts = _DURATION_PART.findall(body)
-    if not parts or "".join(number + unit for number, unit in parts) != body:
-        raise InvalidOption(f"invalid duration: {text!r} (use e.g. 30s, 5m, 1h, 0, -1)")
-    return sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
-
-
-def known_option_names() -> set[str]:
-    """Every option a request may set: the Modelfile PARAMETER names."""
-    from exl3cli.store.modelfile import PARAMETER_TYPES
-
-    return set(PARAMETER_TYPES)
-
-
-def merge_options(parameters: dict[str, Any] | None,
-                  options: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
-    """Manifest PARAMETERs overlaid by request options; returns (merged, ignored names).
-
-    Unknown request options are dropped with a warning, as Ollama does, so a client
-    written for another server keeps working.
-    """
-    merged = dict(parameters or {})
-    ignored: list[str] = []
-    known = known_option_names()
-    for name, value in (options or {}).items():
-        if name not in known:
-            ignored.append(name)
-            continue
-        if value is None:
-            continue
-        merged[name] = value
-    if isinstance(merged.get("stop"), str):
-        merged["stop"] = [merged["stop"]]
-    for name in ignored:
-        log.warning("invalid option provided: %s (ignored)", name)
-    return merged, ignored
-
-
-def _int_option(options: dict[str, Any], name: str) -> int | None:
-    value = options.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise InvalidOption(f"option {name} must be an integer, got {value!r}") from None
 
 
 @dataclass
@@ -126,6 +50,16 @@ class LoadedModel:
     expires_at: float | None = None  # monotonic deadline; None = forever
     expires_wall: datetime | None = None
     in_use: int = 0
+    generator: Any = None  # engine.generator.Generator, built by the first request
+    generator_thread: Any = None  # its GeneratorThread
+    rebuilds_waiting: int = 0  # requests waiting for the generator to go idle
+
+    def stop_generator(self) -> None:
+        """Stop stepping the generator on its thread (handles still in flight then
+        step it themselves, so none of them hangs)."""
+        if self.generator_thread is not None:
+            self.generator_thread.stop()
+            self.generator_thread = None
 
 
 def _weights_key(manifest: dict[str, Any]) -> str:
@@ -159,14 +93,27 @@ def _model_details(folder: Path) -> dict[str, Any]:
 
 
 class InferenceRunner:
-    """Loads models from a store and serves generate/chat/ps requests in-process."""
+    """Loads models from a store and serves generate/chat/ps requests in-process.
 
-    def __init__(self, store: Any, max_loaded: int = 1, device: str | None = None):
+    Every loaded model has one continuous-batching Generator (engine/generator.py):
+    concurrent requests (threads) share forward passes, repeated prompt prefixes are
+    reused, and the KV cache type comes from the `kv_cache_type` option (else
+    $EXL3_KV_CACHE_TYPE). `num_parallel` jobs run in one batch; more wait in the
+    generator's queue. With `background` (the daemon) a GeneratorThread steps it;
+    otherwise the threads reading the answers step it themselves (no extra thread in
+    a one-shot `exl3 run`).
+    """
+
+    def __init__(self, store: Any, max_loaded: int = 1, device: str | None = None,
+                 num_parallel: int | None = None, background: bool = False):
         self.store = store
         self.max_loaded = max(1, max_loaded)
         self.device = device
+        self.num_parallel = max(1, num_parallel or default_num_parallel())
+        self.background = background
         self._loaded: OrderedDict[str, LoadedModel] = OrderedDict()
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
 
     # ---- public API -----------------------------------------------------------------
 
@@ -213,7 +160,21 @@ class InferenceRunner:
         """Drop a loaded model now (`exl3 stop`, keep_alive 0); False if not loaded."""
         manifest = self.store.read_manifest(name)
         with self._lock:
-            return self._loaded.pop(_weights_key(manifest), None) is not None
+            return self._drop(_weights_key(manifest))
+
+    def generator_for(self, name: str) -> Any:
+        """The Generator of the loaded model `name` (None if not loaded or not built
+        yet): for stats, tests and benchmarks."""
+        manifest = self.store.read_manifest(name)
+        with self._lock:
+            loaded = self._loaded.get(_weights_key(manifest))
+            return None if loaded is None else loaded.generator
+
+    def close(self) -> None:
+        """Stop every generator thread and drop every loaded model."""
+        with self._lock:
+            for key in list(self._loaded):
+                self._drop(key)
 
     # ---- internals ------------------------------------------------------------------
 
@@ -227,46 +188,104 @@ class InferenceRunner:
         from exl3cli.engine.structured import compile_format
 
         compile_format(job.req.get("format"))  # a bad schema fails before any loading
+        cache_type = cache_type_option(options)
         load_started = time.perf_counter_ns()
         loaded = self._acquire(job.model, manifest)
         load_ns = time.perf_counter_ns() - load_started
         if job.is_load_only():
             return self._finish_load_only(job, loaded, keep_alive, started, load_ns)
-        cancel = threading.Event()
+        cancel = job.req.get("_cancel")  # set by the daemon when the client goes away
+        if not isinstance(cancel, threading.Event):
+            cancel = threading.Event()
         try:
-            text_model = loaded.text_model
-            prompt_ids = job.prompt_ids(text_model, manifest)
-            num_ctx = text_model.context_length(options)
-            drop = 0
-            while len(prompt_ids) >= num_ctx and drop < job.droppable(manifest):
-                drop += 1
-                prompt_ids = job.prompt_ids(text_model, manifest, drop=drop)
-            if len(prompt_ids) >= num_ctx:
-                raise ContextOverflow(
-                    f"the prompt is {len(prompt_ids)} tokens, which does not fit the context "
-                    f"window of {num_ctx} tokens (raise num_ctx)")
-            loaded.context_length = num_ctx
-            num_predict = _int_option(options, "num_predict")
-            stop = [s for s in (options.get("stop") or []) if s]
-            events = text_model.stream(prompt_ids, options, stop=stop,
-                                       num_predict=-1 if num_predict is None else num_predict,
-                                       cancel=cancel, format=job.req.get("format"))
+            handle = self._submit(job, loaded, manifest, options, cache_type)
         except BaseException:
             self._release(loaded, keep_alive)
             raise
-        return self._respond(job, loaded, events, cancel, prompt_ids, ignored, keep_alive,
+        return self._respond(job, loaded, handle, cancel, ignored, keep_alive,
                              started, load_ns)
 
-    def _respond(self, job: Any, loaded: LoadedModel, events: Iterator[Any],
-                 cancel: threading.Event, prompt_ids: list[int], ignored: list[str],
-                 keep_alive: float | None, started: int, load_ns: int) -> Iterator[dict]:
-        """Turn engine events into response objects (chunks, or one object if not
-        streaming), then the final object with Ollama's counters."""
+    def _submit(self, job: Any, loaded: LoadedModel, manifest: dict[str, Any],
+                options: dict[str, Any], cache_type: Any) -> Any:
+        """Build the prompt (dropping old chat turns that do not fit) and the
+        GenerationJob, and submit it to the model's generator."""
+        from exl3cli.engine.generator_jobs import GenerationJob
+        from exl3cli.engine.sampling import build_sampler
+        from exl3cli.engine.structured import build_constraint
+
+        text_model = loaded.text_model
+        prompt_ids = job.prompt_ids(text_model, manifest)
+        num_ctx = text_model.context_length(options)
+        truncate = bool(options.get("truncate"))
+        drop = 0
+        while len(prompt_ids) >= num_ctx and drop < job.droppable(manifest):
+            drop += 1
+            prompt_ids = job.prompt_ids(text_model, manifest, drop=drop)
+        if len(prompt_ids) >= num_ctx and not truncate:
+            raise ContextOverflow(
+                f"the prompt is {len(prompt_ids)} tokens, which does not fit the context "
+                f"window of {num_ctx} tokens (raise num_ctx)")
+        num_predict = int_option(options, "num_predict")
+        generation = GenerationJob(
+            prompt_ids, sampler=build_sampler(options),
+            stop=[s for s in (options.get("stop") or []) if s],
+            num_predict=-1 if num_predict is None else num_predict, num_ctx=num_ctx,
+            truncate=truncate, num_keep=max(0, int_option(options, "num_keep") or 0),
+            constraint=build_constraint(job.req.get("format"), text_model.tokenizer),
+        )
+        with self._lock:
+            generator = self._generator(loaded, num_ctx, cache_type)
+            loaded.context_length = num_ctx
+            return generator.submit(generation)
+
+    def _generator(self, loaded: LoadedModel, num_ctx: int, cache_type: Any) -> Any:
+        """The model's generator, built on first use and rebuilt for a longer context
+        or another cache type once no job runs on it (requests wait until then).
+        Called with the lock held."""
+        from exl3cli.engine.generator import Generator, GeneratorThread
+
+        def unfit(generator: Any) -> bool:
+            return (generator is None or generator.num_ctx < num_ctx
+                    or generator.cache_type != cache_type)
+
+        while True:
+            current = loaded.generator
+            if not unfit(current) and not loaded.rebuilds_waiting:
+                return current
+            if unfit(current) and (current is None or not current.has_work
+                                   or self._loaded.get(loaded.key) is not loaded):
+                break  # idle (or unloaded meanwhile): rebuild now
+            waiting = unfit(current)  # a request that fits only lets a rebuild go first
+            loaded.rebuilds_waiting += waiting
+            try:
+                if current.background:
+                    self._changed.wait(timeout=0.05)  # jobs finish on its thread
+                else:
+                    current.step()  # help the running jobs along: nobody else may
+            finally:
+                loaded.rebuilds_waiting -= waiting
+        loaded.stop_generator()
+        text_model = loaded.text_model
+        wanted = max(num_ctx, text_model.context_length({}),
+                     current.num_ctx if current is not None else 0)
+        loaded.generator = Generator(text_model.model, text_model.tokenizer,
+                                     max_batch=self.num_parallel, num_ctx=wanted,
+                                     kv_cache_type=cache_type)
+        if self.background:
+            loaded.generator_thread = GeneratorThread(loaded.generator).start()
+        return loaded.generator
+
+    def _respond(self, job: Any, loaded: LoadedModel, handle: Any, cancel: threading.Event,
+                 ignored: list[str], keep_alive: float | None, started: int,
+                 load_ns: int) -> Iterator[dict]:
+        """Turn the job's generator events into response objects (chunks, or one object
+        if not streaming), then the final object with Ollama's counters."""
         final_event = None
         pieces: list[tuple[str, str]] = []
         generated: list[int] = []
         splitter = job.thinking_splitter()
         tool_parser = job.tool_parser()
+        events = handle.iter_events(cancel)
 
         def routed(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
             """Thinking passes through; content goes through the tool-call parser."""
@@ -286,14 +305,14 @@ class InferenceRunner:
                         yield job.chunk(part, kind)
                     else:
                         pieces.append((kind, part))
+            if final_event is None or final_event.cancelled:
+                return  # cancelled (client gone): nobody reads a final object
             for kind, part in routed(splitter.flush()) + tool_parser.flush():
                 if job.streaming:
                     yield job.chunk(part, kind)
                 else:
                     pieces.append((kind, part))
-            done = final_event or SimpleNamespace(done_reason="stop", prompt_eval_count=0,
-                                                  prompt_eval_duration=0, eval_count=0,
-                                                  eval_duration=0)
+            done = final_event
             yield job.final(
                 pieces=None if job.streaming else pieces,
                 done_reason=done.done_reason or "stop",
@@ -304,15 +323,14 @@ class InferenceRunner:
                     "prompt_eval_duration": done.prompt_eval_duration,
                     "eval_count": done.eval_count,
                     "eval_duration": done.eval_duration,
+                    # not an Ollama field: prompt tokens taken from the prefix cache
+                    "prompt_cache_count": done.prompt_cache_count,
                 },
                 warnings=[f"invalid option provided: {name}" for name in ignored],
-                context=list(prompt_ids) + generated,
+                context=list(handle.prompt) + generated,
             )
         finally:
-            cancel.set()  # a closed generator (Ctrl-C, client gone) stops the engine
-            close = getattr(events, "close", None)
-            if close is not None:
-                close()
+            events.close()  # an abandoned stream (Ctrl-C, client gone) cancels the job
             self._release(loaded, keep_alive)
 
     def _finish_load_only(self, job: Any, loaded: LoadedModel, keep_alive: float | None,
@@ -337,7 +355,7 @@ class InferenceRunner:
                     victim = next((k for k, m in self._loaded.items() if m.in_use == 0), None)
                     if victim is None:
                         break
-                    del self._loaded[victim]
+                    self._drop(victim)
                 self._loaded[key] = loaded
             self._loaded.move_to_end(key)
             loaded.name = name
@@ -363,10 +381,20 @@ class InferenceRunner:
                 loaded.expires_at = time.monotonic() + keep_alive
                 loaded.expires_wall = datetime.now(timezone.utc) + timedelta(seconds=keep_alive)
             if keep_alive == 0 and loaded.in_use == 0:
-                self._loaded.pop(loaded.key, None)
+                self._drop(loaded.key)
+            if loaded.in_use == 0 and self._loaded.get(loaded.key) is not loaded:
+                loaded.stop_generator()  # unloaded while this request still ran
+            self._changed.notify_all()
 
     def _expire(self) -> None:
         now = time.monotonic()
         for key in [k for k, m in self._loaded.items()
                     if m.in_use == 0 and m.expires_at is not None and m.expires_at <= now]:
-            del self._loaded[key]
+            self._drop(key)
+
+    def _drop(self, key: str) -> bool:
+        loaded = self._loaded.pop(key, None)
+        if loaded is None:
+            return False
+        loaded.stop_generator()
+        return True

@@ -9,17 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from exl3cli.client.request_options import now_iso
 from exl3cli.client.tool_calls import ToolCallParser
 from exl3cli.errors import InvalidOption
 
 _THINK_OPEN = "<think>"
 _THINK_CLOSE = "</think>"
-
-
-def _now_iso() -> str:
-    from exl3cli.client.inference import now_iso
-
-    return now_iso()
 
 
 class ThinkingSplitter:
@@ -115,7 +110,7 @@ class _Job:
         return ToolCallParser(None)
 
     def _base(self) -> dict[str, Any]:
-        return {"model": self.model, "created_at": _now_iso()}
+        return {"model": self.model, "created_at": now_iso()}
 
     def final(self, pieces: list[tuple[str, str]] | None, done_reason: str,
               metrics: dict[str, int], warnings: list[str],

@@ -104,8 +104,10 @@ class Attention(nn.Module):
         if step.cache is not None:
             key, value = step.cache.write(self.layer_index, key, value, step.positions, step.span)
         mask, is_causal = step.mask(self.window)
-        if steps == 1 and mask is None:
-            out = decode_attention(query, key, value)
+        if steps == 1 and (mask is None or (query.is_cuda and heads != kv_heads)):
+            # One query per row: grouped matmuls, kv heads never repeated (SDPA's masked
+            # GQA path would copy them for every query head).
+            out = decode_attention(query, key, value, mask)
         else:
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, is_causal=is_causal,
@@ -115,13 +117,21 @@ class Attention(nn.Module):
         return self.o(out)
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one query per row over all keys: query [B, H, 1, D], key and value
-    [B, KV, S, D]. The query heads that share a kv head are stacked as rows of one
-    matmul, so kv heads are never copied; on CPU this beats SDPA's kernel for T = 1."""
+    [B, KV, S, D], `mask` (boolean [B or 1, 1, 1, S], True = may attend) or None. The
+    query heads that share a kv head are stacked as rows of one matmul, so kv heads are
+    never copied; on CPU this beats SDPA's kernel for T = 1."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(grouped, key.transpose(-1, -2)) * dim**-0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     return torch.matmul(probs, value).reshape(batch, heads, 1, dim)

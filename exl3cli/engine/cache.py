@@ -83,6 +83,11 @@ class KVCache:
         self._host_lengths = [n + int(c) for n, c in zip(self._host_lengths, counts, strict=True)]
         self.lengths.copy_(torch.tensor(self._host_lengths, dtype=torch.long), non_blocking=True)
 
+    def mark_advanced(self, counts: Sequence[int]) -> None:
+        """Host mirror only: `lengths` on the device was already advanced by `counts`
+        (a captured decode step does that itself, see `DeviceIndexedWrites`)."""
+        self._host_lengths = [n + int(c) for n, c in zip(self._host_lengths, counts, strict=True)]
+
     def truncate(self, row: int, length: int) -> None:
         """Forget row `row`'s positions from `length` on (keeps the first `length`)."""
         if not 0 <= length <= self._host_lengths[row]:
@@ -95,3 +100,29 @@ class KVCache:
         """Empty the given rows (all rows by default) so they can start a new sequence."""
         for row in range(self.batch_size) if rows is None else rows:
             self.truncate(row, 0)
+
+
+class DeviceIndexedWrites:
+    """A KVCache as a fixed-shape decode step sees it (CUDA graph capture): keys and
+    values are scattered at positions held on the device, never at a slice derived
+    from the host lengths, so the same captured step is right at every length."""
+
+    paged = False
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+
+    def write(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like KVCache.write, always through a scatter at `positions` [B, T]."""
+        cache_k, cache_v = self.cache.keys[layer], self.cache.values[layer]
+        index = positions[:, None, :, None].expand_as(keys)
+        cache_k.scatter_(2, index, keys)
+        cache_v.scatter_(2, index, values)
+        return cache_k[:, :, :span], cache_v[:, :, :span]

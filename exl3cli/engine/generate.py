@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from exl3cli.engine import cuda_graphs
 from exl3cli.engine.sampling import Sampler
 from exl3cli.engine.tokenizer import Tokenizer
 from exl3cli.errors import ContextOverflow
@@ -154,6 +155,21 @@ def generate_tokens(
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("generate_tokens needs at least one prompt token")
+    # On CUDA the decode steps replay CUDA graphs over a cache the graph runner owns.
+    session = cuda_graphs.open_session(model, 1, max_seq_len) if cache is None else None
+    try:
+        yield from _token_loop(model, prompt, sampler, max_seq_len, num_predict, eos_ids,
+                               cancel, stats, session.cache if session else cache,
+                               constraint, session)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _token_loop(model: Any, prompt: list[int], sampler: Sampler, max_seq_len: int,
+                num_predict: int, eos_ids: Iterable[int], cancel: threading.Event | None,
+                stats: GenerationStats, cache: Any, constraint: Any,
+                session: cuda_graphs.DecodeSession | None) -> Iterator[int]:
     if cache is None:
         cache = model.new_cache(1, max_seq_len)
     capacity = _cache_capacity(cache) or max_seq_len
@@ -205,7 +221,10 @@ def generate_tokens(
             return
         history.append(token)
         if produced < budget and not (cancel is not None and cancel.is_set()):
-            logits = last_logits(torch.tensor([[token]], device=device), cache)
+            if session is not None:
+                logits = session.step([token])[0]
+            else:
+                logits = last_logits(torch.tensor([[token]], device=device), cache)
         stats.eval_duration += time.perf_counter_ns() - start
         yield token
 

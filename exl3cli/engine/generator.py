@@ -16,7 +16,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ class StepReport:
     prefill_tokens: int = 0
     jobs: int = 0
     finished: int = 0
+    job_ids: list[int] = field(default_factory=list)  # the jobs fed in this pass
 
 
 class Generator:
@@ -88,6 +90,8 @@ class Generator:
         self._queue: deque[JobHandle] = deque()
         self._active: list[ActiveJob] = []
         self._next_id = 0
+        # Called with each step's report (from the stepping thread, under the lock).
+        self.step_observers: list[Callable[[StepReport], None]] = []
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -178,6 +182,7 @@ class Generator:
             if not fed:
                 return report
             report.jobs = len(fed)
+            report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
             batch = PagedBatch(self.pool, [a.table for a, _ in fed], [t for _, t in fed])
             input_ids = torch.tensor([[t for _, tokens in fed for t in tokens]],
@@ -191,6 +196,8 @@ class Generator:
                     report.finished += 1
                 elif events:
                     self._emit(active.handle, events)
+            for observer in self.step_observers:
+                observer(report)
             return report
 
     def run_until_done(self) -> None:

@@ -11,6 +11,7 @@ Ollama reports it.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class GenerationJob:
     truncate: bool = False
     num_keep: int = 0
     sampler: Sampler | None = None  # a prebuilt sampler wins over `options`
+    # Structured output (engine/structured.py): masks logits before each sample and
+    # ends the job once its value is complete. Stateful: one object per job.
+    constraint: Any = None
 
 
 @dataclass
@@ -77,16 +81,27 @@ class JobHandle:
         return self.final is not None
 
     def __iter__(self) -> Iterator[GeneratorEvent]:
+        return self.iter_events()
+
+    def iter_events(self, cancel: threading.Event | None = None,
+                    poll_s: float = 0.05) -> Iterator[GeneratorEvent]:
+        """The job's events; setting `cancel` (e.g. from another thread when a client
+        goes away) cancels the job within `poll_s` and ends the iteration without a
+        done event."""
         finished = False
         try:
             while True:
+                if cancel is not None and cancel.is_set():
+                    return  # the finally cancels the job
                 try:
                     event = self.events.get_nowait()
                 except queue.Empty:
-                    if self.generator.background:
-                        event = self.events.get()
-                    else:
+                    if not self.generator.background:
                         self.generator.step()
+                        continue
+                    try:
+                        event = self.events.get(timeout=poll_s)  # re-check cancel, thread
+                    except queue.Empty:
                         continue
                 finished = event.done
                 if finished and self.error is not None:
@@ -170,7 +185,14 @@ class ActiveJob:
 
     def _sample(self, logits: torch.Tensor) -> list[GeneratorEvent]:
         start = time.perf_counter_ns()
+        constraint = self.handle.job.constraint
+        if constraint is not None:  # as generate.generate_tokens does it
+            if constraint.finished:
+                return self.finish("stop")
+            logits = constraint.mask(logits, self.budget - self.produced)
         token = self.sampler.sample(logits, self.history)
+        if constraint is not None:
+            token = constraint.accept(token, logits)
         self.produced += 1
         self.eval_ns += time.perf_counter_ns() - start
         if token in self.eos_ids:
@@ -187,6 +209,8 @@ class ActiveJob:
             return events + self.finish("stop", flush=False)
         if self.produced >= self.budget:
             return events + self.finish("length")
+        if constraint is not None and constraint.finished:
+            return events + self.finish("stop")  # the value is complete: no extra step
         self.pending_token = token
         return events
 

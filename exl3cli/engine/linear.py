@@ -2,13 +2,19 @@
 
 Every layer maps ``x[..., in_features] -> y[..., out_features]`` through ``forward``.
 
-- ``DenseLinear(weight[out, in], bias=None)``: a plain matrix (HF orientation).
+- ``DenseLinear(weight[out, in], bias=None, cpu_weights=None)``: a plain matrix (HF
+  orientation). With ``cpu_weights`` ("fp32", "bf16", "int8"; CPU, float32
+  activations) the matrix is held packed for the CPU GEMV kernel instead
+  (``cpu_kernels.pack_gemv_weight``): up to ``GEMV_MAX_ROWS`` rows (decode) run on the
+  kernel, longer inputs (prompts) on a torch matmul of the unpacked matrix (float32 for
+  "fp32", bfloat16 otherwise). ``pack_for_cpu(layer, cpu_weights)`` converts any layer
+  that can give a dense weight.
 - ``Exl3Linear(tensors, in_features, out_features, device=None, dtype=float32,
   mode=None)``: one EXL3 module (``tensors`` by suffix: trellis, suh/svh or legacy
   su/sv, marker, bias). Mode ``"dense"`` (default on CPU) dequantizes once at load into
   ``dtype``; mode ``"trellis"`` (default on CUDA) keeps the packed trellis and decodes
-  in ``forward`` (the pure-torch reference path; fused GPU kernels replace
-  ``_forward_trellis`` later without changing callers).
+  in ``forward``: on CUDA through the fused kernels of ``exl3cli.kernels`` when they
+  are available, else (and on CPU) the pure-torch reference path.
 - ``FusedLinear(parts)``: several layers on the same input with their outputs
   concatenated (q/k/v, gate/up). ``fuse_linears(parts)`` returns one ``DenseLinear``
   with concatenated weights when every part can give a dense weight, else a
@@ -27,7 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl3cli.engine.quant import block_hadamard, codebook_from_tensors, decode_tiles
+from exl3cli import cpu_kernels, kernels
+from exl3cli.engine.quant import (
+    block_hadamard,
+    codebook_from_tensors,
+    decode_tiles,
+    k_bits_from_words,
+)
 from exl3cli.engine.quant.dequant import dequantize_linear, unpack_sign_bits
 from exl3cli.engine.quant.format import read_exl3_linear
 from exl3cli.errors import ModelLoadError
@@ -44,22 +56,71 @@ class Linear(nn.Module):
         return None
 
 
-class DenseLinear(Linear):
-    """``y = x @ weight.T + bias`` with ``weight`` in Hugging Face orientation (out, in)."""
+CPU_WEIGHT_MODES = ("fp32", "bf16", "int8")
+GEMV_MAX_ROWS = 8  # up to this many rows the GEMV kernel beats a matmul (bench/NOTES.md)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+class DenseLinear(Linear):
+    """``y = x @ weight.T + bias`` with ``weight`` in Hugging Face orientation (out, in);
+    with ``cpu_weights`` the weight is held packed for the CPU kernel (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 cpu_weights: str | None = None):
         super().__init__()
         if weight.dim() != 2:
             raise ModelLoadError(f"linear weight must be 2-D, got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight, persistent=False)
-        self.register_buffer("bias", bias, persistent=False)
+        self.cpu_weights = cpu_weights
+        if cpu_weights is None:
+            self.register_buffer("weight", weight, persistent=False)
+            self.register_buffer("bias", bias, persistent=False)
+            return
+        if cpu_weights not in CPU_WEIGHT_MODES:
+            raise ValueError(f"cpu_weights must be one of {CPU_WEIGHT_MODES}, got {cpu_weights!r}")
+        if weight.device.type != "cpu":
+            raise ValueError("cpu_weights packs CPU weights only")
+        self.weight = None
+        packed, scale = cpu_kernels.pack_gemv_weight(weight, cpu_weights)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+        self._kernel = cpu_kernels.available()  # checked once: forward runs per token
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.cpu_weights is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32:
+            gemv = cpu_kernels.gemv_cpu if self._kernel else cpu_kernels.gemv_reference
+            y = gemv(rows, self.packed, self.scale, self.bias, self.out_features)
+        else:
+            y = self._matmul(rows).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        # Prompts are compute-bound: one large matmul in the mode's compute precision
+        # (bfloat16 for the low-precision modes, as transformers' bf16 does).
+        compute = torch.float32 if self.cpu_weights == "fp32" else torch.bfloat16
+        w_t = cpu_kernels.unpack_gemv_weight(self.packed, self.scale, transposed=True)
+        y = (rows.to(compute) @ w_t.to(compute))[:, : self.out_features].float()
+        return y + self.bias if self.bias is not None else y
 
     def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.weight, self.bias
+        if self.cpu_weights is None:
+            return self.weight, self.bias
+        w_t = cpu_kernels.unpack_gemv_weight(self.packed, self.scale, transposed=True)
+        return w_t[:, : self.out_features].t().float(), self.bias
+
+
+def pack_for_cpu(layer: Linear, cpu_weights: str) -> Linear:
+    """``layer`` as a packed DenseLinear for the CPU kernel when it can give a dense
+    weight (dense or dequantized EXL3), else unchanged."""
+    if isinstance(layer, DenseLinear) and layer.cpu_weights == cpu_weights:
+        return layer
+    dense = layer.dense_weight()
+    if dense is None:
+        return layer
+    return DenseLinear(dense[0], dense[1], cpu_weights=cpu_weights)
 
 
 def _by_suffix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,6 +184,13 @@ class Exl3Linear(Linear):
                              .to(device, dtype), persistent=False)
         self.register_buffer("svh", self._scale(found, "svh", "sv", self.padded_out)
                              .to(device, dtype), persistent=False)
+        self.k = k_bits_from_words(trellis.shape[2])
+        if device.type == "cuda":
+            # The kernels read float32 padded vectors: made once here, not per call.
+            self.register_buffer("suh32", self.suh.float().contiguous(), persistent=False)
+            self.register_buffer("svh32", self.svh.float().contiguous(), persistent=False)
+            self.register_buffer("bias32", None if self.bias is None else
+                                 self.bias.float().contiguous(), persistent=False)
 
     @staticmethod
     def _scale(found: dict[str, torch.Tensor], name: str, legacy: str, size: int) -> torch.Tensor:
@@ -139,13 +207,33 @@ class Exl3Linear(Linear):
             return F.linear(x, self.weight, self.bias)
         return self._forward_trellis(x)
 
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` runs the fused CUDA kernels."""
+        return (self.mode == "trellis" and x.is_cuda and hasattr(self, "suh32")
+                and kernels.available())
+
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``forward(x)`` written into ``out`` (..., out_features), which may be a
+        column slice of a wider buffer (FusedLinear writes its parts side by side)."""
+        if self.uses_kernels(x):
+            return kernels.exl3_gemm(x, self.trellis, self.suh32, self.svh32, self.k,
+                                     self.codebook, bias=self.bias32, out=out,
+                                     out_features=self.out_features)
+        return out.copy_(self.forward(x))
+
     def _forward_trellis(self, x: torch.Tensor) -> torch.Tensor:
-        """Reference path: y = H(H(x * suh) @ Ŵ) * svh, Ŵ decoded now (never W)."""
-        xs = F.pad(x, (0, self.padded_in - self.in_features)) * self.suh
+        """y = H(H(x * suh) @ Ŵ) * svh: fused kernels on CUDA, else the reference path
+        with Ŵ decoded now (never W)."""
+        if self.uses_kernels(x):
+            return kernels.exl3_gemm(x, self.trellis, self.suh32, self.svh32, self.k,
+                                     self.codebook, bias=self.bias32,
+                                     out_features=self.out_features)
+        # float32 throughout: xh @ Ŵ is svh-times larger than y and overflows float16.
+        xs = F.pad(x.float(), (0, self.padded_in - self.in_features)) * self.suh.float()
         xh = block_hadamard(xs, dim=-1)
-        rotated = decode_tiles(self.trellis, codebook=self.codebook).to(x.dtype)
-        y = block_hadamard(xh @ rotated, dim=-1) * self.svh
-        y = y[..., : self.out_features]
+        rotated = decode_tiles(self.trellis, codebook=self.codebook).float()
+        y = block_hadamard(xh @ rotated, dim=-1) * self.svh.float()
+        y = y[..., : self.out_features].to(x.dtype)
         return y + self.bias if self.bias is not None else y
 
     def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -167,6 +255,15 @@ class FusedLinear(Linear):
         self.out_features = sum(p.out_features for p in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and all(isinstance(p, Exl3Linear) and p.uses_kernels(x)
+                             for p in self.parts):
+            # Each kernel writes its column slice: no concatenation pass.
+            out = x.new_empty(*x.shape[:-1], self.out_features)
+            start = 0
+            for part in self.parts:
+                part.forward_into(x, out[..., start : start + part.out_features])
+                start += part.out_features
+            return out
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from exl3cli import cpu_kernels
 from exl3cli.engine.architecture import SLIDING_ATTENTION, ArchitectureSpec, get_architecture
 from exl3cli.engine.attention import Attention
 from exl3cli.engine.config import ModelConfig, load_model_config
-from exl3cli.engine.linear import Linear, fuse_linears, load_linear
+from exl3cli.engine.linear import (
+    CPU_WEIGHT_MODES,
+    DenseLinear,
+    Linear,
+    fuse_linears,
+    load_linear,
+    pack_for_cpu,
+)
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.norm import RMSNorm
 from exl3cli.engine.weights import WeightReader
-from exl3cli.errors import ModelLoadError
+from exl3cli.errors import InvalidOption, ModelLoadError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -31,23 +40,43 @@ def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     return stored
 
 
+def resolve_cpu_weights(cpu_weights: str | None, device: torch.device,
+                        dtype: torch.dtype) -> str | None:
+    """How linear weights are held on CPU with float32 activations: ``cpu_weights``, else
+    ``EXL3_CPU_WEIGHTS``, else "fp32" (exact; packed for the decode kernel). "bf16" and
+    "int8" trade precision for bytes per token (bench/NOTES.md). None (plain F.linear)
+    off the CPU, for other activation dtypes, or when asked for with "off"."""
+    mode = cpu_weights or os.environ.get("EXL3_CPU_WEIGHTS", "") or "fp32"
+    if mode != "off" and mode not in CPU_WEIGHT_MODES:
+        raise InvalidOption(f"cpu weights must be one of {', '.join(CPU_WEIGHT_MODES)} "
+                            f"or off, got {mode!r}")
+    if mode == "off" or device.type != "cpu" or dtype != torch.float32:
+        return None
+    if mode == "fp32" and not cpu_kernels.available():
+        return None  # without the kernel, F.linear on the plain matrix is the faster path
+    return mode
+
+
 def load_causal_lm(
     folder: str | Path,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     *,
     linear_mode: str | None = None,
+    cpu_weights: str | None = None,
 ) -> CausalLM:
     """Load the model in `folder`; ModelLoadError / UnsupportedArchitecture on failure.
 
     EXL3 layers are dequantized at load on CPU and decoded in forward on CUDA;
-    `linear_mode` ("dense" or "trellis") forces one way (see engine/linear.py)."""
+    `linear_mode` ("dense" or "trellis") forces one way (see engine/linear.py).
+    `cpu_weights` ("fp32", "bf16", "int8", "off"): see `resolve_cpu_weights`."""
     config = load_model_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(config, device)
     reader = WeightReader(folder)
-    return build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode)
+    return build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
+                           cpu_weights=cpu_weights)
 
 
 def build_causal_lm(
@@ -58,9 +87,11 @@ def build_causal_lm(
     dtype: torch.dtype,
     *,
     linear_mode: str | None = None,
+    cpu_weights: str | None = None,
 ) -> CausalLM:
     """Assemble the shared blocks as `spec` describes, with weights from `reader`."""
     names = spec.tensors
+    packing = resolve_cpu_weights(cpu_weights, device, dtype)
 
     def tensor(name: str) -> torch.Tensor:
         return reader.get(name, dtype=dtype, device=device).contiguous()
@@ -72,7 +103,8 @@ def build_causal_lm(
             load_linear(reader, p, i, o, device, dtype, mode=linear_mode, require_bias=bias)
             for p, (i, o) in zip(prefixes, shapes, strict=True)
         ]
-        return fuse_linears(parts)
+        fused = fuse_linears(parts)
+        return pack_for_cpu(fused, packing) if packing else fused
 
     layer_types = spec.layer_types(config)
     if len(layer_types) != config.num_layers:
@@ -117,7 +149,9 @@ def build_causal_lm(
     if reader.has(head_prefix + ".trellis"):  # EXL3 stores the head quantized, untied
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
     elif config.tie_word_embeddings or not reader.has(names.lm_head):
-        lm_head = embed
+        # Tied: fp32 shares the embedding's storage (no second copy of the largest
+        # matrix); the low-precision modes add a smaller packed copy for the head.
+        lm_head = embed if packing in (None, "fp32") else DenseLinear(embed, cpu_weights=packing)
     else:
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
     final_norm = RMSNorm(tensor(names.final_norm), config.rms_norm_eps)

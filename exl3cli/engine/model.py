@@ -11,7 +11,7 @@ from torch import nn
 
 from exl3cli.engine.architecture import ArchitectureSpec
 from exl3cli.engine.attention import Attention, AttentionStep
-from exl3cli.engine.cache import KVCache
+from exl3cli.engine.cache import DeviceIndexedWrites, KVCache
 from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.linear import DenseLinear, Linear
 from exl3cli.engine.mlp import GatedMLP
@@ -121,6 +121,38 @@ class CausalLM(nn.Module):
             hidden = cache.select_last(hidden) if paged else self._last_valid(hidden, input_lengths)
         hidden = self.final_norm(hidden)
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def decode_step(self, input_ids: torch.Tensor, cache: KVCache, span: int) -> torch.Tensor:
+        """One token per row with fixed shapes and no host syncs, so a CUDA graph can
+        capture it: logits [B, V] (float32) for input_ids [B, 1].
+
+        Positions are read from `cache.lengths` on the device, keys are written there,
+        attention covers the first `span` cache positions (masked past each row's
+        length), and `cache.lengths` advances by one on the device only: the caller
+        mirrors that with `cache.mark_advanced`. The rotary table must already cover
+        `span` (see `prepare_decode`)."""
+        positions = cache.lengths[:, None]
+        cos, sin = self.rotary.lookup(positions, span)
+        step = AttentionStep(
+            positions=positions, cos=cos.unsqueeze(2), sin=sin.unsqueeze(2),
+            span=span, start=None, cache=DeviceIndexedWrites(cache),
+        )
+        hidden = F.embedding(input_ids, self.embed_weight)
+        for layer in self.layers:
+            hidden = layer(hidden, step)
+        logits = self.lm_head(self.final_norm(hidden)).float()
+        cache.lengths.add_(1)
+        return logits[:, -1]
+
+    def prepare_decode(self, max_seq_len: int) -> bool:
+        """Build the rotary table for `max_seq_len` positions ahead of `decode_step`;
+        False when the model cannot run fixed-shape steps (dynamic NTK rope rebuilds
+        its table as the sequence grows)."""
+        if self.rotary.dynamic:
+            return False
+        self.rotary.lookup(torch.zeros(1, dtype=torch.long, device=self.device), max_seq_len)
+        return True
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:

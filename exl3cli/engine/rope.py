@@ -78,6 +78,7 @@ class RotaryEmbedding:
         self._sin = torch.empty(0, head_dim, device=device, dtype=dtype)
         self._table_len = 0
         self._table_key: int | None = None
+        self.version = 0  # bumped on every rebuild: captured graphs hold the old tables
 
     def _build(self, length: int, seq_len: int | None) -> None:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, seq_len)
@@ -87,6 +88,7 @@ class RotaryEmbedding:
         self._cos = angles.cos().to(device=self.device, dtype=self.dtype)
         self._sin = angles.sin().to(device=self.device, dtype=self.dtype)
         self._table_len = length
+        self.version += 1
 
     def lookup(self, positions: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [*positions.shape, head_dim]; `span` > every position."""

@@ -93,12 +93,14 @@ class StreamJob:
         outcome = "completed"
         try:
             iterator = self._factory(self.cancel)
+            ended = False  # whether the job's final object came
             for item in iterator:
                 self._put(item)
+                ended = isinstance(item, dict) and bool(item.get("done"))
                 if self.cancel.is_set():
-                    if not (isinstance(item, dict) and item.get("done")):
-                        outcome = "cancelled"  # stopped before the job's natural end
                     break
+            if self.cancel.is_set() and not ended:
+                outcome = "cancelled"  # stopped before the job's natural end
         except BaseException as error:  # delivered to the loop, raised there
             outcome = "failed"
             self._put(_Failure(error))
@@ -168,7 +170,11 @@ class ModelManager:
         self.max_queue = max_queue if max_queue is not None else _env_int(
             "EXL3_MAX_QUEUE", DEFAULT_MAX_QUEUE, 0)
         loaded = max_loaded or _env_int("EXL3_MAX_LOADED_MODELS", 1, 1)
-        self.runner = runner or InferenceRunner(store, max_loaded=loaded)
+        # One generator per loaded model batches up to num_parallel jobs (the slots),
+        # stepped on its own thread; each job's worker thread only relays its events.
+        self.runner = runner or InferenceRunner(store, max_loaded=loaded,
+                                                num_parallel=self.num_parallel,
+                                                background=True)
         self.local = LocalClient(store)  # store operations: list, show, pull, create, ...
         self.executor = ThreadPoolExecutor(max_workers=self.num_parallel * 2 + 8,
                                            thread_name_prefix="exl3-job")
@@ -193,6 +199,7 @@ class ModelManager:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.runner.close()  # stops the generator threads
 
     async def _sweep(self) -> None:
         """Unload models whose keep_alive ran out, even when no request comes."""

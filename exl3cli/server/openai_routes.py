@@ -163,10 +163,14 @@ def completion_request(body: dict[str, Any]) -> dict[str, Any]:
     return req
 
 
-def _usage(final: dict[str, Any]) -> dict[str, int]:
-    prompt, completion = final.get("prompt_eval_count") or 0, final.get("eval_count") or 0
+def _usage(final: dict[str, Any]) -> dict[str, Any]:
+    # prompt_eval_count counts only evaluated tokens; reused prefix tokens are "cached".
+    cached = final.get("prompt_cache_count") or 0
+    prompt = (final.get("prompt_eval_count") or 0) + cached
+    completion = final.get("eval_count") or 0
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish_reason(final: dict[str, Any], called: bool = False) -> str:

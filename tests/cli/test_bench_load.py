@@ -59,6 +59,6 @@ def test_errors_are_counted_and_the_table_shows_them(daemon):
         assert label in ok.output
 
 
-def test_bench_needs_a_server():
-    result = CliRunner().invoke(bench, ["some-model"])
+def test_bench_needs_a_model_or_a_server():
+    result = CliRunner().invoke(bench, [])
     assert result.exit_code == 2 and "--server" in result.output

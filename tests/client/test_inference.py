@@ -3,7 +3,9 @@ merging, Modelfile settings, context limits, caching, keep_alive."""
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 
 import pytest
 
@@ -142,12 +144,20 @@ def test_raw_prompt_skips_the_template(runner, tokenizer):
     assert final["prompt_eval_count"] == len(tokenizer.encode("plain text"))
 
 
-def test_prompt_longer_than_the_context_is_an_error_at_call_time(runner):
+def test_prompt_longer_than_the_context_is_an_error_at_call_time(runner, tokenizer):
     with pytest.raises(ContextOverflow, match="context"):
         runner.generate({"model": "tiny", "prompt": "word " * 100, "options": {"num_ctx": 32}})
     # the model's own limit (max_position_embeddings 256) also applies
     with pytest.raises(ContextOverflow):
         runner.generate({"model": "tiny", "prompt": "Hello there friend " * 200})
+    # unless truncation is asked for: then the prompt keeps its first num_keep tokens and
+    # its most recent ones, half a context in all
+    final = generate(runner, prompt="word " * 100, raw=True,
+                     options={**GREEDY, "num_ctx": 32, "truncate": True, "num_keep": 3,
+                              "num_predict": 2})[-1]
+    ids = tokenizer.encode("word " * 100)
+    assert final["context"][:-final["eval_count"]] == ids[:3] + ids[-13:]
+    assert final["prompt_eval_count"] == 16
     # and generation stops at the context end with done_reason "length"
     final = generate(runner, prompt="Hi", options={**GREEDY, "num_ctx": 48})[-1]
     assert final["done_reason"] == "length"
@@ -251,3 +261,151 @@ def test_a_conversation_longer_than_the_context_drops_its_oldest_turns(runner, t
     with pytest.raises(ContextOverflow):
         runner.chat({"model": "tiny", "messages": [{"role": "user", "content": "x " * 300}],
                      "options": {"num_ctx": 120}})
+
+
+# ---- the continuous-batching generator behind the runner ---------------------------
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                                   "age": {"type": "integer"}},
+                 "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def long_store(tmp_path_factory):
+    """The tiny model with room for prompts longer than a cache page (256 tokens)."""
+    return make_tiny_store(tmp_path_factory.mktemp("inference-long"),
+                           max_position_embeddings=1280)
+
+
+def test_concurrent_requests_share_generator_steps_and_keep_their_greedy_text(store):
+    requests = [{"model": "tiny", "prompt": text,
+                 "options": {**GREEDY, "num_predict": 60}}
+                for text in ("Once upon a time", "The weather today is")]
+    alone_runs = [list(InferenceRunner(store).generate(req)) for req in requests]
+    alone = [text_of(chunks) for chunks in alone_runs]
+    assert min(chunks[-1]["eval_count"] for chunks in alone_runs) >= 30
+    runner = InferenceRunner(store, num_parallel=2)
+    list(runner.generate({**requests[0], "options": {**GREEDY, "num_predict": 1}}))
+    generator = runner.generator_for("tiny")
+    reports = []
+    generator.step_observers.append(reports.append)
+    # Both are submitted at the call; the generator's thread steps them together.
+    streams = [runner.generate(req) for req in requests]
+    answers = [list(stream) for stream in streams]
+    assert [text_of(chunks) for chunks in answers] == alone
+    assert [c[-1]["eval_count"] for c in answers] == [c[-1]["eval_count"] for c in alone_runs]
+    shared = [r for r in reports if r.jobs == 2 and len(set(r.job_ids)) == 2]
+    assert len(shared) >= 20  # most decode steps ran both jobs in one forward pass
+    assert runner.generator_for("tiny") is generator  # same settings: no rebuild
+    assert generator.pool.pages_in_use == 0
+    runner.close()
+
+
+def test_a_second_request_sharing_a_long_prefix_reuses_its_pages(long_store):
+    tokenizer = Tokenizer.from_folder(long_store.model_folder("tiny"))
+    prefix = " ".join(f"document line {i} says the value is {i * 7}." for i in range(26))
+    first_req = {"model": "tiny", "prompt": prefix + " First question?", "raw": True,
+                 "options": {**GREEDY, "num_predict": 5}}
+    second_req = {**first_req, "prompt": prefix + " A different, second question?"}
+    prompt_len = len(tokenizer.encode(second_req["prompt"]))
+    assert prompt_len > 600
+    runner = InferenceRunner(long_store)
+    first = list(runner.generate(first_req))[-1]
+    assert first["prompt_cache_count"] == 0
+    second = list(runner.generate(second_req))
+    final = second[-1]
+    reused = final["prompt_cache_count"]
+    assert reused >= 512 and reused % 256 == 0
+    assert final["prompt_eval_count"] == prompt_len - reused
+    assert len(final["context"]) == prompt_len + final["eval_count"]
+    # Reused keys/values give the answer a fresh runner computes from scratch.
+    fresh = list(InferenceRunner(long_store).generate(second_req))
+    assert fresh[-1]["prompt_cache_count"] == 0
+    assert text_of(second) == text_of(fresh)
+    runner.close()
+
+
+def test_kv_cache_type_comes_from_the_request_option_or_the_environment(store, monkeypatch):
+    runner = InferenceRunner(store)
+    chunks = generate(runner, prompt="Hello", options={**GREEDY, "num_predict": 6,
+                                                       "kv_cache_type": "q8"})
+    assert chunks[-1]["eval_count"] == 6
+    generator = runner.generator_for("tiny")
+    assert generator.cache_type.name == "q8" and generator.pool.cache_type.quantized
+    q8_bytes = generator.pool.bytes_per_token()
+    # Another type rebuilds the (idle) generator; the environment is the default.
+    monkeypatch.setenv("EXL3_KV_CACHE_TYPE", "q4")
+    generate(runner, prompt="Hello", options={**GREEDY, "num_predict": 2})
+    q4 = runner.generator_for("tiny")
+    assert q4 is not generator and q4.cache_type.name == "q4"
+    assert q4.pool.cache_type.key_bits == q4.pool.cache_type.value_bits == 4
+    derive(store, "tiny-fp16", parameters={"kv_cache_type": "fp16"})  # Modelfile PARAMETER
+    list(runner.generate({"model": "tiny-fp16", "prompt": "Hello",
+                          "options": {**GREEDY, "num_predict": 2}}))
+    unquantized = runner.generator_for("tiny")
+    assert unquantized.cache_type.name == "fp16"
+    assert unquantized.pool.bytes_per_token() > q8_bytes
+    with pytest.raises(InvalidOption):
+        runner.generate({"model": "tiny", "prompt": "Hi", "options": {"kv_cache_type": "q99"}})
+    runner.close()
+
+
+def test_a_larger_num_ctx_waits_for_the_running_jobs_then_rebuilds(tmp_path):
+    store = make_tiny_store(tmp_path, max_position_embeddings=8192)
+    runner = InferenceRunner(store, num_parallel=2)
+    generate(runner, prompt="Hi", options={**GREEDY, "num_predict": 1, "num_ctx": 64})
+    first = runner.generator_for("tiny")
+    assert first.num_ctx == 4096  # the default context, though the request asked less
+    request = {**GREEDY, "num_predict": 80}
+    alone = text_of(generate(runner, prompt="Hello", options=request))
+    running = runner.generate({"model": "tiny", "prompt": "Hello", "options": request})
+    waited: list = []
+    idle_at_submit: list[bool] = []
+
+    def ask_for_more_context() -> None:
+        stream = runner.generate({"model": "tiny", "prompt": "Hi",  # submits at the call
+                                  "options": {**GREEDY, "num_predict": 2, "num_ctx": 6000}})
+        idle_at_submit.append(not first.has_work)
+        waited.extend(stream)
+
+    larger = threading.Thread(target=ask_for_more_context)
+    larger.start()
+    chunks = list(running)  # runs to its end on the first generator meanwhile
+    larger.join(60)
+    assert text_of(chunks) == alone and chunks[-1]["eval_count"] == 80
+    assert waited and waited[-1]["eval_count"] == 2
+    assert idle_at_submit == [True]  # the rebuild waited for the running job
+    rebuilt = runner.generator_for("tiny")
+    assert rebuilt is not first and rebuilt.num_ctx == 6000
+    assert runner.ps()["models"][0]["context_length"] == 6000
+    runner.close()
+
+
+def test_a_json_schema_format_constrains_the_answer(runner):
+    for seed in (3, 4):
+        final = generate(runner, prompt="Who are you?", format=PERSON_SCHEMA, stream=False,
+                         options={"temperature": 1.0, "seed": seed, "num_predict": 48})[-1]
+        person = json.loads(final["response"])
+        assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    whole = generate(runner, prompt="Hi", format="json", options={**GREEDY, "num_predict": 40})
+    assert isinstance(json.loads(text_of(whole)), dict)
+
+
+def test_cancel_and_early_close_return_the_pages_to_the_pool(runner):
+    generate(runner, prompt="warm up", options={**GREEDY, "num_predict": 1})
+    pool = runner.generator_for("tiny").pool
+    baseline = (pool.pages_in_use, pool.reserved)
+    cancel = threading.Event()
+    chunks = runner.generate({"model": "tiny", "prompt": "Hello", "_cancel": cancel,
+                              "options": {**GREEDY, "num_predict": 150}})
+    assert next(chunks)["done"] is False
+    assert pool.pages_in_use > baseline[0]
+    cancel.set()  # what the daemon does when the client goes away
+    rest = list(chunks)
+    assert len(rest) < 150 and not any(c["done"] for c in rest)  # no final object
+    assert (pool.pages_in_use, pool.reserved) == baseline
+    closed = runner.generate({"model": "tiny", "prompt": "Hello",
+                              "options": {**GREEDY, "num_predict": 150}})
+    next(closed)
+    closed.close()
+    assert (pool.pages_in_use, pool.reserved) == baseline

@@ -207,3 +207,45 @@ def test_smollm2_concurrent_jobs_match_jobs_run_alone(tmp_path):
     generator.run_until_done()
     assert [h.token_ids for h in handles] == alone
     assert generator.pool.pages_in_use == 0
+
+
+def test_structured_output_constraints_apply_per_job_in_the_batch(text_model):
+    import json
+
+    from exl3cli.engine.generate import stream_text
+    from exl3cli.engine.structured import build_constraint
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"]}
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, 30 + 20 * i) for i in range(3)]
+    sampled = {"temperature": 1.0, "seed": 3}
+    free_job = GenerationJob(prompts[2], GREEDY, num_predict=12)
+
+    def constrained(index, fmt):
+        return GenerationJob(prompts[index], sampled, num_predict=40,
+                             constraint=build_constraint(fmt, text_model.tokenizer))
+
+    generator = new_generator(text_model, max_batch=3)
+    handles = [generator.submit(constrained(0, "json")), generator.submit(constrained(1, schema)),
+               generator.submit(free_job)]
+    reports = []
+    generator.step_observers.append(reports.append)
+    generator.run_until_done()
+    assert max(r.jobs for r in reports) == 3  # the three ran in the same forward passes
+    texts = [handle.text() for handle in handles]
+    assert isinstance(json.loads(texts[0]), dict)
+    value = json.loads(texts[1])
+    assert isinstance(value["n"], int) and isinstance(value["ok"], bool)
+    # Each constrained job gives exactly what the single-sequence loop gives with the
+    # same constraint; the unconstrained job in the batch is not affected.
+    for index, fmt in ((0, "json"), (1, schema)):
+        events = list(stream_text(text_model.model, text_model.tokenizer, prompts[index],
+                                  build_sampler(sampled), max_seq_len=1280, num_predict=40,
+                                  constraint=build_constraint(fmt, text_model.tokenizer)))
+        assert [t for e in events for t in e.token_ids] == handles[index].token_ids
+        assert events[-1].done_reason == handles[index].final.done_reason
+        assert events[-1].eval_count == handles[index].final.eval_count
+    assert handles[2].token_ids == run_alone(text_model, free_job)[0]
+    assert generator.pool.pages_in_use == 0

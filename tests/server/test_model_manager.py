@@ -76,6 +76,8 @@ def test_a_client_that_disconnects_frees_its_job(store):
         for _ in range(2):
             assert json.loads(response.readline())["done"] is False
         assert stats(daemon.url)["active"] == 1
+        pool = daemon.manager.runner.generator_for("tiny").pool
+        assert pool.pages_in_use > 0
         started = time.monotonic()
         connection.sock.close()
         connection.close()
@@ -84,6 +86,7 @@ def test_a_client_that_disconnects_frees_its_job(store):
         counters = stats(daemon.url)
         assert counters["cancelled"] == 1 and counters["completed"] == 0
         assert elapsed < 10
+        assert (pool.pages_in_use, pool.reserved) == (0, 0)  # its cache pages came back
         # the model stays usable: nothing was left holding it
         answer = ollama.Client(host=daemon.url).chat(model="tiny", messages=HELLO,
                                                     options={"num_predict": 2})
@@ -95,6 +98,8 @@ def test_32_concurrent_streams_complete_and_greedy_text_does_not_change(store):
     with Daemon(store) as daemon:
         client = ollama.Client(host=daemon.url)
         alone = client.chat(model="tiny", messages=HELLO, options=greedy).message.content
+        reports: list = []
+        daemon.manager.runner.generator_for("tiny").step_observers.append(reports.append)
 
         def stream(index: int) -> tuple[str, dict]:
             if index % 4 == 0:  # the same greedy request, under load
@@ -114,4 +119,7 @@ def test_32_concurrent_streams_complete_and_greedy_text_does_not_change(store):
         wait_for(lambda: stats(daemon.url)["active"] == 0)  # workers finish after the reply
         counters = stats(daemon.url)
         assert counters["completed"] == 33 and counters["failed"] == 0
+        # the streams were batched: steps fed several jobs, never more than the slots
+        assert max(r.jobs for r in reports) > 1
+        assert max(r.jobs for r in reports) <= daemon.manager.num_parallel
         assert counters["active"] == 0 and counters["queued"] == 0

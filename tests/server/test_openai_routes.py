@@ -143,3 +143,19 @@ def test_errors_use_the_openai_shape(client):
     assert "temperature" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[])
+
+
+def test_usage_counts_reused_prompt_tokens_as_cached(tmp_path):
+    store = make_tiny_store(tmp_path, max_position_embeddings=2048)
+    words = " ".join(f"word{i % 50} and more" for i in range(100))
+    messages = [{"role": "user", "content": words}]
+    with Daemon(store) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                               temperature=0).usage
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                                temperature=0).usage
+    assert first.prompt_tokens > 512
+    assert second.prompt_tokens == first.prompt_tokens  # the whole prompt, reused or not
+    assert second.prompt_tokens_details.cached_tokens >= 256
+    assert first.prompt_tokens_details.cached_tokens == 0

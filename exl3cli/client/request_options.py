@@ -1,0 +1,118 @@
+"""What a generate/chat request's settings mean: keep_alive durations, option merging
+(manifest PARAMETERs < request options), typed option reads, and the runner's
+concurrency and KV cache settings."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+from exl3cli.errors import InvalidOption
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_ALIVE = "5m"
+DEFAULT_NUM_PARALLEL = 4
+
+
+def now_iso() -> str:
+    """`created_at` as Ollama writes it: UTC, microseconds, trailing Z."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """Seconds a model stays loaded after a request; None means forever.
+
+    Accepts what Ollama accepts: a number of seconds, or a duration string such as
+    `5m`, `1h30m`, `300ms`, `0`, `-1`.
+    """
+    if value is None or value == "":
+        value = os.environ.get("EXL3_KEEP_ALIVE", DEFAULT_KEEP_ALIVE)
+    if isinstance(value, bool):
+        raise InvalidOption(f"invalid keep_alive: {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = _parse_duration_text(text)
+    return None if seconds < 0 else seconds
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                   "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def _parse_duration_text(text: str) -> float:
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    parts = _DURATION_PART.findall(body)
+    if not parts or "".join(number + unit for number, unit in parts) != body:
+        raise InvalidOption(f"invalid duration: {text!r} (use e.g. 30s, 5m, 1h, 0, -1)")
+    return sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+
+
+def known_option_names() -> set[str]:
+    """Every option a request may set: the Modelfile PARAMETER names."""
+    from exl3cli.store.modelfile import PARAMETER_TYPES
+
+    return set(PARAMETER_TYPES)
+
+
+def merge_options(parameters: dict[str, Any] | None,
+                  options: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """Manifest PARAMETERs overlaid by request options; returns (merged, ignored names).
+
+    Unknown request options are dropped with a warning, as Ollama does, so a client
+    written for another server keeps working.
+    """
+    merged = dict(parameters or {})
+    ignored: list[str] = []
+    known = known_option_names()
+    for name, value in (options or {}).items():
+        if name not in known:
+            ignored.append(name)
+            continue
+        if value is None:
+            continue
+        merged[name] = value
+    if isinstance(merged.get("stop"), str):
+        merged["stop"] = [merged["stop"]]
+    for name in ignored:
+        log.warning("invalid option provided: %s (ignored)", name)
+    return merged, ignored
+
+
+def int_option(options: dict[str, Any], name: str) -> int | None:
+    value = options.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidOption(f"option {name} must be an integer, got {value!r}") from None
+
+
+def default_num_parallel() -> int:
+    """Requests one loaded model serves at once: $EXL3_NUM_PARALLEL, else 4."""
+    text = os.environ.get("EXL3_NUM_PARALLEL", "").strip()
+    try:
+        return max(1, int(text)) if text else DEFAULT_NUM_PARALLEL
+    except ValueError:
+        raise InvalidOption(f"EXL3_NUM_PARALLEL must be an integer, got {text!r}") from None
+
+
+def cache_type_option(options: dict[str, Any]) -> Any:
+    """The KV cache type a request asks for (`kv_cache_type`), else the environment's."""
+    from exl3cli.engine.kv_quant import resolve_kv_cache_type
+
+    value = options.get("kv_cache_type")
+    if value is not None and not isinstance(value, str):
+        raise InvalidOption(f"option kv_cache_type must be a string, got {value!r}")
+    return resolve_kv_cache_type(value)
