@@ -53,17 +53,30 @@ import click
 @click.option("--memory-context", default=8192, show_default=True, type=click.IntRange(0),
               help="Speed mode: cache size of the peak-memory run (0 skips it).")
 @click.option("--no-graphs", is_flag=True, help="Speed mode: decode without CUDA graphs.")
+@click.option("--ppl", "ppl_text", metavar="FILE", default=None,
+              help="Quality mode: perplexity of MODEL over 2048-token windows of FILE "
+                   "(e.g. wikitext-2 test.txt).")
+@click.option("--kl-ref", metavar="MODEL", default=None,
+              help="Quality mode: also the mean KL divergence and top-1 agreement "
+                   "against this reference model, on the same tokens.")
+@click.option("--windows", default=100, show_default=True, type=click.IntRange(1),
+              help="Quality mode: how many windows (from the start of FILE).")
 def bench(model_arg: str | None, server: str | None, model_name: str | None,
           concurrency: int, num_requests: int, prompt: str | None, api: str,
           num_predict: int, temperature: float, timeout: float, api_key: str | None,
           as_json: bool, prompt_lengths: str, gen_tokens: int, batches: str,
           synthetic: str | None, bits: float, head_bits: int, device: str | None,
-          memory_context: int, no_graphs: bool) -> None:
+          memory_context: int, no_graphs: bool, ppl_text: str | None, kl_ref: str | None,
+          windows: int) -> None:
     """Benchmark a server under load (--server: requests/s, time to first token,
     latency percentiles, tokens/s, errors), or a model's speed (MODEL or --synthetic:
-    prompt and generation tokens/s, peak GPU memory, fraction of the bandwidth limit)."""
+    prompt and generation tokens/s, peak GPU memory, fraction of the bandwidth limit),
+    or its quality (MODEL --ppl FILE [--kl-ref MODEL]: perplexity, KL divergence)."""
     from exl3cli.cli.bench_load import LoadConfig, format_report, run_load
 
+    if ppl_text or kl_ref:
+        _quality_command(model_arg, ppl_text, kl_ref, windows, device, as_json)
+        return
     if not server:
         _speed_command(model_arg, synthetic, bits, head_bits, _int_list(prompt_lengths),
                        gen_tokens, _int_list(batches), device, memory_context,
@@ -145,6 +158,18 @@ def _speed_command(model_arg: str | None, synthetic: str | None, bits: float, he
                            batches=batches, device=device, memory_context=memory_context,
                            graphs=graphs, label=label)
     click.echo(json.dumps(report, indent=2) if as_json else format_speed_report(report))
+
+
+def _quality_command(model_arg: str | None, ppl_text: str | None, kl_ref: str | None,
+                     windows: int, device: str | None, as_json: bool) -> None:
+    from exl3cli.cli.bench_quality import format_quality_report, run_quality
+
+    if model_arg is None or ppl_text is None:
+        raise click.UsageError("quality mode needs MODEL and --ppl FILE")
+    reference = _model_folder(kl_ref) if kl_ref else None
+    report = run_quality(_model_folder(model_arg), ppl_text, windows=windows,
+                         reference=reference, device=device)
+    click.echo(json.dumps(report, indent=2) if as_json else format_quality_report(report))
 
 
 def _model_folder(model_arg: str):
