@@ -22,22 +22,18 @@ cache folder (default ``~/.cache/exl3/kernels``); ``EXL3_EXT_VERBOSE=1`` shows t
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
-import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from exl3cli.extension_loader import LazyExtension, build_extension
+
 CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 _FLAGS = ["-O3", "-march=native"]
-
-_lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "ext": None, "reason": None}
 
 
 def _cpu_fingerprint() -> str:
@@ -67,45 +63,17 @@ def _why_not() -> str | None:
 
 
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
+    # No fast-math: the search must round exactly like the PyTorch reference.
+    return build_extension("exl3_cpu", sorted(CSRC_CPU.glob("*.cpp")),
+                           f"{torch.__version__}|{_cpu_fingerprint()}", cflags=_FLAGS)
 
-    sources = sorted(CSRC_CPU.glob("*.cpp"))
-    digest = hashlib.sha256()
-    for path in sources:
-        digest.update(path.name.encode() + path.read_bytes())
-    digest.update(f"{torch.__version__}|{_FLAGS}|{_cpu_fingerprint()}".encode())
-    name = f"exl3_cpu_{digest.hexdigest()[:16]}"
-    root = Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
-    build_dir = root / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(p) for p in sources],
-        # No fast-math: the search must round exactly like the PyTorch reference.
-        extra_cflags=_FLAGS,
-        build_directory=str(build_dir),
-        verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
-    )
+
+_EXTENSION = LazyExtension("CPU kernels", _why_not, _build,
+                           announce=lambda reason: reason != "EXL3_NO_EXT is set")
 
 
 def _extension() -> ModuleType | None:
-    if _state["tried"]:
-        return _state["ext"]  # type: ignore[return-value]
-    with _lock:
-        if not _state["tried"]:
-            reason = _why_not()
-            if reason is None:
-                try:
-                    _state["ext"] = _build()
-                except Exception as exc:  # compiler errors arrive as many exception types
-                    first = str(exc).strip().splitlines()
-                    reason = f"build failed: {first[0] if first else type(exc).__name__}"
-            _state["reason"] = reason
-            _state["tried"] = True
-            if reason is not None and reason != "EXL3_NO_EXT is set":
-                print(f"exl3: CPU kernels unavailable ({reason}); using the PyTorch "
-                      "reference path", file=sys.stderr)
-    return _state["ext"]  # type: ignore[return-value]
+    return _EXTENSION.get()
 
 
 def available() -> bool:
@@ -122,7 +90,7 @@ def unavailable_reason() -> str | None:
     if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
         return "EXL3_NO_EXT is set"
     _extension()
-    return _state["reason"]  # type: ignore[return-value]
+    return _EXTENSION.reason
 
 
 def simd_level() -> str:

@@ -17,20 +17,17 @@ Environment: ``EXL3_NO_EXT=1``, ``EXL3_KERNEL_CACHE`` (default ``~/.cache/exl3/k
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from .extension_loader import LazyExtension, build_extension
+
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cuda" / "viterbi_cuda.cu"
 
-_lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "ext": None, "reason": None}
 _luts: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -58,47 +55,22 @@ def _why_not() -> str | None:
 
 
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
-
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}a" if (major, minor) == (9, 0) else f"{major}{minor}"
-    flags = ["-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(f"{torch.__version__}|{torch.version.cuda}|{flags}".encode())
-    name = f"exl3_viterbi_{digest.hexdigest()[:16]}"
-    root = Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
-    build_dir = root / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
-    return cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3"],
-        # No fast-math: the search must round exactly like the PyTorch reference.
-        extra_cuda_cflags=flags,
-        build_directory=str(build_dir),
-        verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
-    )
+    # No fast-math: the search must round exactly like the PyTorch reference.
+    return build_extension(
+        "exl3_viterbi", [SOURCE], f"{torch.__version__}|{torch.version.cuda}",
+        cuda_cflags=["-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
+
+
+_EXTENSION = LazyExtension(
+    "CUDA Viterbi kernel", _why_not, _build,
+    announce=lambda _reason: torch.cuda.is_available() and not _no_ext(),
+    fallback="using the PyTorch reference on the GPU")
 
 
 def _extension() -> ModuleType | None:
-    if _state["tried"]:
-        return _state["ext"]  # type: ignore[return-value]
-    with _lock:
-        if not _state["tried"]:
-            reason = _why_not()
-            if reason is None:
-                try:
-                    _state["ext"] = _build()
-                except Exception as exc:  # compiler errors arrive as many exception types
-                    first = str(exc).strip().splitlines()
-                    reason = f"build failed: {first[0] if first else type(exc).__name__}"
-            _state["reason"] = reason
-            _state["tried"] = True
-            if reason is not None and torch.cuda.is_available() and not _no_ext():
-                print(f"exl3: CUDA Viterbi kernel unavailable ({reason}); using the "
-                      "PyTorch reference on the GPU", file=sys.stderr)
-    return _state["ext"]  # type: ignore[return-value]
+    return _EXTENSION.get()
 
 
 def available() -> bool:
@@ -113,7 +85,7 @@ def unavailable_reason() -> str | None:
     if _no_ext():
         return "EXL3_NO_EXT is set"
     _extension()
-    return _state["reason"]  # type: ignore[return-value]
+    return _EXTENSION.reason
 
 
 def _device_luts(codebook: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

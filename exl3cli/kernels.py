@@ -20,26 +20,21 @@ build cache folder (default ``~/.cache/exl3/kernels``).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from .engine.quant import block_hadamard, decode_tiles
+from .extension_loader import LazyExtension, build_extension
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("bindings.cpp", "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu",
             "hadamard.cu")
 _CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 FUSED_MAX_ROWS = 32
-
-_lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "ext": None, "reason": None}
 
 
 def _arch_flags(major: int, minor: int) -> list[str]:
@@ -79,48 +74,22 @@ def _has_ninja_module() -> bool:
 
 
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
-
     major, minor = torch.cuda.get_device_capability()
     flags = _arch_flags(major, minor)
-    digest = hashlib.sha256()
-    for name in _SOURCES + ("exl3_ops.h", "exl3_trellis.cuh", "gemm_impl.cuh"):
-        digest.update((CSRC / name).read_bytes())
-    digest.update(f"{torch.__version__}|{torch.version.cuda}|{flags}".encode())
-    name = f"exl3_kernels_{digest.hexdigest()[:16]}"
-    root = Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
-    build_dir = root / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
-    return cpp_extension.load(
-        name=name,
-        sources=[str(CSRC / s) for s in _SOURCES],
-        extra_cflags=["-O3"],
-        # No fast-math: the decode must round exactly as the format says.
-        extra_cuda_cflags=["-O3", "-lineinfo", *flags],
-        build_directory=str(build_dir),
-        verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
-    )
+    # No fast-math: the decode must round exactly as the format says.
+    return build_extension(
+        "exl3_kernels", [CSRC / s for s in _SOURCES],
+        f"{torch.__version__}|{torch.version.cuda}",
+        hashed=[CSRC / h for h in ("exl3_ops.h", "exl3_trellis.cuh", "gemm_impl.cuh")],
+        cuda_cflags=["-O3", "-lineinfo", *flags])
+
+
+_EXTENSION = LazyExtension("CUDA kernels", _why_not, _build,
+                           announce=lambda _reason: torch.cuda.is_available())
 
 
 def _extension() -> ModuleType | None:
-    if _state["tried"]:
-        return _state["ext"]  # type: ignore[return-value]
-    with _lock:
-        if not _state["tried"]:
-            reason = _why_not()
-            if reason is None:
-                try:
-                    _state["ext"] = _build()
-                except Exception as exc:  # compiler errors arrive as many exception types
-                    first = str(exc).strip().splitlines()
-                    reason = f"build failed: {first[0] if first else type(exc).__name__}"
-            _state["reason"] = reason
-            _state["tried"] = True
-            if reason is not None and torch.cuda.is_available():
-                print(f"exl3: CUDA kernels unavailable ({reason}); using the PyTorch "
-                      "reference path", file=sys.stderr)
-    return _state["ext"]  # type: ignore[return-value]
+    return _EXTENSION.get()
 
 
 def available() -> bool:
@@ -131,7 +100,7 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     """Why the kernels are not in use, or None when they are."""
     _extension()
-    return _state["reason"]  # type: ignore[return-value]
+    return _EXTENSION.reason
 
 
 def _k2(k: float) -> int:

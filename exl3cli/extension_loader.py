@@ -1,0 +1,83 @@
+"""Build C++/CUDA sources as a torch extension once, on first use, and remember why not.
+
+kernels.py (CUDA GEMM/decode), cuda_viterbi.py and cpu_kernels.py each own one
+`LazyExtension`; this module holds what they share: the JIT build into a cache folder
+keyed by a hash of the sources and the build settings, and the try-once, thread-safe,
+say-why-once loading that falls back to the PyTorch reference paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+
+def kernel_cache_root() -> Path:
+    """Where built extensions live (`EXL3_KERNEL_CACHE`, default ~/.cache/exl3/kernels)."""
+    return Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
+
+
+def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
+                    hashed: Sequence[Path] = (), cflags: Sequence[str] = ("-O3",),
+                    cuda_cflags: Sequence[str] | None = None) -> ModuleType:
+    """JIT-build `sources` (plus `hashed` headers in the key) under a name that changes
+    whenever a source, `key` (torch/CUDA versions, flags, CPU) or a flag changes."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256()
+    for path in [*sources, *hashed]:
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(f"{key}|{list(cflags)}|{list(cuda_cflags or [])}".encode())
+    name = f"{prefix}_{digest.hexdigest()[:16]}"
+    build_dir = kernel_cache_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
+    extra = {"extra_cuda_cflags": list(cuda_cflags)} if cuda_cflags is not None else {}
+    return cpp_extension.load(
+        name=name,
+        sources=[str(p) for p in sources],
+        extra_cflags=list(cflags),
+        build_directory=str(build_dir),
+        verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
+        **extra,
+    )
+
+
+class LazyExtension:
+    """One extension, built at most once per process: `get()` returns the module or
+    None, `reason` says why not; a failure is announced on stderr once (when `announce`
+    says the user would care), never raised."""
+
+    def __init__(self, label: str, why_not: Callable[[], str | None],
+                 build: Callable[[], ModuleType], announce: Callable[[str], bool],
+                 fallback: str = "using the PyTorch reference path"):
+        self._label, self._why_not, self._build = label, why_not, build
+        self._announce, self._fallback = announce, fallback
+        self._lock = threading.Lock()
+        self._tried = False
+        self.module: ModuleType | None = None
+        self.reason: str | None = None
+
+    def get(self) -> ModuleType | None:
+        if self._tried:
+            return self.module
+        with self._lock:
+            if not self._tried:
+                reason = self._why_not()
+                if reason is None:
+                    try:
+                        self.module = self._build()
+                    except Exception as exc:  # compiler errors arrive as many exception types
+                        first = str(exc).strip().splitlines()
+                        reason = f"build failed: {first[0] if first else type(exc).__name__}"
+                self.reason = reason
+                self._tried = True
+                if reason is not None and self._announce(reason):
+                    print(f"exl3: {self._label} unavailable ({reason}); {self._fallback}",
+                          file=sys.stderr)
+        return self.module
