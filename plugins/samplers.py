@@ -49,6 +49,14 @@ class PenaltiesStep(SamplerStep):
         return logits
 
 
+def _keep_sorted_prefix(logits: torch.Tensor, order: torch.Tensor, keep: int) -> torch.Tensor:
+    """Keep the first `keep` tokens of `order` (at least one), mask the rest."""
+    result = torch.full_like(logits, NEG_INF)
+    kept = order[: max(1, keep)]
+    result[kept] = logits[kept]
+    return result
+
+
 class TopKStep(SamplerStep):
     name = "top_k"
     order = 20
@@ -59,18 +67,7 @@ class TopKStep(SamplerStep):
         k = ctx.options["top_k"]
         if k <= 0 or k >= logits.numel():
             return logits
-        kept = torch.topk(logits, k).indices
-        result = torch.full_like(logits, NEG_INF)
-        result[kept] = logits[kept]
-        return result
-
-
-def _keep_sorted_prefix(logits: torch.Tensor, order: torch.Tensor, keep: int) -> torch.Tensor:
-    """Keep the first `keep` tokens of `order` (at least one), mask the rest."""
-    result = torch.full_like(logits, NEG_INF)
-    kept = order[: max(1, keep)]
-    result[kept] = logits[kept]
-    return result
+        return _keep_sorted_prefix(logits, torch.topk(logits, k).indices, k)
 
 
 class TypicalStep(SamplerStep):
