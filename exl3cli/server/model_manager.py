@@ -71,8 +71,10 @@ class StreamJob:
     _END = object()
 
     def __init__(self, loop: asyncio.AbstractEventLoop, executor: ThreadPoolExecutor,
-                 factory: Callable[[threading.Event], Iterator[dict]]):
+                 factory: Callable[[threading.Event], Iterator[dict]],
+                 on_finish: Callable[[str], None] | None = None):
         self.cancel = threading.Event()
+        self._on_finish = on_finish
         self.count = 0
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -83,8 +85,11 @@ class StreamJob:
         self.outcome = "running"  # then "completed", "cancelled" or "failed"
 
     def _put(self, item: Any) -> None:
+        self._call_on_loop(self._queue.put_nowait, item)
+
+    def _call_on_loop(self, function: Callable[[Any], None], argument: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(function, argument)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancel.set()
 
@@ -112,6 +117,10 @@ class StreamJob:
                 except Exception:
                     log.exception("closing a job failed")
             self.outcome = outcome
+            if self._on_finish is not None:
+                # Queued on the loop ahead of the end marker, so a reader that has seen
+                # the end of the stream also sees the job counted (GET /api/stats).
+                self._call_on_loop(self._on_finish, outcome)
             self._put(self._END)
 
     async def _next(self) -> Any:
@@ -216,9 +225,11 @@ class ModelManager:
         """Run a blocking call (store work) on a worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, func, *args)
 
-    def stream(self, factory: Callable[[threading.Event], Iterator[dict]]) -> StreamJob:
-        """A job with no queue (pull, create): runs at once on a worker thread."""
-        return StreamJob(asyncio.get_running_loop(), self.executor, factory)
+    def stream(self, factory: Callable[[threading.Event], Iterator[dict]],
+               on_finish: Callable[[str], None] | None = None) -> StreamJob:
+        """A job with no queue (pull, create): runs at once on a worker thread;
+        `on_finish(outcome)` runs on the loop before its stream ends."""
+        return StreamJob(asyncio.get_running_loop(), self.executor, factory, on_finish)
 
     async def inference(self, kind: str, req: dict[str, Any],
                         client_gone: Callable[[], bool] = lambda: False) -> StreamJob:
@@ -247,25 +258,21 @@ class ModelManager:
         def factory(cancel: threading.Event) -> Iterator[dict]:
             return method(dict(req, _cancel=cancel))
 
-        job = self.stream(factory)
         job_id = next(self._ids)
-        self._jobs[job_id] = job
-        job_future = job._future
 
-        def finished(_future: Any) -> None:
+        def finished(outcome: str) -> None:
             self._jobs.pop(job_id, None)
             stats.active -= 1
-            key = job.outcome if job.outcome in ("completed", "cancelled") else "failed"
+            key = outcome if outcome in ("completed", "cancelled") else "failed"
             setattr(stats, key, getattr(stats, key) + 1)
             slot.semaphore.release()
 
+        job = self._jobs[job_id] = self.stream(factory, on_finish=finished)
         try:
             await job.first()
         except BaseException:
             await job.close()
-            job_future.add_done_callback(finished)
             raise
-        job_future.add_done_callback(finished)
         return job
 
     def _slot(self, model: str) -> _Slot:
