@@ -80,6 +80,21 @@ def _rms(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(rms > 1e-10, rms, torch.ones_like(rms))
 
 
+def _block_fill(size: int, device: torch.device) -> torch.Tensor:
+    """Per index of a padded axis, sqrt(real indices in its 128-block / 128).
+
+    The block Hadamard spreads a partly padded block's energy over all 128 positions,
+    so its rotated values come out smaller than a full block's and the one global scale
+    would quantize them at too low an amplitude (k/v projections of 64 or 192 columns
+    lost half their precision this way). Dividing a partial block's scales by this
+    factor gives every rotated block the same RMS."""
+    padded = padded_size(size)
+    fill = torch.full((padded // 128,), 128.0, device=device)
+    if size % 128:
+        fill[-1] = size % 128
+    return (fill / 128).sqrt().repeat_interleave(128)[:size]
+
+
 def _pad(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, cols - w.shape[1], 0, rows - w.shape[0]))
 
@@ -139,7 +154,9 @@ def quantize_group(
     # Column (output) RMS first, then the row (input) RMS of the column-normalised group.
     col_rms = [_rms(w, dim=0) for w in weights]
     normalised = torch.cat([w / c for w, c in zip(weights, col_rms, strict=True)], dim=1)
-    row_rms = torch.nn.functional.pad(_rms(normalised, dim=1), (0, in_pad - in_features), value=1.0)
+    row_rms = _rms(normalised, dim=1) * _block_fill(in_features, device)
+    row_rms = torch.nn.functional.pad(row_rms, (0, in_pad - in_features), value=1.0)
+    col_rms = [c * _block_fill(c.numel(), device) for c in col_rms]
     suh = (input_signs * row_rms).to(torch.float16).to(torch.float32)
 
     cb_rms = _codebook_rms(settings.codebook, device)

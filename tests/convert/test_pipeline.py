@@ -63,9 +63,9 @@ def test_logits_correlate_with_original(converted):
     ids = ids[1::3]
     a, b = original(ids).flatten(), quantized(ids).flatten()
     corr = torch.corrcoef(torch.stack([a, b]))[0, 1]
-    # Target 0.99; this random fixture (std-0.15 Gaussian weights, no structure) gives
-    # 0.9876 at 4.0 bpw, see the report. Guard against regressions meanwhile.
-    assert corr > 0.985, f"correlation {corr:.4f}"
+    # 0.9923 at 4.0 bpw on this fixture (hidden 64: every 128-block half padded);
+    # 0.9876 before partial blocks got their own scale correction.
+    assert corr > 0.99, f"correlation {corr:.4f}"
     # And a different model would not correlate: the check can fail.
     assert torch.corrcoef(torch.stack([a, load_causal_lm(src, "cpu")(ids.flip(1)).flatten()]))[0, 1] < 0.9
 
