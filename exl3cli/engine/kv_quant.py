@@ -9,8 +9,12 @@ channel becomes a b-bit integer code around the midpoint:
     x'   = (code - 2^(b-1) + 0.5) * s / 2^(b-1)
 
 then x' is rotated back (the normalised Hadamard is its own inverse). Keys and values
-choose their bit widths independently. Codes are stored one per uint8 (the reference
-layout; a packed layout is a kernel's business).
+choose their bit widths independently.
+
+Stored codes are bit-packed (`pack_codes`): each run of 8 channels becomes `b` bytes,
+byte j holding bit j of the 8 codes (bit-planes), so a b-bit cache costs b/8 bytes per
+channel plus the scales. Bit-planes unpack with a few whole-tensor shifts for any b,
+where contiguous b-bit fields would straddle bytes for b = 3, 5, 6, 7.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ class KVCacheType:
         if not self.quantized:
             return 2.0 * channels * element_size
         scales = 2 * (channels // GROUP_SIZE) * 2  # one float16 per group, K and V
-        return 2.0 * channels + scales  # uint8 codes in the reference layout
+        codes = packed_width(channels, self.key_bits) + packed_width(channels, self.value_bits)
+        return float(codes + scales)
 
 
 _PATTERN = re.compile(r"^(?:q(\d)|k(\d)v(\d)|q(\d)_0)$")
@@ -138,3 +143,50 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int,
     groups = _grouped(codes).float()
     rotated = (groups - (half - 0.5)) * (scales.float().unsqueeze(-1) / half)
     return (rotated @ hadamard_matrix(codes.device)).reshape(codes.shape).to(dtype)
+
+
+PLANE_WIDTH = 8  # channels per bit-plane byte
+
+
+def packed_width(channels: int, bits: int) -> int:
+    """Bytes that `pack_codes` stores for one row of `channels` b-bit codes."""
+    return channels // PLANE_WIDTH * bits
+
+
+# Eight bytes of 0/1 (lane l in byte l) times this lands lane l in bit 56 + l, with no
+# carries between the partial products: the top byte is the packed plane.
+_GATHER_LANES = 0x0102040810204080
+_LOW_BITS = 0x0101010101010101
+_SPREAD: dict[torch.device, torch.Tensor] = {}
+
+
+def _spread_table(device: torch.device) -> torch.Tensor:
+    """Byte value -> int64 whose byte l is bit l of it (the plane's lanes, spread out)."""
+    if device not in _SPREAD:
+        values = torch.arange(256, dtype=torch.int64)
+        lanes = torch.arange(PLANE_WIDTH, dtype=torch.int64)
+        _SPREAD[device] = (((values[:, None] >> lanes) & 1) << (8 * lanes)).sum(-1).to(device)
+    return _SPREAD[device]
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., C] (values < 2^bits) -> bit-planes uint8 [..., C / 8 * bits]."""
+    if bits == 8:
+        return codes
+    # Eight codes as one int64 (byte l = lane l; little-endian, as on every torch target).
+    lanes = codes.contiguous().view(torch.int64)  # [..., C/8]
+    planes = [(((lanes >> j) & _LOW_BITS) * _GATHER_LANES) >> 56 for j in range(bits)]
+    return (torch.stack(planes, dim=-1) & 0xFF).to(torch.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_codes: bit-planes uint8 [..., C / 8 * bits] -> codes uint8 [..., C]."""
+    if bits == 8:
+        return packed
+    planes = packed.reshape(-1).long()  # [N * C/8 * b], plane j of lane group g at g*b + j
+    spread = _spread_table(packed.device).index_select(0, planes).view(-1, bits)
+    lanes = spread[:, 0].clone()
+    for j in range(1, bits):
+        lanes |= spread[:, j] << j
+    # Byte l of each int64 is lane l (little-endian): [N * C/8] -> codes [..., C].
+    return lanes.view(torch.uint8).view(*packed.shape[:-1], -1)

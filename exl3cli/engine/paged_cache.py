@@ -24,7 +24,14 @@ from collections.abc import Sequence
 
 import torch
 
-from exl3cli.engine.kv_quant import KVCacheType, dequantize_rows, quantize_rows
+from exl3cli.engine.kv_quant import (
+    KVCacheType,
+    dequantize_rows,
+    pack_codes,
+    packed_width,
+    quantize_rows,
+    unpack_codes,
+)
 
 PAGE_SIZE = 256
 ROOT_HASH = b"exl3-page-root"
@@ -71,14 +78,16 @@ class PagePool:
             if channels % 32:  # let kv_quant raise its clear error
                 quantize_rows(torch.zeros(1, channels), 8)
 
-            def codes() -> torch.Tensor:
-                return torch.zeros(slots, channels, dtype=torch.uint8, device=device)
+            def codes(bits: int) -> torch.Tensor:  # bit-packed, see kv_quant.pack_codes
+                return torch.zeros(slots, packed_width(channels, bits), dtype=torch.uint8,
+                                   device=device)
 
             def scales() -> torch.Tensor:
                 return torch.zeros(slots, groups, dtype=torch.float16, device=device)
 
-            self.keys = [(codes(), scales()) for _ in range(num_layers)]
-            self.values = [(codes(), scales()) for _ in range(num_layers)]
+            key_bits, value_bits = self.cache_type.key_bits, self.cache_type.value_bits
+            self.keys = [(codes(key_bits), scales()) for _ in range(num_layers)]
+            self.values = [(codes(value_bits), scales()) for _ in range(num_layers)]
         else:
             shape = (slots, num_kv_heads, head_dim)
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -171,7 +180,7 @@ class PagePool:
         for store, rows, bits in ((self.keys[layer], keys, kind.key_bits),
                                   (self.values[layer], values, kind.value_bits)):
             codes, scales = quantize_rows(rows.reshape(rows.shape[0], -1), bits)
-            store[0].index_copy_(0, slots, codes)
+            store[0].index_copy_(0, slots, pack_codes(codes, bits))
             store[1].index_copy_(0, slots, scales)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +194,8 @@ class PagePool:
         out = []
         for (codes, scales), bits in ((self.keys[layer], kind.key_bits),
                                       (self.values[layer], kind.value_bits)):
-            rows = dequantize_rows(codes.index_select(0, flat), scales.index_select(0, flat),
-                                   bits, self.dtype)
+            rows = dequantize_rows(unpack_codes(codes.index_select(0, flat), bits),
+                                   scales.index_select(0, flat), bits, self.dtype)
             out.append(rows.view(shape))
         return out[0], out[1]
 

@@ -8,9 +8,12 @@ from exl3cli.engine.kv_quant import (
     KVCacheType,
     dequantize_rows,
     hadamard_matrix,
+    pack_codes,
+    packed_width,
     parse_kv_cache_type,
     quantize_rows,
     resolve_kv_cache_type,
+    unpack_codes,
 )
 from exl3cli.errors import InvalidOption
 
@@ -98,3 +101,36 @@ def test_zero_rows_stay_zero():
 def test_rows_not_made_of_whole_groups_are_rejected():
     with pytest.raises(InvalidOption):
         quantize_rows(torch.zeros(1, 48), 8)
+
+
+def _pack_by_bits(codes: list[int], bits: int) -> list[int]:
+    """The documented layout, one bit at a time: per 8 codes, byte j = bit j of each."""
+    out = []
+    for start in range(0, len(codes), 8):
+        for j in range(bits):
+            byte = 0
+            for lane in range(8):
+                byte |= ((codes[start + lane] >> j) & 1) << lane
+            out.append(byte)
+    return out
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_packed_codes_follow_the_bit_plane_layout_and_round_trip(bits):
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (3, 64), generator=gen).to(torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_width(64, bits))
+    assert packed.shape[-1] == 64 * bits // 8
+    if bits < 8:
+        for row in range(3):
+            assert packed[row].tolist() == _pack_by_bits(codes[row].tolist(), bits)
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_bytes_per_token_counts_packed_codes_and_scales():
+    # 128 channels: codes 128*b/8 bytes for K and V, plus 4 float16 scales each.
+    assert KVCacheType(4, 4).bytes_per_token(128, 2) == 64 + 64 + 16
+    assert KVCacheType(8, 4).bytes_per_token(128, 2) == 128 + 64 + 16
+    assert KVCacheType(6, 6).bytes_per_token(128, 2) == 96 + 96 + 16
+    assert KVCacheType().bytes_per_token(128, 2) == 512

@@ -113,6 +113,20 @@ def test_storage_round_trip_plain_and_quantized():
             assert (got_v[:, 0] - values).abs().mean() > 4 * (got_k[:, 0] - keys).abs().mean()
 
 
+def _stored_bytes_per_slot(pool) -> float:
+    tensors = [t for layer in (*pool.keys, *pool.values)
+               for t in (layer if isinstance(layer, tuple) else (layer,))]
+    return sum(t.numel() * t.element_size() for t in tensors) / (pool.num_pages * pool.page_size)
+
+
+@pytest.mark.parametrize("cache_type", [None, KVCacheType(8, 8), KVCacheType(6, 6),
+                                        KVCacheType(4, 4), KVCacheType(8, 4)])
+def test_reported_bytes_per_token_is_what_the_pool_allocates(cache_type):
+    pool = new_pool(cache_type=cache_type)
+    assert pool.bytes_per_token() == _stored_bytes_per_slot(pool)
+
+
 def test_quantized_pool_is_smaller_per_token():
     plain, quantized = new_pool(), new_pool(cache_type=KVCacheType(4, 4))
-    assert quantized.bytes_per_token() < plain.bytes_per_token() / 3
+    # float32 test pool: 4-bit codes are 1/8 of it, plus one float16 scale per 32.
+    assert quantized.bytes_per_token() < plain.bytes_per_token() / 6
