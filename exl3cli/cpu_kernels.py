@@ -174,3 +174,107 @@ def gemv_cpu(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None,
     if _extension() is None:
         raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
     return torch.ops.exl3_cpu.gemv(x, packed, scale, bias, n)
+
+
+# --- Fused decode ops (csrc/cpu/decode_ops.cpp), float32 only, each with its twin ---
+# The engine checks `available()` once per module and calls `*_cpu` or `*_reference`.
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)): a pre-norm block's residual add and the
+    next norm."""
+    total = x + residual
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     heads: int) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of heads 0..heads-1 of x [N, H, D] in place with
+    cos/sin [N, D] (the engine's rope.apply_rotary); returns x."""
+    part = x[:, :heads]
+    half = x.shape[-1] // 2
+    c, s = cos[:, None], sin[:, None]
+    rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+    part.copy_(part * c + rotated * s)
+    return x
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] on the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def attend_decode_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            slots: torch.Tensor | None = None,
+                            lengths: torch.Tensor | None = None,
+                            window: int | None = None) -> torch.Tensor:
+    """One query per row: query [B, H, D] over keys/values [B, KV, S, D], or, with slots
+    [B, S], over a paged store [N, KV, D] read at those slots. Row b sees keys
+    max(0, len - window) .. len - 1, len = lengths[b] (S without lengths). [B, H, D]."""
+    if slots is not None:
+        keys = keys[slots].transpose(1, 2)  # [B, KV, S, D]
+        values = values[slots].transpose(1, 2)
+    batch, heads, dim = query.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * dim**-0.5
+    if lengths is not None or window is not None:
+        pos = torch.arange(span)
+        length = (lengths if lengths is not None else torch.full((batch,), span))[:, None]
+        allowed = pos < length
+        if window is not None:
+            allowed &= pos >= length - window
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values).reshape(batch, heads, dim)
+
+
+def gemv_rows_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight.T for a row-major (N, K) weight, float32 out."""
+    return x @ weight.float().t()
+
+
+def _ops():
+    if _extension() is None:
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    return torch.ops.exl3_cpu
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm_reference`` in one pass (float32, contiguous)."""
+    return _ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_reference`` in one pass (float32, contiguous)."""
+    return _ops().add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """``rotary_reference`` in one pass, in place (float32, head_dim contiguous)."""
+    return _ops().rotary_(x, cos, sin, heads)
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_reference`` in one pass (float32, contiguous)."""
+    return _ops().silu_mul(gate_up)
+
+
+def attend_decode_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      slots: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:
+    """``attend_decode_reference`` in one op, reading the cache in place (float32)."""
+    return _ops().attend_decode(query, keys, values, slots, lengths,
+                                0 if window is None else window)
+
+
+def gemv_rows_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gemv_rows_reference`` streaming the row-major weight once (float32/bfloat16)."""
+    return _ops().gemv_rows(x, weight)

@@ -22,6 +22,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -71,6 +75,48 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
+}
+
+inline float lane_sum(const float* a, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i];
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  return s;
+}
+
+inline float lane_max(const float* a, int64_t n) {
+  float acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = -INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] = acc[j] > a[i + j] ? acc[j] : a[i + j];
+  float m = -INFINITY;
+  for (; i < n; ++i) m = std::max(m, a[i]);
+  for (int j = 0; j < kLanes; ++j) m = std::max(m, acc[j]);
+  return m;
+}
+
+// out[g] = dot(q + g*D, k) for G query heads against one key row.
+inline void group_dots(const float* q, const float* k, int64_t G, int64_t D, float* out) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && D <= 256) {
+    __m512 kv[16];
+    for (int64_t c = 0; c < D / 16; ++c) kv[c] = _mm512_loadu_ps(k + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+      for (int64_t c = 1; c < D / 16; ++c)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c], acc);
+      out[g] = _mm512_reduce_add_ps(acc);
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) out[g] = lane_dot(q + g * D, k, D);
 }
 
 void check_float_rows(const at::Tensor& t, const char* what) {
@@ -125,7 +171,8 @@ at::Tensor& rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
   check_float_rows(cos, "rotary_ cos");
   check_float_rows(sin, "rotary_ sin");
   const int64_t n = x.size(0), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(dim % 2 == 0 && heads <= x.size(1), "rotary_: bad head count or odd dim");
+  TORCH_CHECK(dim % 2 == 0 && dim <= 512 && heads <= x.size(1),
+              "rotary_: needs an even head_dim <= 512 and heads <= H");
   TORCH_CHECK(cos.numel() == n * dim && sin.numel() == n * dim, "rotary_: cos/sin must be [N, D]");
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -193,7 +240,8 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 "attend_decode: k must be [B, KV, S, D] with D contiguous");
     S = k.size(2), KV = k.size(1), sb = k.stride(0), sh = k.stride(1), ss = k.stride(2);
   }
-  TORCH_CHECK(KV > 0 && H % KV == 0, "attend_decode: heads must be a multiple of kv heads");
+  TORCH_CHECK(KV > 0 && H % KV == 0 && H / KV <= 64,
+              "attend_decode: heads must be a multiple of kv heads (at most 64 per group)");
   std::vector<int64_t> lens(B, S);
   if (lengths.has_value() && lengths->defined()) {
     at::Tensor l = lengths->to(at::kLong).contiguous();
@@ -217,21 +265,18 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
         return paged ? slp[b * S + s] * KV * D + h * D : b * sb + h * sh + s * ss;
       };
       const float* qg = qp + (b * H + h * G) * D;
+      float dots[64];
       for (int64_t s = lo; s < len; ++s) {
-        const float* kr = kp + row(s);
-        for (int64_t g = 0; g < G; ++g) p[g * S + s] = lane_dot(qg + g * D, kr, D) * scale;
+        group_dots(qg, kp + row(s), G, D, dots);
+        for (int64_t g = 0; g < G; ++g) p[g * S + s] = dots[g] * scale;
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* pg = p.data() + g * S;
-        float mx = -INFINITY;
-        for (int64_t s = lo; s < len; ++s) mx = std::max(mx, pg[s]);
-        float total = 0.f;
-        for (int64_t s = lo; s < len; ++s) {
-          pg[s] = fast_exp(pg[s] - mx);
-          total += pg[s];
-        }
-        const float inv = len > lo ? 1.f / total : 0.f;
-        for (int64_t s = lo; s < len; ++s) pg[s] *= inv;
+        float* pg = p.data() + g * S + lo;
+        const int64_t count = len - lo;
+        const float mx = lane_max(pg, count);
+        for (int64_t s = 0; s < count; ++s) pg[s] = fast_exp(pg[s] - mx);
+        const float inv = count > 0 ? 1.f / lane_sum(pg, count) : 0.f;
+        for (int64_t s = 0; s < count; ++s) pg[s] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = lo; s < len; ++s) {
@@ -251,10 +296,47 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // y [M, N] = x [M, K] @ w.T for row-major w [N, K] (float32 or bfloat16): the tied
 // embedding used as the lm head without a second, repacked copy. Four rows of w per
 // pass (four independent sums), parallel over blocks of 64 rows.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// y[m][n..n+4) for one row of x: four rows of w streamed side by side.
+template <typename T>
+void dot4(const float* x, const T* w, int64_t K, float* y) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 xv = _mm512_loadu_ps(x + k);
+    a0 = _mm512_fmadd_ps(xv, load16(w + k), a0);
+    a1 = _mm512_fmadd_ps(xv, load16(w + K + k), a1);
+    a2 = _mm512_fmadd_ps(xv, load16(w + 2 * K + k), a2);
+    a3 = _mm512_fmadd_ps(xv, load16(w + 3 * K + k), a3);
+  }
+  y[0] = _mm512_reduce_add_ps(a0);
+  y[1] = _mm512_reduce_add_ps(a1);
+  y[2] = _mm512_reduce_add_ps(a2);
+  y[3] = _mm512_reduce_add_ps(a3);
+}
+#endif
+
 template <typename T>
 void gemv_rows_typed(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y) {
   at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin * 64; n < std::min(N, end * 64); ++n)
+    int64_t n = begin * 64;
+    const int64_t stop = std::min(N, end * 64);
+#if defined(__AVX512F__)
+    if (K % 16 == 0) {
+      float four[4];
+      for (; n + 4 <= stop; n += 4)
+        for (int64_t m = 0; m < M; ++m) {
+          dot4(x + m * K, w + n * K, K, four);
+          for (int j = 0; j < 4; ++j) y[m * N + n + j] = four[j];
+        }
+    }
+#endif
+    for (; n < stop; ++n)
       for (int64_t m = 0; m < M; ++m) y[m * N + n] = lane_dot(x + m * K, w + n * K, K);
   });
 }

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,8 +24,15 @@ from exl3cli.engine.paged_cache import PageTable
 from exl3cli.engine.sampling import Sampler, build_sampler
 from exl3cli.engine.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from exl3cli.engine.generator import Generator
+
+class JobDriver(Protocol):
+    """What a handle needs of its generator (generator.Generator): no import back."""
+
+    background: bool
+
+    def step(self) -> Any: ...
+
+    def cancel(self, handle: JobHandle) -> None: ...
 
 
 @dataclass
@@ -65,7 +72,7 @@ class JobHandle:
     thread can consume several handles in turn; an abandoned iteration cancels the job.
     """
 
-    def __init__(self, generator: Generator, job: GenerationJob, job_id: int,
+    def __init__(self, generator: JobDriver, job: GenerationJob, job_id: int,
                  prompt: list[int]):
         self.generator = generator
         self.job = job
