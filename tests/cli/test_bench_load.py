@@ -10,14 +10,6 @@ from click.testing import CliRunner
 
 from exl3cli.cli.bench import bench
 from exl3cli.cli.bench_load import percentile
-from tests.fixtures.daemon import Daemon
-from tests.fixtures.tiny_store import make_tiny_store
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with Daemon(make_tiny_store(tmp_path_factory.mktemp("bench"))) as running:
-        yield running
 
 
 def test_percentiles_interpolate_between_ranks():

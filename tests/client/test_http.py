@@ -12,21 +12,9 @@ from exl3cli.client.http import HttpClient, daemon_url
 from exl3cli.client.inference import InferenceRunner
 from exl3cli.client.local import LocalClient
 from exl3cli.errors import Exl3Error, InvalidOption, ModelNotFound
-from tests.fixtures.daemon import Daemon
-from tests.fixtures.tiny_store import make_tiny_store, write_tiny_chat_model
+from tests.fixtures.tiny_store import write_tiny_chat_model
 
 GREEDY = {"temperature": 0, "num_predict": 5}
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return make_tiny_store(tmp_path_factory.mktemp("http-client"))
-
-
-@pytest.fixture(scope="module")
-def daemon(store):
-    with Daemon(store) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

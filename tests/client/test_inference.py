@@ -22,11 +22,6 @@ FINAL_FIELDS = ("total_duration", "load_duration", "prompt_eval_count",
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return make_tiny_store(tmp_path_factory.mktemp("inference"))
-
-
-@pytest.fixture(scope="module")
 def runner(store):
     return InferenceRunner(store)
 

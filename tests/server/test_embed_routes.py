@@ -12,21 +12,8 @@ import openai
 import pytest
 
 from exl3cli.client.inference import InferenceRunner
-from tests.fixtures.daemon import Daemon
-from tests.fixtures.tiny_store import make_tiny_store
 
 TEXTS = ["The sky is blue.", "Once upon a time"]
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return make_tiny_store(tmp_path_factory.mktemp("embed-routes"))
-
-
-@pytest.fixture(scope="module")
-def daemon(store):
-    with Daemon(store) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,8 @@ import ollama
 import pytest
 
 from tests.fixtures.daemon import Daemon
-from tests.fixtures.tiny_store import make_tiny_store
 
 HELLO = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return make_tiny_store(tmp_path_factory.mktemp("manager"))
 
 
 def open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:

@@ -12,22 +12,10 @@ import pytest
 
 from exl3cli import __version__
 from exl3cli.client.local import LocalClient
-from tests.fixtures.daemon import Daemon
 from tests.fixtures.local_hub import LocalHub
-from tests.fixtures.tiny_store import make_tiny_store, write_tiny_chat_model
+from tests.fixtures.tiny_store import write_tiny_chat_model
 
 GREEDY = {"temperature": 0, "num_predict": 6}
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return make_tiny_store(tmp_path_factory.mktemp("ollama-routes"))
-
-
-@pytest.fixture(scope="module")
-def daemon(store):
-    with Daemon(store) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,6 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    with Daemon(make_tiny_store(tmp_path_factory.mktemp("openai-routes"))) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def client(daemon):
     return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
 

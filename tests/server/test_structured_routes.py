@@ -11,9 +11,6 @@ import openai
 import pydantic
 import pytest
 
-from tests.fixtures.daemon import Daemon
-from tests.fixtures.tiny_store import make_tiny_store
-
 SAMPLED = {"temperature": 1.0, "num_predict": 48}
 
 
@@ -27,13 +24,6 @@ class Person(pydantic.BaseModel):
     age: int
     likes_tea: bool
     pets: list[Pet]
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    store = make_tiny_store(tmp_path_factory.mktemp("structured-routes"))
-    with Daemon(store) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
