@@ -69,7 +69,7 @@ class DecodeGraphRunner:
         so its captured graphs stay valid; else a new one (graphs dropped)."""
         cache = self._cache
         if cache is None or cache.batch_size != batch_size or cache.max_seq_len != max_seq_len:
-            self._graphs.clear()
+            self._drop_graphs()
             self._cache = None  # free the old buffers before allocating new ones
             cache = self.model.new_cache(batch_size, max_seq_len)
             self._cache = cache
@@ -93,7 +93,7 @@ class DecodeGraphRunner:
             return logits
         version = self.model.rotary.version
         if version != self._rope_version:  # tables rebuilt: captured pointers are stale
-            self._graphs.clear()
+            self._drop_graphs()
             self._rope_version = version
         graph = self._graphs.get(span)
         if graph is None:
@@ -105,6 +105,14 @@ class DecodeGraphRunner:
         graph[0].replay()
         cache.mark_advanced([1] * cache.batch_size)
         return graph[1]
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph and their memory pool. The pool handle must go too: once
+        its last graph is gone the allocator keeps the pool with a use count of 0 (until
+        its blocks are freed), and capturing into it again trips its internal assert
+        (`use_count > 0`), which is how the first H200 run lost its graphs."""
+        self._graphs.clear()
+        self._pool = None
 
     def _fixed_shape_ok(self, cache: Any) -> bool:
         if not isinstance(cache, KVCache) or cache.batch_size == 0:

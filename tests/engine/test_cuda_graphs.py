@@ -208,3 +208,17 @@ def test_generate_tokens_on_cuda_replays_graphs(small_folders):
     assert first == [row[0] for row in expected]
     again = list(generate_tokens(model, prompt, sampler, max_seq_len=128, num_predict=STEPS))
     assert again == first  # the reused cache and graphs start clean
+
+
+@pytest.mark.cuda
+def test_graphs_survive_a_new_cache_shape(small_folders):
+    # A new cache shape drops the graphs; capturing again must use a fresh memory pool
+    # (re-using the old pool handle tripped the allocator's use_count assert on the H200).
+    model = _cuda_model(small_folders["tiny"], torch.float32)
+    runner = DecodeGraphRunner(model, bucket=32, mode="graph")
+    prompts = [_prompt(model.config.vocab_size, 12, seed=3)]
+    for max_len in (12 + STEPS + 1, 64, 96):
+        got, _, _ = _greedy_runner(model, runner, prompts, STEPS, max_len)
+        want, _ = _greedy_eager(model, prompts, STEPS, max_len)
+        assert runner.mode == "graph" and runner.graph_count >= 1, max_len
+        assert got == want
