@@ -16,6 +16,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
+_REGISTRY: list[LazyExtension] = []
+
+# The modules that own an extension; importing them registers it (see all_extensions).
+EXTENSION_MODULES = ("exl3cli.cpu_kernels", "exl3cli.kernels", "exl3cli.cuda_viterbi")
+
+
+def all_extensions() -> list[LazyExtension]:
+    """Every compiled extension of the package, in a fixed order (CPU first)."""
+    import importlib
+
+    for module in EXTENSION_MODULES:
+        importlib.import_module(module)
+    return list(_REGISTRY)
+
 
 def kernel_cache_root() -> Path:
     """Where built extensions live (`EXL3_KERNEL_CACHE`, default ~/.cache/exl3/kernels)."""
@@ -62,6 +76,11 @@ class LazyExtension:
         self._tried = False
         self.module: ModuleType | None = None
         self.reason: str | None = None
+        _REGISTRY.append(self)
+
+    @property
+    def label(self) -> str:
+        return self._label
 
     def get(self) -> ModuleType | None:
         if self._tried:

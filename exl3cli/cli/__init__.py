@@ -35,9 +35,9 @@ def main(verbose: bool) -> None:
 
 
 def _register_commands() -> None:
-    from exl3cli.cli import bench, convert, models, pull, run, serve
+    from exl3cli.cli import bench, convert, kernels, models, pull, run, serve
 
-    for module in (models, pull, run, serve, convert, bench):
+    for module in (models, pull, run, serve, convert, bench, kernels):
         for command in module.COMMANDS:
             main.add_command(command)
 
