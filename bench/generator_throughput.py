@@ -1,0 +1,125 @@
+"""Aggregate generation tokens/s of the batched generator at several job counts, and the
+KV cache memory per token of each cache type.
+
+    python bench/generator_throughput.py MODEL_FOLDER [--jobs 1,8,32,128] [--gen 64]
+        [--prompt 128] [--kv fp16,q4] [--device cuda] [--json]
+
+N jobs with different random prompts are submitted at once (greedy, `--gen` tokens
+each, never stopping early: EOS is masked out); the figure is decode tokens per
+second over the steps that only decode (after every prompt is in), so prompt
+processing does not dilute it. Each job count is run twice and the second run is
+reported (the first builds kernels and warms caches). Ratios are against 1 job in the
+same process. KV bytes/token is what the page pool allocates per token over all
+layers (keys + values, codes + scales).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exl3cli.engine.generator import Generator, StepReport
+from exl3cli.engine.generator_jobs import GenerationJob
+from exl3cli.engine.loader import load_causal_lm
+from exl3cli.engine.sampling import SamplerContext, SamplerStep, build_sampler
+from exl3cli.engine.tokenizer import Tokenizer
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Ids from the low half of the vocabulary: ordinary tokens, no specials at the top.
+    return [torch.randint(10, vocab // 2, (length,), generator=gen).tolist()
+            for _ in range(count)]
+
+
+class _BanTokens(SamplerStep):
+    """Masks EOS so every job runs its full length (a fixed batch for the whole run)."""
+
+    name = "bench_ban_eos"
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+
+    def apply(self, logits: torch.Tensor, ctx: SamplerContext) -> torch.Tensor:
+        logits[self.token_ids] = float("-inf")
+        return logits
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_jobs(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen: int,
+             kv: str, seed: int) -> dict[str, Any]:
+    """One measured run: `jobs` concurrent greedy jobs; decode-only aggregate tok/s."""
+    generator = Generator(model, tokenizer, max_batch=jobs, num_ctx=prompt + gen + 8,
+                          kv_cache_type=kv, max_queue=jobs)
+    steps: list[tuple[float, StepReport]] = []
+    device = torch.device(model.device)
+
+    def observe(report: StepReport) -> None:
+        _synchronize(device)
+        steps.append((time.perf_counter(), report))
+
+    generator.step_observers.append(observe)
+    ban = _BanTokens(sorted(tokenizer.eos_token_ids))
+    for ids in _prompts(jobs, prompt, model.config.vocab_size, seed):
+        sampler = build_sampler({"temperature": 0})
+        sampler.steps.append(ban)
+        generator.submit(GenerationJob(ids, sampler=sampler, num_predict=gen))
+    _synchronize(device)
+    started = time.perf_counter()
+    generator.run_until_done()
+    # Decode-only window: from the end of the last step that took prompt tokens.
+    last_prefill = max((i for i, (_, r) in enumerate(steps) if r.prefill_tokens), default=-1)
+    window_start = steps[last_prefill][0] if last_prefill >= 0 else started
+    decode_steps = steps[last_prefill + 1:]
+    tokens = sum(r.decode_tokens for _, r in decode_steps)
+    seconds = (decode_steps[-1][0] - window_start) if decode_steps else float("nan")
+    return {
+        "jobs": jobs, "kv": kv, "decode_steps": len(decode_steps), "decode_tokens": tokens,
+        "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "kv_bytes_per_token": generator.pool.bytes_per_token(),
+        "total_seconds": time.perf_counter() - started,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--jobs", default="1,8,32,128")
+    parser.add_argument("--gen", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--kv", default="fp16,q4")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    model = load_causal_lm(args.model, device=args.device)
+    tokenizer = Tokenizer.from_folder(args.model)
+    rows = []
+    for kv in args.kv.split(","):
+        for jobs in (int(j) for j in args.jobs.split(",")):
+            run_jobs(model, tokenizer, jobs, args.prompt, args.gen, kv, args.seed)  # warm
+            rows.append(run_jobs(model, tokenizer, jobs, args.prompt, args.gen, kv, args.seed))
+            base = next(r for r in rows if r["kv"] == kv)
+            row = rows[-1]
+            row["ratio_to_1_job"] = row["tokens_per_s"] / base["tokens_per_s"]
+            if not args.json:
+                print(f"kv {kv:5s} jobs {jobs:4d}  {row['tokens_per_s']:9.1f} tok/s "
+                      f"({row['ratio_to_1_job']:5.2f}x 1 job)  "
+                      f"KV {row['kv_bytes_per_token']:,.0f} B/token", flush=True)
+    if args.json:
+        print(json.dumps({"model": str(args.model), "device": str(model.device),
+                          "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
