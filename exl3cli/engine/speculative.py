@@ -1,0 +1,110 @@
+"""Speculative decoding: draft a few tokens cheaply, verify them in one forward pass.
+
+A drafter proposes up to k tokens that may follow a job's text. The model then runs
+over [pending token, draft_1 .. draft_k] in one pass, which gives next-token logits
+after each of them; `verify` walks those logits and keeps drafts while the sampler
+would have produced them, then emits one token of its own (the correction, or a bonus
+token after a fully accepted draft). Drafts are single proposals (a point mass), so
+the rule is: accept draft d with probability p(d) under the processed distribution p;
+on rejection draw from p with d removed. Each emitted token then has exactly the
+distribution plain decoding gives it, and with greedy sampling (p is one-hot at the
+argmax) the text is identical token for token.
+
+Drafters come from plugins (`exl3_drafters`, {name: factory(spec) -> Drafter}); the
+built-in one (plugins/drafters.py) is `ngram`: prompt lookup.
+
+Public API:
+- ``Drafter`` (protocol): ``propose(history: list[int], count: int) -> list[int]``.
+- ``make_drafter(spec: str) -> Drafter``: by a plugin's name, e.g. ``"ngram"`` or
+  ``"ngram:N"``; InvalidOption for unknown ones.
+- ``verify(sampler, logits[k+1, V], draft, history) -> list[int]``: the tokens to
+  emit, in order: the accepted drafts then one sampled token (1 .. k+1 tokens).
+- ``DEFAULT_DRAFT_TOKENS``: k when the request does not set ``draft_num_predict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from exl3cli.errors import InvalidOption
+
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 16
+
+
+class Drafter(Protocol):
+    def propose(self, history: list[int], count: int) -> list[int]:
+        """Up to `count` tokens that may follow `history` (may be fewer, or none)."""
+        ...
+
+
+def drafter_factories() -> dict[str, Callable[[str], Drafter]]:
+    """{name: factory} from the built-in ngram drafter and every drafter plugin."""
+    from exl3cli.plugins import get_plugin_manager
+
+    factories: dict[str, Callable[[str], Drafter]] = {}
+    for result in get_plugin_manager().hook.exl3_drafters():
+        factories.update(result or {})
+    return factories
+
+
+def make_drafter(spec: str) -> Drafter:
+    """The drafter a Modelfile `DRAFT` line or a request names."""
+    name = spec.strip().partition(":")[0].lower()
+    factories = drafter_factories()
+    if name not in factories:
+        known = ", ".join(sorted(factories))
+        raise InvalidOption(f"unknown draft {spec!r} (available: {known}; draft models "
+                            "are not supported yet)")
+    return factories[name](spec.strip().lower())
+
+
+def draft_count(options: dict[str, Any] | None) -> int:
+    """k from the request's `draft_num_predict` (0 turns speculation off)."""
+    value = (options or {}).get("draft_num_predict")
+    if value is None:
+        return DEFAULT_DRAFT_TOKENS
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        raise InvalidOption(f"draft_num_predict must be an integer, got {value!r}") from None
+    if not 0 <= count <= MAX_DRAFT_TOKENS:
+        raise InvalidOption(f"draft_num_predict must be within 0..{MAX_DRAFT_TOKENS}")
+    return count
+
+
+def verify(sampler: Any, logits: torch.Tensor, draft: Sequence[int],
+           history: list[int]) -> list[int]:
+    """Tokens to emit after a verification pass; see the module docstring.
+
+    `logits[i]` are the next-token logits after the pending token and draft[:i]
+    (so there are len(draft) + 1 rows); `history` is the text before the pending
+    token's successor, i.e. everything already emitted.
+    """
+    emitted: list[int] = []
+    for i, proposed in enumerate(draft):
+        processed = sampler.process(logits[i], history + emitted)
+        if sampler.greedy:
+            best = int(torch.argmax(processed))
+            if best != proposed:
+                return [*emitted, best]
+            emitted.append(proposed)
+            continue
+        probs = torch.softmax(processed, dim=-1)
+        if not torch.isfinite(probs).all() or float(probs.sum()) <= 0:
+            return [*emitted, int(torch.argmax(processed))]
+        generator = sampler.generator(probs.device)
+        accept = float(torch.rand((), generator=generator, device=probs.device))
+        if accept < float(probs[proposed]):
+            emitted.append(proposed)
+            continue
+        # Rejected: the residual distribution is p with the draft token taken out.
+        probs[proposed] = 0.0
+        if float(probs.sum()) <= 0:
+            return [*emitted, int(torch.argmax(processed))]
+        token = torch.multinomial(probs / probs.sum(), 1, generator=generator)
+        return [*emitted, int(token)]
+    return [*emitted, sampler.sample(logits[len(draft)], history + emitted)]

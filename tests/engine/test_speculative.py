@@ -1,0 +1,73 @@
+"""Speculative decoding: the acceptance rule and the built-in ngram drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3cli.engine.sampling import build_sampler
+from exl3cli.engine.speculative import draft_count, make_drafter, verify
+from exl3cli.errors import InvalidOption
+
+
+def _logits_with_argmax(best: list[int], vocab: int = 10) -> torch.Tensor:
+    rows = torch.randn(len(best), vocab, generator=torch.Generator().manual_seed(1))
+    for row, token in enumerate(best):
+        rows[row, token] = 10.0
+    return rows
+
+
+def test_greedy_keeps_drafts_while_they_are_the_argmax_then_corrects():
+    sampler = build_sampler({"temperature": 0})
+    logits = _logits_with_argmax([4, 7, 2, 9])
+    assert verify(sampler, logits, [4, 7, 3], history=[1, 2]) == [4, 7, 2]
+    assert verify(sampler, logits, [5, 7, 2], history=[1, 2]) == [4]
+    # A fully accepted draft earns the bonus token from the last row.
+    assert verify(sampler, logits, [4, 7, 2], history=[1, 2]) == [4, 7, 2, 9]
+    assert verify(sampler, logits[:1], [], history=[1, 2]) == [4]
+
+
+def test_greedy_verification_sees_the_accepted_drafts_in_its_history():
+    # repeat_penalty depends on the history: the second row must be judged with the
+    # first draft already in it, as plain decoding would.
+    sampler = build_sampler({"temperature": 0, "repeat_penalty": 100.0, "repeat_last_n": 8})
+    logits = torch.zeros(2, 6)
+    logits[0, 3] = 5.0
+    logits[1, 3], logits[1, 1] = 5.0, 4.0  # 3 wins unless it was just emitted
+    assert verify(sampler, logits, [3], history=[0]) == [3, 1]
+
+
+def test_sampled_tokens_keep_the_model_distribution():
+    # Whatever the draft, the first emitted token must be distributed as p.
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = torch.log(p).expand(2, 5).clone()
+    sampler = build_sampler({"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 7})
+    draws = 20000
+    for draft_token in (0, 3):
+        counts = torch.zeros(5)
+        for _ in range(draws):
+            counts[verify(sampler, logits, [draft_token], history=[])[0]] += 1
+        total_variation = float((counts / draws - p).abs().sum() / 2)
+        assert total_variation < 0.015, (draft_token, counts / draws)
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    drafter = make_drafter("ngram")
+    assert drafter.propose([1, 2, 3, 4, 5, 2, 3], 3) == [4, 5, 2]
+    # The latest occurrence wins over an earlier one.
+    assert drafter.propose([7, 8, 1, 7, 8, 2, 7, 8], 2) == [2, 7]
+    # Longer matches are tried first: [5, 6] -> 9, although [6] alone -> 1 is later.
+    assert drafter.propose([5, 6, 9, 0, 6, 1, 5, 6], 1) == [9]
+    assert drafter.propose([1, 2, 3], 4) == []
+    assert drafter.propose([1, 2, 1], 0) == []
+
+
+def test_drafter_names_and_counts_are_checked():
+    assert make_drafter("ngram:2").max_ngram == 2
+    with pytest.raises(InvalidOption, match="unknown draft"):
+        make_drafter("tiny-llama")
+    with pytest.raises(InvalidOption):
+        make_drafter("ngram:0")
+    assert draft_count({}) == 4 and draft_count({"draft_num_predict": 0}) == 0
+    with pytest.raises(InvalidOption):
+        draft_count({"draft_num_predict": 99})
