@@ -48,7 +48,8 @@ def _rate(count: int, duration_ns: int) -> float:
 
 
 def format_stats(final: dict) -> str:
-    """The eight `--verbose` lines for the final (`done: true`) response object."""
+    """The `--verbose` lines for the final (`done: true`) response object: Ollama's
+    eight, plus the draft acceptance when speculative decoding ran."""
     prompt_count = int(final.get("prompt_eval_count") or 0)
     prompt_ns = int(final.get("prompt_eval_duration") or 0)
     eval_count = int(final.get("eval_count") or 0)
@@ -63,6 +64,10 @@ def format_stats(final: dict) -> str:
         ("eval duration", format_duration(eval_ns)),
         ("eval rate", f"{_rate(eval_count, eval_ns):.2f} tokens/s"),
     ]
+    drafted = int(final.get("draft_count") or 0)
+    if drafted:  # speculative decoding (a DRAFT in the Modelfile)
+        kept = int(final.get("draft_accepted") or 0)
+        rows.append(("draft acceptance", f"{kept}/{drafted} ({100 * kept / drafted:.0f}%)"))
     return "".join(f"{(label + ':').ljust(_STAT_LABEL_WIDTH)}{value}\n" for label, value in rows)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from exl3cli.client.request_options import (  # noqa: F401  (re-exported)
     cache_type_option,
     default_num_parallel,
+    drafter_for,
     int_option,
     known_option_names,
     merge_options,
@@ -226,12 +227,14 @@ class InferenceRunner:
                 f"the prompt is {len(prompt_ids)} tokens, which does not fit the context "
                 f"window of {num_ctx} tokens (raise num_ctx)")
         num_predict = int_option(options, "num_predict")
+        drafter, draft_tokens = drafter_for(manifest.get("draft"), options)
         generation = GenerationJob(
             prompt_ids, sampler=build_sampler(options),
             stop=[s for s in (options.get("stop") or []) if s],
             num_predict=-1 if num_predict is None else num_predict, num_ctx=num_ctx,
             truncate=truncate, num_keep=max(0, int_option(options, "num_keep") or 0),
             constraint=build_constraint(job.req.get("format"), text_model.tokenizer),
+            drafter=drafter, draft_tokens=draft_tokens,
         )
         with self._lock:
             generator = self._generator(loaded, num_ctx, cache_type)
@@ -323,8 +326,11 @@ class InferenceRunner:
                     "prompt_eval_duration": done.prompt_eval_duration,
                     "eval_count": done.eval_count,
                     "eval_duration": done.eval_duration,
-                    # not an Ollama field: prompt tokens taken from the prefix cache
+                    # not Ollama fields: prompt tokens taken from the prefix cache, and
+                    # (with a DRAFT) draft tokens verified and kept
                     "prompt_cache_count": done.prompt_cache_count,
+                    **({"draft_count": done.draft_count,
+                        "draft_accepted": done.draft_accepted} if done.draft_count else {}),
                 },
                 warnings=[f"invalid option provided: {name}" for name in ignored],
                 context=list(handle.prompt) + generated,

@@ -116,3 +116,27 @@ def cache_type_option(options: dict[str, Any]) -> Any:
     if value is not None and not isinstance(value, str):
         raise InvalidOption(f"option kv_cache_type must be a string, got {value!r}")
     return resolve_kv_cache_type(value)
+
+
+_warned_drafts: set[str] = set()
+
+
+def drafter_for(draft: str | None, options: dict[str, Any]) -> tuple[Any, int]:
+    """(Drafter, tokens per step) for a manifest's DRAFT and the request's
+    `draft_num_predict`; (None, 0) without a DRAFT, with `draft_num_predict` 0, or when
+    DRAFT names a model (draft models are not supported yet: warned once, decoded
+    plainly)."""
+    if not draft:
+        return None, 0
+    from exl3cli.engine.speculative import draft_count, drafter_factories, make_drafter
+
+    count = draft_count(options)
+    if count == 0:
+        return None, 0
+    if draft.strip().partition(":")[0].lower() not in drafter_factories():
+        if draft not in _warned_drafts:
+            _warned_drafts.add(draft)
+            log.warning("DRAFT %s: draft models are not supported yet (use DRAFT ngram); "
+                        "decoding without a draft", draft)
+        return None, 0
+    return make_drafter(draft), count

@@ -33,6 +33,7 @@ from exl3cli.engine.generator_jobs import (
 from exl3cli.engine.kv_quant import KVCacheType, resolve_kv_cache_type
 from exl3cli.engine.paged_attention import PagedBatch
 from exl3cli.engine.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
+from exl3cli.engine.speculative import VerifyingBatch
 from exl3cli.engine.tokenizer import Tokenizer
 from exl3cli.errors import ContextOverflow, GeneratorBusy
 
@@ -43,7 +44,8 @@ DEFAULT_MAX_PREFILL_TOKENS = 512
 class StepReport:
     """What one step did (for schedulers, tests and benchmarks)."""
 
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # decoding jobs fed (one pending token each)
+    draft_tokens: int = 0  # draft tokens fed after them for verification
     prefill_tokens: int = 0
     jobs: int = 0
     finished: int = 0
@@ -173,6 +175,7 @@ class Generator:
                     if tokens:
                         fed.append((active, tokens))
                         report.decode_tokens += 1
+                        report.draft_tokens += len(tokens) - 1
             for active in self._active:
                 if active.prefilling and room > 0:
                     tokens = active.next_tokens(room)
@@ -184,12 +187,20 @@ class Generator:
             report.jobs = len(fed)
             report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
-            batch = PagedBatch(self.pool, [a.table for a, _ in fed], [t for _, t in fed])
-            input_ids = torch.tensor([[t for _, tokens in fed for t in tokens]],
+            tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
+            verifying = [active.verifying for active, _ in fed]
+            if any(verifying):
+                batch = VerifyingBatch(self.pool, tables, token_lists, verifying)
+                rows: list[Any] = [r if v else r.start
+                                   for r, v in zip(batch.output_rows, verifying, strict=True)]
+            else:
+                batch = PagedBatch(self.pool, tables, token_lists)
+                rows = list(range(len(fed)))
+            input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]],
                                      dtype=torch.long, device=self.model.device)
             logits = self.model.forward(input_ids, batch, last_logits_only=True)[0]
             elapsed = time.perf_counter_ns() - start
-            for row, (active, tokens) in enumerate(fed):
+            for row, (active, tokens) in zip(rows, fed, strict=True):
                 events = active.after_forward(tokens, logits[row], elapsed)
                 if events and events[-1].done:
                     self._retire(active, events)
@@ -217,9 +228,12 @@ class Generator:
             self._queue.popleft()
             stops = [s for s in job.stop if s]
             eos = set(self.tokenizer.eos_token_ids) | special_stop_ids(self.tokenizer, stops)
+            # Constrained jobs decode plainly: their mask is stateful, one token at a time.
+            drafter = job.drafter if job.constraint is None else None
             self._active.append(ActiveJob(
                 handle=handle, table=table, prompt=prompt, sampler=build_job_sampler(job),
                 budget=budget, eos_ids=eos, tokenizer=self.tokenizer, stops=stops,
+                drafter=drafter, draft_tokens=job.draft_tokens,
             ))
 
     def fail_all(self, error: BaseException) -> None:

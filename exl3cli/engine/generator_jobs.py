@@ -22,6 +22,7 @@ import torch
 from exl3cli.engine.generate import StopStringMatcher, TextEvent
 from exl3cli.engine.paged_cache import PageTable
 from exl3cli.engine.sampling import Sampler, build_sampler
+from exl3cli.engine.speculative import verify
 from exl3cli.engine.tokenizer import Tokenizer
 
 
@@ -56,13 +57,20 @@ class GenerationJob:
     # Structured output (engine/structured.py): masks logits before each sample and
     # ends the job once its value is complete. Stateful: one object per job.
     constraint: Any = None
+    # Speculative decoding (engine/speculative.py): a Drafter proposing up to
+    # `draft_tokens` tokens per step, verified in the step's one forward pass.
+    drafter: Any = None
+    draft_tokens: int = 0
 
 
 @dataclass
 class GeneratorEvent(TextEvent):
-    """TextEvent plus the number of prompt tokens reused from the prefix cache."""
+    """TextEvent plus the number of prompt tokens reused from the prefix cache, and
+    (speculative decoding) the draft tokens verified and how many of them were kept."""
 
     prompt_cache_count: int = 0
+    draft_count: int = 0
+    draft_accepted: int = 0
 
 
 class JobHandle:
@@ -155,6 +163,11 @@ class ActiveJob:
     prompt_eval_ns: int = 0
     eval_ns: int = 0
     history: list[int] = field(default_factory=list)
+    drafter: Any = None  # Drafter; None: plain decoding
+    draft_tokens: int = 0
+    drafted: int = 0  # draft tokens fed for verification, and how many were kept
+    draft_accepted: int = 0
+    _draft: list[int] = field(default_factory=list)  # the drafts fed this step
     _decoder: Any = None
     _matcher: StopStringMatcher | None = None
     _held: list[int] = field(default_factory=list)  # tokens whose text is held back
@@ -169,11 +182,27 @@ class ActiveJob:
     def prefilling(self) -> bool:
         return self.cursor < len(self.prompt)
 
+    @property
+    def verifying(self) -> bool:
+        """Whether this step's tokens are the pending token plus drafts to verify."""
+        return bool(self._draft)
+
     def next_tokens(self, prefill_room: int) -> list[int]:
-        """Tokens to feed this step: one decode token, or a prompt chunk."""
+        """Tokens to feed this step: the decode token (and any drafts after it), or a
+        prompt chunk."""
         if not self.prefilling:
-            return [] if self.pending_token is None else [self.pending_token]
+            if self.pending_token is None:
+                return []
+            self._draft = self._propose()
+            return [self.pending_token, *self._draft]
         return self.prompt[self.cursor : self.cursor + prefill_room]
+
+    def _propose(self) -> list[int]:
+        # Every emitted token but the last must fit the reservation: k <= budget left - 1.
+        count = min(self.draft_tokens, self.budget - self.produced - 1)
+        if self.drafter is None or count <= 0:
+            return []
+        return [int(t) for t in self.drafter.propose(self.history, count)][:count]
 
     def after_forward(self, fed: list[int], logits: torch.Tensor,
                       elapsed_ns: int) -> list[GeneratorEvent]:
@@ -188,7 +217,28 @@ class ActiveJob:
         else:
             self.pending_token = None
             self.eval_ns += elapsed_ns
+            if self._draft:
+                return self._verify(fed, logits)
         return self._sample(logits)
+
+    def _verify(self, fed: list[int], logits: torch.Tensor) -> list[GeneratorEvent]:
+        """`logits` [1 + k, V] after the pending token and each of the k drafts: keep
+        the drafts the sampler agrees with, commit them, emit them and one more."""
+        draft, self._draft = self._draft, []
+        start = time.perf_counter_ns()
+        tokens = verify(self.sampler, logits, draft, self.history)
+        self.eval_ns += time.perf_counter_ns() - start
+        kept = len(tokens) - 1
+        self.drafted += len(draft)
+        self.draft_accepted += kept
+        self.table.commit(fed[: 1 + kept])  # rejected drafts' positions get overwritten
+        events: list[GeneratorEvent] = []
+        for token in tokens:
+            more, done = self._take(token)
+            events += more
+            if done:
+                break
+        return events
 
     def _sample(self, logits: torch.Tensor) -> list[GeneratorEvent]:
         start = time.perf_counter_ns()
@@ -200,10 +250,15 @@ class ActiveJob:
         token = self.sampler.sample(logits, self.history)
         if constraint is not None:
             token = constraint.accept(token, logits)
-        self.produced += 1
         self.eval_ns += time.perf_counter_ns() - start
+        return self._take(token)[0]
+
+    def _take(self, token: int) -> tuple[list[GeneratorEvent], bool]:
+        """Account for one produced token: its text, and whether the job ended."""
+        constraint = self.handle.job.constraint
+        self.produced += 1
         if token in self.eos_ids:
-            return self.finish("stop")
+            return self.finish("stop"), True
         self.history.append(token)
         self.handle.token_ids.append(token)
         self._held.append(token)
@@ -213,13 +268,13 @@ class ActiveJob:
             events.append(GeneratorEvent(text=text, token_ids=self._held))
             self._held = []
         if stopped:
-            return events + self.finish("stop", flush=False)
+            return events + self.finish("stop", flush=False), True
         if self.produced >= self.budget:
-            return events + self.finish("length")
+            return events + self.finish("length"), True
         if constraint is not None and constraint.finished:
-            return events + self.finish("stop")  # the value is complete: no extra step
+            return events + self.finish("stop"), True  # the value is complete
         self.pending_token = token
-        return events
+        return events, False
 
     def finish(self, reason: str, flush: bool = True,
                cancelled: bool = False) -> list[GeneratorEvent]:
@@ -239,6 +294,7 @@ class ActiveJob:
             prompt_eval_duration=self.prompt_eval_ns,
             eval_count=self.produced, eval_duration=self.eval_ns,
             prompt_cache_count=reused,
+            draft_count=self.drafted, draft_accepted=self.draft_accepted,
         ))
         return events
 

@@ -19,7 +19,10 @@ Public API:
   ``"ngram:N"``; InvalidOption for unknown ones.
 - ``verify(sampler, logits[k+1, V], draft, history) -> list[int]``: the tokens to
   emit, in order: the accepted drafts then one sampled token (1 .. k+1 tokens).
-- ``DEFAULT_DRAFT_TOKENS``: k when the request does not set ``draft_num_predict``.
+- ``draft_count(options) -> int``: k from ``draft_num_predict`` (default
+  ``DEFAULT_DRAFT_TOKENS``; 0 turns speculation off).
+- ``VerifyingBatch(pool, tables, new_tokens, verifying)``: the generator's paged step
+  when some rows verify drafts (``output_rows[i]``: row i's logits in the output).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from exl3cli.engine.paged_attention import PagedBatch
 from exl3cli.errors import InvalidOption
 
 DEFAULT_DRAFT_TOKENS = 4
@@ -108,3 +112,34 @@ def verify(sampler: Any, logits: torch.Tensor, draft: Sequence[int],
         token = torch.multinomial(probs / probs.sum(), 1, generator=generator)
         return [*emitted, int(token)]
     return [*emitted, sampler.sample(logits[len(draft)], history + emitted)]
+
+
+class VerifyingBatch(PagedBatch):
+    """A paged step in which some rows verify drafts: for those rows the model returns
+    logits at every new position (not just the last), and their tokens are not
+    committed by the model: the generator commits only what was accepted, so the
+    positions of rejected drafts are simply written over by the next step."""
+
+    def __init__(self, pool: Any, tables: Sequence[Any], new_tokens: Sequence[Sequence[int]],
+                 verifying: Sequence[bool]):
+        super().__init__(pool, tables, new_tokens)
+        self.verifying = list(verifying)
+        index: list[int] = []
+        self.output_rows: list[slice] = []  # row i's logits in the model's output
+        for i, verify_row in enumerate(self.verifying):
+            first = len(index)
+            if verify_row:
+                index.extend(range(self.offsets[i], self.offsets[i + 1]))
+            else:
+                index.append(self.offsets[i + 1] - 1)
+            self.output_rows.append(slice(first, len(index)))
+        self._select = torch.tensor(index, dtype=torch.long, device=self.write_slots.device)
+
+    def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, self._select]
+
+    def advance(self, counts: Sequence[int] | None = None) -> None:
+        for table, tokens, verify_row in zip(self.tables, self.new_tokens, self.verifying,
+                                             strict=True):
+            if not verify_row:
+                table.commit(tokens)

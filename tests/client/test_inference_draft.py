@@ -1,0 +1,57 @@
+"""A Modelfile DRAFT turns on speculative decoding: same greedy text, drafts counted."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from exl3cli.cli.output import format_stats
+from exl3cli.client.inference import InferenceRunner
+from exl3cli.errors import InvalidOption
+from exl3cli.store.store import Manifest
+
+GREEDY = {"temperature": 0}
+# A prompt that repeats itself, so prompt lookup has something to draft.
+PROMPT = "one two three four five one two three four five one two three four five one two"
+
+
+@pytest.fixture(scope="module")
+def runner(store):
+    base = store.read_manifest("tiny")
+    for name, draft in (("tiny-ngram", "ngram"), ("tiny-drafted-by-model", "smollm2:135m")):
+        store.write_manifest(name, Manifest(files=dict(base.files), source=dict(base.source),
+                                            draft=draft))
+    return InferenceRunner(store)
+
+
+def _final_and_text(runner, model: str, **options):
+    chunks = list(runner.generate({"model": model, "prompt": PROMPT, "stream": False,
+                                   "options": {**GREEDY, "num_predict": 40, **options}}))
+    (final,) = chunks
+    return final, final["response"]
+
+
+def test_draft_ngram_gives_the_same_greedy_text_and_reports_its_drafts(runner):
+    plain, plain_text = _final_and_text(runner, "tiny")
+    drafted, drafted_text = _final_and_text(runner, "tiny-ngram")
+    assert drafted_text == plain_text and drafted["eval_count"] == plain["eval_count"]
+    assert "draft_count" not in plain
+    assert drafted["draft_count"] > 0 and 0 <= drafted["draft_accepted"] <= drafted["draft_count"]
+    assert "draft acceptance:" in format_stats(drafted)
+    assert "draft acceptance" not in format_stats(plain)
+
+
+def test_draft_num_predict_zero_turns_it_off_and_bad_values_are_refused(runner):
+    final, _ = _final_and_text(runner, "tiny-ngram", draft_num_predict=0)
+    assert "draft_count" not in final
+    with pytest.raises(InvalidOption):
+        _final_and_text(runner, "tiny-ngram", draft_num_predict=100)
+
+
+def test_a_draft_model_is_warned_about_and_decoding_goes_on(runner, caplog):
+    with caplog.at_level(logging.WARNING):
+        final, text = _final_and_text(runner, "tiny-drafted-by-model")
+    _, plain_text = _final_and_text(runner, "tiny")
+    assert text == plain_text and "draft_count" not in final
+    assert "draft models are not supported yet" in caplog.text

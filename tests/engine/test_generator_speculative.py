@@ -1,0 +1,104 @@
+"""Speculative decoding in the generator: the same text, fewer forward passes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
+from exl3cli.engine.speculative import make_drafter
+from exl3cli.engine.textmodel import TextModel
+from tests.fixtures.tiny_model import write_tiny_model
+from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
+
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("speculative")
+    write_tiny_model(folder, "llama", vocab_size=400, max_position_embeddings=1024)
+    write_tiny_tokenizer(folder)
+    return TextModel.load(folder, device="cpu")
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    # Repetitive prompts (a phrase said several times), as in quoting or editing: the
+    # ngram drafter has something to find, and greedy answers of a random model loop.
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(3, 400) for _ in range(rng.randrange(3, 12))]
+        filler = [rng.randrange(3, 400) for _ in range(rng.randrange(0, 40))]
+        prompts.append(filler + phrase * rng.randrange(2, 6) + phrase[: rng.randrange(1, 3)])
+    return prompts
+
+
+def _run(text_model, jobs: list[GenerationJob], max_batch: int):
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=max_batch,
+                          num_ctx=1024)
+    before = generator.pool.available
+    handles = [generator.submit(job) for job in jobs]
+    passes = 0
+    while generator.has_work:
+        passes += generator.step().jobs > 0
+    assert generator.pool.pages_in_use == 0 and generator.pool.available == before
+    return handles, passes
+
+
+def _jobs(prompts, lengths, drafted: bool) -> list[GenerationJob]:
+    return [GenerationJob(p, GREEDY, num_predict=n,
+                          drafter=make_drafter("ngram") if drafted else None,
+                          draft_tokens=4 if drafted else 0)
+            for p, n in zip(prompts, lengths, strict=True)]
+
+
+def test_greedy_text_is_identical_with_and_without_drafts(text_model):
+    prompts = _prompts(1, 16)
+    lengths = [random.Random(i).randrange(1, 60) for i in range(16)]
+    plain, plain_passes = _run(text_model, _jobs(prompts, lengths, False), max_batch=16)
+    drafted, drafted_passes = _run(text_model, _jobs(prompts, lengths, True), max_batch=16)
+    for a, b in zip(plain, drafted, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.final.done_reason == a.final.done_reason
+        assert b.final.eval_count == a.final.eval_count
+    assert all(h.final.draft_count == 0 for h in plain)
+    drafts = sum(h.final.draft_count for h in drafted)
+    kept = sum(h.final.draft_accepted for h in drafted)
+    assert 0 < kept <= drafts
+    # Drafts were kept, so the same text took fewer forward passes.
+    assert drafted_passes < plain_passes
+
+
+def test_each_job_alone_matches_and_drafts_are_accepted(text_model):
+    prompts = _prompts(2, 4)
+    for prompt in prompts:
+        (plain,), plain_passes = _run(text_model, _jobs([prompt], [48], False), 1)
+        (drafted,), passes = _run(text_model, _jobs([prompt], [48], True), 1)
+        assert drafted.token_ids == plain.token_ids
+        assert passes <= plain_passes
+
+
+def test_jobs_with_and_without_drafts_share_steps(text_model):
+    prompts = _prompts(3, 8)
+    lengths = [30] * 8
+    mixed = [GenerationJob(p, GREEDY, num_predict=30,
+                           drafter=make_drafter("ngram:2") if i % 2 else None, draft_tokens=3)
+             for i, p in enumerate(prompts)]
+    plain, _ = _run(text_model, _jobs(prompts, lengths, False), max_batch=8)
+    got, _ = _run(text_model, mixed, max_batch=8)
+    assert [h.token_ids for h in got] == [h.token_ids for h in plain]
+
+
+def test_cancelled_drafting_jobs_return_their_pages(text_model):
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=4, num_ctx=1024)
+    before = generator.pool.available
+    handles = [generator.submit(job) for job in _jobs(_prompts(4, 4), [200] * 4, True)]
+    for _ in range(6):
+        generator.step()
+    for handle in handles:
+        handle.cancel()
+    generator.run_until_done()
+    assert generator.pool.pages_in_use == 0 and generator.pool.available == before
