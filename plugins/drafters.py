@@ -4,9 +4,20 @@
 (prompt and answer so far) and what followed them there is proposed. Answers that
 quote, summarise or edit their input repeat long stretches of it, and those are
 drafted for free: no second model, no extra memory.
+
+`model`: any other DRAFT value names a small model with the same vocabulary (a store
+name or a model folder), which drafts greedily. It is loaded once per process and
+shared; each job keeps its own KV cache of it, re-using what it already holds of the
+job's text (only the tokens after the last verified one are fed again).
 """
 
 from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from exl3cli.engine.speculative import Drafter
 from exl3cli.errors import InvalidOption
@@ -48,6 +59,78 @@ def _ngram_factory(spec: str) -> Drafter:
 
 
 
+_DRAFT_MODELS: dict[Path, Any] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def _draft_folder(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from exl3cli.store.store import ModelStore
+
+    return ModelStore().model_folder(spec)  # ModelNotFound for an unknown name
+
+
+def _draft_model(spec: str) -> Any:
+    from exl3cli.engine.loader import load_causal_lm
+
+    folder = _draft_folder(spec)
+    with _LOAD_LOCK:
+        if folder not in _DRAFT_MODELS:
+            _DRAFT_MODELS[folder] = load_causal_lm(folder)
+        return _DRAFT_MODELS[folder]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    size = min(len(a), len(b))
+    for i in range(size):
+        if a[i] != b[i]:
+            return i
+    return size
+
+
+class ModelDrafter:
+    """Greedy drafts from a small model, with this job's own cache of it."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self._cache: Any = None
+        self._cached: list[int] = []  # the tokens whose keys/values the cache holds
+
+    def _logits_after(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
+        return self.model.forward(ids, self._cache, last_logits_only=True)[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, history: list[int], count: int) -> list[int]:
+        need = len(history) + count
+        limit = int(self.model.config.max_position_embeddings)
+        if count <= 0 or not history or need > limit:
+            return []
+        if self._cache is None or self._cache.max_seq_len < need:
+            # Grow by doubling (re-fed from scratch): few reallocations per job.
+            size = min(limit, max(256, 1 << (need - 1).bit_length()))
+            self._cache, self._cached = self.model.new_cache(1, size), []
+        keep = min(_common_prefix(self._cached, history), len(history) - 1)
+        self._cache.truncate(0, keep)
+        logits = self._logits_after(history[keep:])
+        cached, proposals = list(history), []
+        for _ in range(count):
+            proposals.append(int(torch.argmax(logits)))
+            if len(proposals) == count:
+                break
+            logits = self._logits_after(proposals[-1:])
+            cached.append(proposals[-1])
+        self._cached = cached
+        return proposals
+
+
+def _model_factory(spec: str) -> Drafter:
+    return ModelDrafter(_draft_model(spec))
+
+
 @hookimpl
 def exl3_drafters() -> dict:
-    return {"ngram": _ngram_factory}
+    return {"ngram": _ngram_factory, "model": _model_factory}

@@ -227,7 +227,8 @@ class InferenceRunner:
                 f"the prompt is {len(prompt_ids)} tokens, which does not fit the context "
                 f"window of {num_ctx} tokens (raise num_ctx)")
         num_predict = int_option(options, "num_predict")
-        drafter, draft_tokens = drafter_for(manifest.get("draft"), options)
+        drafter, draft_tokens = drafter_for(manifest.get("draft"), options,
+                                            text_model.model.config.vocab_size, self.store)
         generation = GenerationJob(
             prompt_ids, sampler=build_sampler(options),
             stop=[s for s in (options.get("stop") or []) if s],

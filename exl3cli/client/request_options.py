@@ -121,22 +121,34 @@ def cache_type_option(options: dict[str, Any]) -> Any:
 _warned_drafts: set[str] = set()
 
 
-def drafter_for(draft: str | None, options: dict[str, Any]) -> tuple[Any, int]:
+def drafter_for(draft: str | None, options: dict[str, Any],
+                vocab_size: int | None = None, store: Any = None) -> tuple[Any, int]:
     """(Drafter, tokens per step) for a manifest's DRAFT and the request's
-    `draft_num_predict`; (None, 0) without a DRAFT, with `draft_num_predict` 0, or when
-    DRAFT names a model (draft models are not supported yet: warned once, decoded
-    plainly)."""
+    `draft_num_predict`; (None, 0) without a DRAFT or with `draft_num_predict` 0. A
+    draft model that cannot serve (missing, or another vocabulary than the model's
+    `vocab_size`) is warned about once and the job decodes without drafts: a draft
+    only ever changes speed, never the text. A draft model's name is looked up in
+    `store` (the caller's), a folder path is used as it is."""
     if not draft:
         return None, 0
     from exl3cli.engine.speculative import draft_count, drafter_factories, make_drafter
+    from exl3cli.errors import Exl3Error
 
     count = draft_count(options)
     if count == 0:
         return None, 0
-    if draft.strip().partition(":")[0].lower() not in drafter_factories():
+    try:
+        spec = draft
+        named = draft.strip().partition(":")[0].lower() in drafter_factories()
+        if store is not None and not named and not os.path.isdir(os.path.expanduser(draft)):
+            spec = str(store.model_folder(draft))
+        drafter = make_drafter(spec)
+        theirs = getattr(drafter, "vocab_size", None)
+        if vocab_size is not None and theirs is not None and theirs != vocab_size:
+            raise InvalidOption(f"its vocabulary has {theirs} tokens, the model's {vocab_size}")
+    except Exl3Error as error:
         if draft not in _warned_drafts:
             _warned_drafts.add(draft)
-            log.warning("DRAFT %s: draft models are not supported yet (use DRAFT ngram); "
-                        "decoding without a draft", draft)
+            log.warning("DRAFT %s unusable (%s); decoding without a draft", draft, error)
         return None, 0
-    return make_drafter(draft), count
+    return drafter, count

@@ -16,7 +16,7 @@ built-in one (plugins/drafters.py) is `ngram`: prompt lookup.
 Public API:
 - ``Drafter`` (protocol): ``propose(history: list[int], count: int) -> list[int]``.
 - ``make_drafter(spec: str) -> Drafter``: by a plugin's name, e.g. ``"ngram"`` or
-  ``"ngram:N"``; InvalidOption for unknown ones.
+  ``"ngram:N"``, else a draft model's store name or folder (the ``model`` drafter).
 - ``verify(sampler, logits[k+1, V], draft, history) -> list[int]``: the tokens to
   emit, in order: the accepted drafts then one sampled token (1 .. k+1 tokens).
 - ``draft_count(options) -> int``: k from ``draft_num_predict`` (default
@@ -56,14 +56,17 @@ def drafter_factories() -> dict[str, Callable[[str], Drafter]]:
 
 
 def make_drafter(spec: str) -> Drafter:
-    """The drafter a Modelfile `DRAFT` line or a request names."""
-    name = spec.strip().partition(":")[0].lower()
+    """The drafter a Modelfile `DRAFT` line names: a drafter's name (``ngram``,
+    ``ngram:2``), else a draft model (store name or folder) for the ``model`` drafter."""
+    spec = spec.strip()
+    name = spec.partition(":")[0].lower()
     factories = drafter_factories()
-    if name not in factories:
+    if name in factories and name != "model":
+        return factories[name](spec.lower())
+    if "model" not in factories:
         known = ", ".join(sorted(factories))
-        raise InvalidOption(f"unknown draft {spec!r} (available: {known}; draft models "
-                            "are not supported yet)")
-    return factories[name](spec.strip().lower())
+        raise InvalidOption(f"unknown draft {spec!r} (available: {known})")
+    return factories["model"](spec)
 
 
 def draft_count(options: dict[str, Any] | None) -> int:

@@ -19,7 +19,9 @@ PROMPT = "one two three four five one two three four five one two three four fiv
 @pytest.fixture(scope="module")
 def runner(store):
     base = store.read_manifest("tiny")
-    for name, draft in (("tiny-ngram", "ngram"), ("tiny-drafted-by-model", "smollm2:135m")):
+    drafts = (("tiny-ngram", "ngram"), ("tiny-missing-draft", "no-such-model:1b"),
+              ("tiny-self-drafted", "tiny"))
+    for name, draft in drafts:
         store.write_manifest(name, Manifest(files=dict(base.files), source=dict(base.source),
                                             draft=draft))
     return InferenceRunner(store)
@@ -49,9 +51,18 @@ def test_draft_num_predict_zero_turns_it_off_and_bad_values_are_refused(runner):
         _final_and_text(runner, "tiny-ngram", draft_num_predict=100)
 
 
-def test_a_draft_model_is_warned_about_and_decoding_goes_on(runner, caplog):
+def test_a_missing_draft_model_is_warned_about_and_decoding_goes_on(runner, caplog):
     with caplog.at_level(logging.WARNING):
-        final, text = _final_and_text(runner, "tiny-drafted-by-model")
+        final, text = _final_and_text(runner, "tiny-missing-draft")
     _, plain_text = _final_and_text(runner, "tiny")
     assert text == plain_text and "draft_count" not in final
-    assert "draft models are not supported yet" in caplog.text
+    assert "DRAFT no-such-model:1b unusable" in caplog.text
+
+
+def test_a_draft_model_drafts_and_the_text_stays_the_same(runner):
+    # The model as its own draft: every greedy draft is what the model would say.
+    plain, plain_text = _final_and_text(runner, "tiny", num_predict=60)
+    drafted, text = _final_and_text(runner, "tiny-self-drafted", num_predict=60)
+    assert text == plain_text and drafted["eval_count"] == plain["eval_count"]
+    assert drafted["draft_count"] >= 20
+    assert drafted["draft_accepted"] >= 0.9 * drafted["draft_count"]
