@@ -102,3 +102,27 @@ def test_cancelled_drafting_jobs_return_their_pages(text_model):
         handle.cancel()
     generator.run_until_done()
     assert generator.pool.pages_in_use == 0 and generator.pool.available == before
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_drafts_keep_the_text_and_save_passes(tmp_path):
+    from exl3cli.store.pull import pull_model
+    from exl3cli.store.store import ModelStore
+
+    store = ModelStore(tmp_path / "store")
+    pull_model(store, "smollm2")
+    model = TextModel.load(store.model_folder("smollm2"), device="cpu")
+    passage = ("The quick brown fox jumps over the lazy dog while the farmer watches "
+               "from the porch and the sun sets behind the old red barn.")
+    asks = [f"Repeat this sentence exactly: {passage}",
+            f"Rewrite this sentence with 'cat' instead of 'fox': {passage}",
+            "Write a Python function that returns the sum of a list of numbers."]
+    prompts = [model.tokenizer.encode(model.chat_template.render([{"role": "user", "content": a}]),
+                                      add_bos=False) for a in asks]
+    lengths = [40] * len(prompts)
+    plain, plain_passes = _run(model, _jobs(prompts, lengths, False), max_batch=3)
+    drafted, passes = _run(model, _jobs(prompts, lengths, True), max_batch=3)
+    assert [h.token_ids for h in drafted] == [h.token_ids for h in plain]
+    kept = sum(h.final.draft_accepted for h in drafted)
+    assert kept >= 20  # the repeated passage is drafted from the prompt
+    assert passes < plain_passes
