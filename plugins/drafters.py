@@ -26,9 +26,11 @@ from exl3cli.plugins import hookimpl
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the text's last n tokens
-    (n from `max_ngram` down to `min_ngram`) and propose what followed it."""
+    (n from `max_ngram` down to `min_ngram`) and propose what followed it. One-token
+    matches are off by default: on SmolLM2 they were mostly rejected and made free
+    answers 12% slower on CPU (bench/NOTES-speculative.md)."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise InvalidOption(f"ngram drafter: need 1 <= min <= max, got {min_ngram}, "
                                 f"{max_ngram}")

@@ -59,6 +59,8 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     # Longer matches are tried first: [5, 6] -> 9, although [6] alone -> 1 is later.
     assert drafter.propose([5, 6, 9, 0, 6, 1, 5, 6], 1) == [9]
     assert drafter.propose([1, 2, 3], 4) == []
+    # Single-token matches are not used by default (too often wrong: a wasted pass).
+    assert drafter.propose([4, 9, 4], 2) == []
     assert drafter.propose([1, 2, 1], 0) == []
 
 
