@@ -24,6 +24,7 @@ from typing import Any
 
 from exl3cli.engine.generator import Generator, GeneratorThread
 from exl3cli.engine.generator_jobs import GenerationJob, JobHandle
+from exl3cli.engine.speculative import DEFAULT_DRAFT_TOKENS, drafter_factories, make_drafter
 from exl3cli.engine.textmodel import TextModel
 
 __all__ = ["LLM", "load"]
@@ -35,9 +36,12 @@ Messages = list[dict[str, Any]]
 class LLM:
     """A loaded model with its tokenizer, chat template and generator."""
 
-    def __init__(self, text_model: TextModel, generator: Generator):
+    def __init__(self, text_model: TextModel, generator: Generator,
+                 draft: str | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         self.text_model = text_model
         self.generator = generator
+        self.draft = draft  # a drafter name or a draft model folder (speculative decoding)
+        self.draft_tokens = draft_tokens
         self._thread: GeneratorThread | None = None
 
     @property
@@ -70,6 +74,9 @@ class LLM:
         job = GenerationJob(
             prompt_ids=self._prompt_ids(prompt), options=sampler_options,
             stop=list(stop or ()), num_predict=max_tokens, truncate=truncate,
+            # One drafter per job: a draft model keeps a cache of this job's text.
+            drafter=make_drafter(self.draft) if self.draft else None,
+            draft_tokens=self.draft_tokens if self.draft else 0,
         )
         return self.generator.submit(job)
 
@@ -139,6 +146,8 @@ def load(
     dtype: Any = None,
     store_root: str | Path | None = None,
     background: bool = False,
+    draft: str | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> LLM:
     """Load a model folder or store name into an LLM.
 
@@ -146,6 +155,9 @@ def load(
     (default, or $EXL3_KV_CACHE_TYPE), q8, q6, q4, kXvY; `max_batch` requests run
     together; `num_pages` (256 tokens each) sizes the cache, by default for
     max_batch full contexts. `background=True` runs the generator on a thread.
+    `draft` turns on speculative decoding: "ngram" (prompt lookup) or a small draft
+    model (folder or store name) with the same vocabulary, proposing up to
+    `draft_tokens` tokens per step; greedy output is unchanged by it.
     """
     text_model = TextModel.load(resolve_model_folder(model, store_root), device=device,
                                 dtype=dtype)
@@ -153,5 +165,9 @@ def load(
         text_model.model, text_model.tokenizer, max_batch=max_batch, num_ctx=max_seq_len,
         kv_cache_type=kv_cache_type, num_pages=num_pages,
     )
-    llm = LLM(text_model, generator)
+    if draft and draft.strip().partition(":")[0].lower() not in drafter_factories():
+        draft = str(resolve_model_folder(draft, store_root))
+    if draft:
+        make_drafter(draft)  # a bad name or a missing model fails here, not per request
+    llm = LLM(text_model, generator, draft, draft_tokens)
     return llm.start_background() if background else llm

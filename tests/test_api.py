@@ -8,7 +8,7 @@ import exl3cli.api
 from exl3cli.api import load
 from exl3cli.engine.generate import generate_tokens
 from exl3cli.engine.sampling import build_sampler
-from exl3cli.errors import ContextOverflow
+from exl3cli.errors import ContextOverflow, ModelNotFound
 from tests.fixtures.tiny_store import make_tiny_store, write_tiny_chat_model
 
 
@@ -92,3 +92,16 @@ def test_load_by_store_name(tmp_path):
     llm = load("tiny", store_root=store.root, max_seq_len=128, kv_cache_type="q4")
     assert llm.generator.cache_type.name == "q4"
     assert isinstance(llm.generate("Hi", max_tokens=2), str)
+
+
+def test_draft_keeps_the_greedy_text(model_path):
+    plain = load(model_path, max_seq_len=512)
+    prompt = "one two three four one two three four one two"
+    want = plain.generate(prompt, max_tokens=30, temperature=0)
+    for draft in ("ngram", str(model_path)):  # prompt lookup, and a draft model
+        llm = load(model_path, max_seq_len=512, draft=draft, draft_tokens=3)
+        handle = llm.submit(prompt, max_tokens=30, temperature=0)
+        assert handle.text() == want
+        assert handle.final.draft_count > 0, draft
+    with pytest.raises(ModelNotFound):
+        load(model_path, draft="no-such-draft-model", store_root=model_path.parent / "s")
