@@ -128,6 +128,10 @@ class ModelDrafter:
         self._cached = cached
         return proposals
 
+    def release(self) -> None:
+        """The job ended: free this job's cache of the draft model."""
+        self._cache, self._cached = None, []
+
 
 def _model_factory(spec: str) -> Drafter:
     return ModelDrafter(_draft_model(spec))

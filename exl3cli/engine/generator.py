@@ -248,6 +248,9 @@ class Generator:
 
     def _retire(self, active: ActiveJob, events: list[GeneratorEvent]) -> None:
         active.table.free()
+        release = getattr(active.drafter, "release", None)
+        if release is not None:  # a draft model's cache for this job
+            release()
         self._active.remove(active)
         self._emit(active.handle, events)
 

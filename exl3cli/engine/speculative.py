@@ -40,6 +40,9 @@ MAX_DRAFT_TOKENS = 16
 
 
 class Drafter(Protocol):
+    """One per job. It may also have `release()`: the generator calls it when the job
+    ends, to free per-job state (a draft model's cache) while the handle lives on."""
+
     def propose(self, history: list[int], count: int) -> list[int]:
         """Up to `count` tokens that may follow `history` (may be fewer, or none)."""
         ...
