@@ -9,18 +9,8 @@ from exl3cli.engine.generator_jobs import GenerationJob
 from exl3cli.engine.sampling import build_sampler
 from exl3cli.engine.textmodel import TextModel
 from exl3cli.errors import ContextOverflow, GeneratorBusy
-from tests.fixtures.tiny_model import write_tiny_model
-from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("generator")
-    write_tiny_model(folder, "llama", vocab_size=400, max_position_embeddings=1280)
-    write_tiny_tokenizer(folder)
-    return TextModel.load(folder, device="cpu")
 
 
 def new_generator(text_model, **settings):

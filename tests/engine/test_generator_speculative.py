@@ -10,18 +10,8 @@ from exl3cli.engine.generator import Generator
 from exl3cli.engine.generator_jobs import GenerationJob
 from exl3cli.engine.speculative import make_drafter
 from exl3cli.engine.textmodel import TextModel
-from tests.fixtures.tiny_model import write_tiny_model
-from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("speculative")
-    write_tiny_model(folder, "llama", vocab_size=400, max_position_embeddings=1024)
-    write_tiny_tokenizer(folder)
-    return TextModel.load(folder, device="cpu")
 
 
 def _prompts(seed: int, count: int) -> list[list[int]]:
