@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
@@ -12,7 +13,8 @@ class PullProgress:
     """Turns Ollama-style pull events into status lines and one byte bar per layer."""
 
     def __init__(self, stream: Any = None):
-        self._stream = stream or click.get_text_stream("stderr")
+        # sys.stderr as it is now: one PullProgress per command run (tests swap it).
+        self._stream = stream or sys.stderr
         self._bars: dict[str, tqdm] = {}
         self._last_status: str | None = None
 
