@@ -27,6 +27,7 @@ import platform
 import shutil
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -65,7 +66,8 @@ def _why_not() -> str | None:
 def _build() -> ModuleType:
     # No fast-math: the search must round exactly like the PyTorch reference.
     return build_extension("exl3_cpu", sorted(CSRC_CPU.glob("*.cpp")),
-                           f"{torch.__version__}|{_cpu_fingerprint()}", cflags=_FLAGS)
+                           f"{torch.__version__}|{_cpu_fingerprint()}",
+                           hashed=sorted(CSRC_CPU.glob("*.h")), cflags=_FLAGS)
 
 
 _EXTENSION = LazyExtension("CPU kernels", _why_not, _build,
@@ -259,7 +261,7 @@ def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
     """``rotary_reference`` in one pass, in place (float32, head_dim contiguous)."""
-    return _ops().rotary_(x, cos, sin, heads)
+    return _ops().rotary_(x, cos.contiguous(), sin.contiguous(), heads)
 
 
 def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -271,10 +273,54 @@ def attend_decode_cpu(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                       slots: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
                       window: int | None = None) -> torch.Tensor:
     """``attend_decode_reference`` in one op, reading the cache in place (float32)."""
-    return _ops().attend_decode(query, keys, values, slots, lengths,
+    return _ops().attend_decode(query.contiguous(), keys, values, slots, lengths,
                                 0 if window is None else window)
 
 
 def gemv_rows_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``gemv_rows_reference`` streaming the row-major weight once (float32/bfloat16)."""
     return _ops().gemv_rows(x, weight)
+
+
+# --- A decoder layer's decode step in two calls (csrc/cpu/decode_ops.cpp) ---
+
+class GemvWeights(NamedTuple):
+    """One packed linear for ``gemv_cpu``: blocked weights, int8 scales, bias, out size."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    n: int
+
+
+def norm_qkv_rope_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            qkv: GemvWeights, cos: torch.Tensor, sin: torch.Tensor,
+                            head_dim: int, rot_heads: int) -> torch.Tensor:
+    """rms_norm(x [M, E]) @ qkv, then heads 0..rot_heads-1 rotated: [M, qkv.n]."""
+    out = gemv_reference(rms_norm_reference(x, norm_weight, eps), *qkv)
+    rotary_reference(out.view(x.shape[0], -1, head_dim), cos, sin, rot_heads)
+    return out
+
+
+def out_mlp_reference(x: torch.Tensor, attn: torch.Tensor, o: GemvWeights,
+                      norm_weight: torch.Tensor, eps: float, gate_up: GemvWeights,
+                      down: GemvWeights) -> torch.Tensor:
+    """The rest of a pre-norm layer: h = x + attn @ o; h + down(silu_mul(norm(h) @ gate_up))."""
+    mid, normed = add_rms_norm_reference(x, gemv_reference(attn, *o), norm_weight, eps)
+    return mid + gemv_reference(silu_mul_reference(gemv_reference(normed, *gate_up)), *down)
+
+
+def norm_qkv_rope_cpu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      qkv: GemvWeights, cos: torch.Tensor, sin: torch.Tensor,
+                      head_dim: int, rot_heads: int) -> torch.Tensor:
+    """``norm_qkv_rope_reference`` in one op."""
+    return _ops().norm_qkv_rope(x, norm_weight, eps, *qkv, cos.contiguous(), sin.contiguous(),
+                                head_dim, rot_heads)
+
+
+def out_mlp_cpu(x: torch.Tensor, attn: torch.Tensor, o: GemvWeights, norm_weight: torch.Tensor,
+                eps: float, gate_up: GemvWeights, down: GemvWeights) -> torch.Tensor:
+    """``out_mlp_reference`` in one op."""
+    return _ops().out_mlp(x, attn.contiguous(), o.packed, o.scale, o.bias, norm_weight, eps,
+                          gate_up.packed, gate_up.scale, gate_up.bias, gate_up.n,
+                          down.packed, down.scale, down.bias)

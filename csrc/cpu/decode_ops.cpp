@@ -9,17 +9,14 @@
 //   rotary_(x, cos, sin, heads)       rotate heads 0..heads-1 of x [N, H, D] in place
 //   silu_mul(gu)                      silu(gu[:, :I]) * gu[:, I:]
 //   attend_decode(q, k, v, slots, lengths, window)   one query per row over a cache
-//   gemv_rows(x, w)                   x @ w.T for (N, K) row-major w (the tied lm head)
-// Loops are written with 16-lane accumulator arrays so gcc vectorises them without
-// fast-math (each lane sums in order; the lanes are added at the end).
-#include <ATen/ATen.h>
+// decode_layer.cpp chains them with the GEMVs of a layer.
+#include "decode_ops.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -28,36 +25,9 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-
-inline float lane_dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float lane_dot(const float* a, const uint16_t* b, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * bf16_to_float(b[i + j]);
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * bf16_to_float(b[i]);
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
+using exl3_cpu::check_float_rows;
+using exl3_cpu::kLanes;
+using exl3_cpu::lane_dot;
 
 // exp for softmax and SiLU: Cody-Waite reduction to [-ln2/2, ln2/2], degree-6
 // polynomial (~2 ulp), written with plain arithmetic so loops over it vectorise.
@@ -113,19 +83,26 @@ inline float dot(const float* q, const float* k, int64_t D) {
   return lane_dot(q, k, D);
 }
 
+}  // namespace
+
+namespace exl3_cpu {
+
 void check_float_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, what, ": float32 CPU tensor");
   TORCH_CHECK(t.is_contiguous(), what, ": must be contiguous");
 }
 
+// Rows in parallel only for prompts: a grain of 64 rows keeps decode on the caller.
 void rms_rows(const float* x, const float* w, float* y, int64_t rows, int64_t dim, double eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    float* yr = y + r * dim;
-    const float inv = 1.f / std::sqrt(lane_dot(xr, xr, dim) / static_cast<float>(dim) +
-                                      static_cast<float>(eps));
-    for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * inv * w[i];
-  }
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * dim;
+      float* yr = y + r * dim;
+      const float inv = 1.f / std::sqrt(lane_dot(xr, xr, dim) / static_cast<float>(dim) +
+                                        static_cast<float>(eps));
+      for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * inv * w[i];
+    }
+  });
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -198,14 +175,20 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::Tensor y = at::empty(sizes, gu.options());
   const float* g = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gr = g + r * width;
-    const float* ur = gr + inter;
-    float* yr = yp + r * inter;
-    for (int64_t i = 0; i < inter; ++i) yr[i] = gr[i] / (1.f + fast_exp(-gr[i])) * ur[i];
-  }
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gr = g + r * width;
+      const float* ur = gr + inter;
+      float* yr = yp + r * inter;
+      for (int64_t i = 0; i < inter; ++i) yr[i] = gr[i] / (1.f + fast_exp(-gr[i])) * ur[i];
+    }
+  });
   return y;
 }
+
+}  // namespace exl3_cpu
+
+namespace {
 
 // One query per row b: q [B, H, D]. Contiguous cache (slots undefined): k, v [B, KV, S, D]
 // with D contiguous (strided views are fine). Paged cache: k, v [slots, KV, D] contiguous
@@ -229,6 +212,10 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
     TORCH_CHECK(slot_t.scalar_type() == at::kLong && slot_t.dim() == 2 && slot_t.size(0) == B,
                 "attend_decode: slots must be int64 [B, S]");
     S = slot_t.size(1), KV = k.size(1), sb = 0, sh = D, ss = 0;
+    const int64_t* sl = slot_t.data_ptr<int64_t>();
+    bool in_range = true;  // the kernel indexes the store with these unchecked
+    for (int64_t i = 0, n = slot_t.numel(); i < n; ++i) in_range &= sl[i] >= 0 && sl[i] < k.size(0);
+    TORCH_CHECK(in_range, "attend_decode: slot out of range");
   } else {
     TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(3) == D && k.stride(3) == 1,
                 "attend_decode: k must be [B, KV, S, D] with D contiguous");
@@ -247,138 +234,46 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t* slp = paged ? slot_t.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(static_cast<size_t>(G * S));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KV, h = task % KV;
+  // Keys and values are read position by position, all kv heads of a position together
+  // (one contiguous row of a page), so the history streams through once in order.
+  const int64_t kh = paged ? D : sh;  // offset between kv heads of one position
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(static_cast<size_t>(H * S));
+    std::vector<float> acc(static_cast<size_t>(H * D));
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      auto row = [&](int64_t s) -> int64_t {  // element offset of key s of (b, h)
-        return paged ? slp[b * S + s] * KV * D + h * D : b * sb + h * sh + s * ss;
+      auto base = [&](int64_t s) -> int64_t {  // offset of kv head 0 at position s
+        return paged ? slp[b * S + s] * KV * D : b * sb + s * ss;
       };
-      const float* qg = qp + (b * H + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qh = qg + g * D;
-        float* pg = p.data() + g * S;
-        for (int64_t s = lo; s < len; ++s) pg[s] = dot(qh, kp + row(s), D) * scale;
+      const float* qb = qp + b * H * D;
+      for (int64_t s = lo; s < len; ++s) {
+        const float* kr = kp + base(s);
+        for (int64_t hq = 0; hq < H; ++hq)
+          p[hq * S + s] = dot(qb + hq * D, kr + (hq / G) * kh, D) * scale;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* pg = p.data() + g * S + lo;
+      for (int64_t hq = 0; hq < H; ++hq) {
+        float* ph = p.data() + hq * S + lo;
         const int64_t count = len - lo;
-        const float mx = lane_max(pg, count);
-        for (int64_t s = 0; s < count; ++s) pg[s] = fast_exp(pg[s] - mx);
-        const float inv = count > 0 ? 1.f / lane_sum(pg, count) : 0.f;
-        for (int64_t s = 0; s < count; ++s) pg[s] *= inv;
+        const float mx = lane_max(ph, count);
+        for (int64_t i = 0; i < count; ++i) ph[i] = fast_exp(ph[i] - mx);
+        const float inv = count > 0 ? 1.f / lane_sum(ph, count) : 0.f;
+        for (int64_t i = 0; i < count; ++i) ph[i] *= inv;
       }
-      // Weighted sum of values, 16 channels at a time so the sums stay in registers.
-      for (int64_t g = 0; g < G; ++g) {
-        const float* pg = p.data() + g * S;
-        float* og = op + (b * H + h * G + g) * D;
-        for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-          const int64_t width = std::min<int64_t>(kLanes, D - d0);
-          // Four partial sums (keys s, s+1, s+2, s+3) so the adds do not wait on
-          // each other.
-#if defined(__AVX512F__)
-          if (width == kLanes) {
-            __m512 v0 = _mm512_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
-            int64_t s = lo;
-            for (; s + 4 <= len; s += 4) {
-              v0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), _mm512_loadu_ps(vp + row(s) + d0), v0);
-              v1 = _mm512_fmadd_ps(_mm512_set1_ps(pg[s + 1]), _mm512_loadu_ps(vp + row(s + 1) + d0), v1);
-              v2 = _mm512_fmadd_ps(_mm512_set1_ps(pg[s + 2]), _mm512_loadu_ps(vp + row(s + 2) + d0), v2);
-              v3 = _mm512_fmadd_ps(_mm512_set1_ps(pg[s + 3]), _mm512_loadu_ps(vp + row(s + 3) + d0), v3);
-            }
-            for (; s < len; ++s)
-              v0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[s]), _mm512_loadu_ps(vp + row(s) + d0), v0);
-            _mm512_storeu_ps(og + d0, _mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3)));
-            continue;
-          }
-#endif
-          float a[4][kLanes] = {};
-          int64_t s = lo;
-          if (width == kLanes) {
-            for (; s + 4 <= len; s += 4)
-              for (int u = 0; u < 4; ++u) {
-                const float* vr = vp + row(s + u) + d0;
-                const float w = pg[s + u];
-                for (int j = 0; j < kLanes; ++j) a[u][j] += w * vr[j];
-              }
-          }
-          for (; s < len; ++s) {
-            const float* vr = vp + row(s) + d0;
-            for (int64_t j = 0; j < width; ++j) a[0][j] += pg[s] * vr[j];
-          }
-          for (int j = 0; j < kLanes; ++j) a[0][j] = (a[0][j] + a[1][j]) + (a[2][j] + a[3][j]);
-          std::memcpy(og + d0, a[0], width * sizeof(float));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = lo; s < len; ++s) {
+        const float* vr = vp + base(s);
+        for (int64_t hq = 0; hq < H; ++hq) {
+          const float w = p[hq * S + s];
+          const float* v = vr + (hq / G) * kh;
+          float* a = acc.data() + hq * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
         }
       }
+      std::memcpy(op + b * H * D, acc.data(), H * D * sizeof(float));
     }
   });
   return out;
-}
-
-// y [M, N] = x [M, K] @ w.T for row-major w [N, K] (float32 or bfloat16): the tied
-// embedding used as the lm head without a second, repacked copy. Four rows of w per
-// pass (four independent sums), parallel over blocks of 64 rows.
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-// y[m][n..n+4) for one row of x: four rows of w streamed side by side.
-template <typename T>
-void dot4(const float* x, const T* w, int64_t K, float* y) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 xv = _mm512_loadu_ps(x + k);
-    a0 = _mm512_fmadd_ps(xv, load16(w + k), a0);
-    a1 = _mm512_fmadd_ps(xv, load16(w + K + k), a1);
-    a2 = _mm512_fmadd_ps(xv, load16(w + 2 * K + k), a2);
-    a3 = _mm512_fmadd_ps(xv, load16(w + 3 * K + k), a3);
-  }
-  y[0] = _mm512_reduce_add_ps(a0);
-  y[1] = _mm512_reduce_add_ps(a1);
-  y[2] = _mm512_reduce_add_ps(a2);
-  y[3] = _mm512_reduce_add_ps(a3);
-}
-#endif
-
-template <typename T>
-void gemv_rows_typed(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y) {
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
-    int64_t n = begin * 64;
-    const int64_t stop = std::min(N, end * 64);
-#if defined(__AVX512F__)
-    if (K % 16 == 0) {
-      float four[4];
-      for (; n + 4 <= stop; n += 4)
-        for (int64_t m = 0; m < M; ++m) {
-          dot4(x + m * K, w + n * K, K, four);
-          for (int j = 0; j < 4; ++j) y[m * N + n + j] = four[j];
-        }
-    }
-#endif
-    for (; n < stop; ++n)
-      for (int64_t m = 0; m < M; ++m) y[m * N + n] = lane_dot(x + m * K, w + n * K, K);
-  });
-}
-
-at::Tensor gemv_rows(const at::Tensor& x, const at::Tensor& w) {
-  check_float_rows(x, "gemv_rows x");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous(),
-              "gemv_rows: x [M, K], w [N, K] contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (w.scalar_type() == at::kFloat) {
-    gemv_rows_typed(x.data_ptr<float>(), M, K, w.data_ptr<float>(), N, y.data_ptr<float>());
-  } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemv_rows: w must be float32 or bfloat16");
-    gemv_rows_typed(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()),
-                    N, y.data_ptr<float>());
-  }
-  return y;
 }
 
 }  // namespace
@@ -390,14 +285,12 @@ TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("attend_decode(Tensor q, Tensor k, Tensor v, Tensor? slots, Tensor? lengths, "
         "int window) -> Tensor");
-  m.def("gemv_rows(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary_", &rotary_);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &exl3_cpu::rms_norm);
+  m.impl("add_rms_norm", &exl3_cpu::add_rms_norm);
+  m.impl("rotary_", &exl3_cpu::rotary_);
+  m.impl("silu_mul", &exl3_cpu::silu_mul);
   m.impl("attend_decode", &attend_decode);
-  m.impl("gemv_rows", &gemv_rows);
 }

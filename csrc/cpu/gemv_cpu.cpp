@@ -11,7 +11,10 @@
 // 32-column block for every row of x (rows in chunks of 4, so the block is read from
 // DRAM once and from cache for the other chunks). Parallel over blocks with
 // at::parallel_for, so torch.set_num_threads applies and no second OpenMP runtime loads.
-// Registered as torch.ops.exl3_cpu.gemv (no pybind module: viterbi_cpu.cpp owns it).
+// Registered as torch.ops.exl3_cpu.gemv (no pybind module: viterbi_cpu.cpp owns it);
+// decode_ops.cpp calls it directly (gemv_cpu.h).
+#include "gemv_cpu.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -139,6 +142,10 @@ void gemv_typed(const float* x, int64_t M, int64_t K, const T* w, int64_t ldw,
   });
 }
 
+}  // namespace
+
+namespace exl3_cpu {
+
 // x (M, K) float32; w "blocked" (ceil(n/32), K, 32): 32-column block b of W^T (K, n) is
 // w[b], contiguous, zero-padded past n. scale (>= n,) float32 for int8 weights.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w,
@@ -182,10 +189,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
-}  // namespace
+}  // namespace exl3_cpu
 
 TORCH_LIBRARY(exl3_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? scale, Tensor? bias, int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) { m.impl("gemv", &exl3_cpu::gemv); }

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl3cli import cpu_kernels
 from exl3cli.engine.cache import KVCache
 from exl3cli.engine.linear import Linear
 from exl3cli.engine.norm import RMSNorm
@@ -83,38 +84,71 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.qk_norm = qk_norm
         self.window = window
+        self._fused: bool | None = None  # see _use_fused
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         batch, steps, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x)
         qkv = qkv.view(batch, steps, heads + 2 * kv_heads, self.head_dim)
+        fused = self._use_fused(qkv)
         # q and k heads are normalised and rotated together: one op each instead of two.
         qk = qkv[:, :, : heads + kv_heads]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = apply_rotary(qk, step.cos, step.sin)
+        if fused:  # in place on the fresh projection (or norm) output: one pass
+            rows = batch * steps
+            qk = cpu_kernels.rotary_cpu(
+                qk.reshape(rows, -1, self.head_dim) if qk.is_contiguous()
+                else qkv.view(rows, heads + 2 * kv_heads, self.head_dim),
+                step.cos.reshape(rows, self.head_dim), step.sin.reshape(rows, self.head_dim),
+                heads + kv_heads,
+            )[:, : heads + kv_heads].view(batch, steps, heads + kv_heads, self.head_dim)
+        else:
+            qk = apply_rotary(qk, step.cos, step.sin)
+        return self.o(self.attend(qk, qkv[:, :, heads + kv_heads :], step))
+
+    def attend(self, qk: torch.Tensor, value: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        """Cache write and attention for rotated q and k heads qk [B, T, H + KV, D] and
+        value [B, T, KV, D]: the input of the o projection, [B, T, H * D]."""
+        batch, steps = qk.shape[:2]
+        heads = self.num_heads
         query = qk[:, :, :heads].transpose(1, 2)
         key = qk[:, :, heads:].transpose(1, 2)
-        value = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        value = value.transpose(1, 2)
         if getattr(step.cache, "paged", False):  # per-sequence attention over pages
             out = step.cache.attend(self.layer_index, query, key, value, self.window)
-            out = out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
-            return self.o(out)
+            return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
         if step.cache is not None:
             key, value = step.cache.write(self.layer_index, key, value, step.positions, step.span)
+        if steps == 1 and key.dtype == torch.float32 and self._use_fused(key):
+            # One query per row, read from the cache in place; keys up to each row's
+            # position (and inside the window), as the mask below would allow.
+            lengths = None if step.start is not None else step.positions[:, 0] + 1
+            out = cpu_kernels.attend_decode_cpu(
+                query.reshape(batch, heads, self.head_dim), key, value, None, lengths,
+                self.window if self.window is not None and step.span > self.window else None,
+            )
+            return out.view(batch, 1, heads * self.head_dim)
         mask, is_causal = step.mask(self.window)
-        if steps == 1 and (mask is None or (query.is_cuda and heads != kv_heads)):
+        if steps == 1 and (mask is None or (query.is_cuda and heads != self.num_kv_heads)):
             # One query per row: grouped matmuls, kv heads never repeated (SDPA's masked
             # GQA path would copy them for every query head).
             out = decode_attention(query, key, value, mask)
         else:
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, is_causal=is_causal,
-                enable_gqa=heads != kv_heads,
+                enable_gqa=heads != self.num_kv_heads,
             )
-        out = out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
-        return self.o(out)
+        return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
+
+    def _use_fused(self, qkv: torch.Tensor) -> bool:
+        """Fused CPU ops (cpu_kernels) for float32 on CPU; the answer is kept per module."""
+        if qkv.dtype != torch.float32 or qkv.device.type != "cpu" or self.head_dim > 512:
+            return False
+        if self._fused is None:
+            self._fused = cpu_kernels.available()
+        return self._fused
 
 
 def decode_attention(

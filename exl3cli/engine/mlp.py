@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl3cli import cpu_kernels
 from exl3cli.engine.linear import Linear
 from exl3cli.errors import UnsupportedArchitecture
 
@@ -27,7 +28,16 @@ class GatedMLP(nn.Module):
         self.gate_up = gate_up
         self.down = down
         self.act = ACTIVATIONS[activation]
+        self._silu = activation in ("silu", "swish")
+        self._fused_silu: bool | None = None  # decided on the first CPU float32 call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if (self._silu and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
+                and gate_up.is_contiguous()):
+            if self._fused_silu is None:  # SiLU(gate) * up in one pass
+                self._fused_silu = cpu_kernels.available()
+            if self._fused_silu:
+                return self.down(cpu_kernels.silu_mul_cpu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)

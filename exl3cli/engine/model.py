@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl3cli import cpu_kernels
 from exl3cli.engine.architecture import ArchitectureSpec
 from exl3cli.engine.attention import Attention, AttentionStep
 from exl3cli.engine.cache import DeviceIndexedWrites, KVCache
 from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.linear import DenseLinear, Linear
+from exl3cli.engine.linear import GEMV_MAX_ROWS, DenseLinear, Linear
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.norm import RMSNorm
 from exl3cli.engine.rope import RotaryEmbedding
@@ -29,10 +30,71 @@ class DecoderLayer(nn.Module):
         self.attention = attention
         self.post_attention_norm = post_attention_norm
         self.mlp = mlp
+        self._plan: _DecodePlan | None | bool = False  # False: not looked at yet
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), step)
-        return x + self.mlp(self.post_attention_norm(x))
+        batch, steps, hidden = x.shape
+        if (batch * steps <= GEMV_MAX_ROWS and x.dtype == torch.float32
+                and x.device.type == "cpu"):
+            plan = self._decode_plan()
+            if plan is not None:
+                return self._decode_rows(plan, x.reshape(batch * steps, hidden), step
+                                         ).view(batch, steps, hidden)
+        # The residual add and the second norm are one pass (RMSNorm.add_and_norm).
+        x, normed = self.post_attention_norm.add_and_norm(x, self.attention(self.input_norm(x), step))
+        return x + self.mlp(normed)
+
+    def _decode_rows(self, plan: _DecodePlan, rows: torch.Tensor,
+                     step: AttentionStep) -> torch.Tensor:
+        """A few tokens (decode) on the CPU kernels: norm, qkv, rope in one call, the
+        cache write and attention, then o, residual, norm, MLP, residual in one call."""
+        attention = self.attention
+        batch, steps = step.positions.shape
+        dim, heads, kv_heads = attention.head_dim, attention.num_heads, attention.num_kv_heads
+        qkv = cpu_kernels.norm_qkv_rope_cpu(
+            rows, self.input_norm.weight, self.input_norm.eps, plan.qkv,
+            step.cos.reshape(-1, dim), step.sin.reshape(-1, dim), dim, heads + kv_heads,
+        ).view(batch, steps, heads + 2 * kv_heads, dim)
+        attended = attention.attend(qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :],
+                                    step)
+        return cpu_kernels.out_mlp_cpu(
+            rows, attended.reshape(rows.shape[0], -1), plan.o, self.post_attention_norm.weight,
+            self.post_attention_norm.eps, plan.gate_up, plan.down,
+        )
+
+    def _decode_plan(self) -> _DecodePlan | None:
+        """The packed weights for `_decode_rows` when this layer is the plain Llama shape
+        on the CPU kernels (float32 norms, no q/k norm, SiLU, packed dense linears)."""
+        if self._plan is False:
+            self._plan = _DecodePlan.of(self)
+        return self._plan  # type: ignore[return-value]
+
+
+class _DecodePlan(NamedTuple):
+    qkv: cpu_kernels.GemvWeights
+    o: cpu_kernels.GemvWeights
+    gate_up: cpu_kernels.GemvWeights
+    down: cpu_kernels.GemvWeights
+
+    @staticmethod
+    def of(layer: DecoderLayer) -> _DecodePlan | None:
+        attention, mlp = layer.attention, layer.mlp
+        norms = (layer.input_norm, layer.post_attention_norm)
+        linears = (attention.qkv, attention.o, mlp.gate_up, mlp.down)
+        if attention.qk_norm is not None or not getattr(mlp, "_silu", False):
+            return None
+        if not all(type(n) is RMSNorm and n._fused for n in norms):
+            return None
+        if not all(isinstance(lin, DenseLinear) and lin.cpu_weights is not None
+                   and getattr(lin, "_kernel", False) for lin in linears):
+            return None
+        hidden = layer.input_norm.weight.numel()
+        if attention.o.out_features != hidden or mlp.down.out_features != hidden:
+            return None
+        if attention.head_dim > 512 or not cpu_kernels.available():
+            return None
+        return _DecodePlan(*(cpu_kernels.GemvWeights(lin.packed, lin.scale, lin.bias,
+                                                     lin.out_features) for lin in linears))
 
 
 class CausalLM(nn.Module):
@@ -55,6 +117,7 @@ class CausalLM(nn.Module):
         self.lm_head = lm_head if isinstance(lm_head, Linear) else DenseLinear(lm_head)
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
+        self._head_gemv: bool | None = None  # see _project
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling,
             config.max_position_embeddings, embed_weight.device, embed_weight.dtype,
@@ -120,7 +183,7 @@ class CausalLM(nn.Module):
         if last_logits_only:
             hidden = cache.select_last(hidden) if paged else self._last_valid(hidden, input_lengths)
         hidden = self.final_norm(hidden)
-        return self.lm_head(hidden).float()
+        return self._project(hidden).float()
 
     @torch.inference_mode()
     def decode_step(self, input_ids: torch.Tensor, cache: KVCache, span: int) -> torch.Tensor:
@@ -193,6 +256,24 @@ class CausalLM(nn.Module):
             positions=positions, cos=cos.unsqueeze(2), sin=sin.unsqueeze(2),
             span=batch.span, start=None, cache=batch,
         )
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection. A decode step on CPU with an unpacked float32/bf16
+        head (the tied embedding: no packed copy of the largest matrix) streams the
+        row-major weight through a GEMV kernel, about twice as fast as F.linear there."""
+        head = self.lm_head
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if (rows.shape[0] <= GEMV_MAX_ROWS and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and isinstance(head, DenseLinear)
+                and head.cpu_weights is None and head.bias is None
+                and head.weight.dtype in (torch.float32, torch.bfloat16)
+                and head.weight.is_contiguous()):
+            if self._head_gemv is None:
+                self._head_gemv = cpu_kernels.available()
+            if self._head_gemv:
+                logits = cpu_kernels.gemv_rows_cpu(rows.contiguous(), head.weight)
+                return logits.view(*hidden.shape[:-1], logits.shape[-1])
+        return head(hidden)
 
     @staticmethod
     def _last_valid(hidden: torch.Tensor, input_lengths: list[int] | None) -> torch.Tensor:

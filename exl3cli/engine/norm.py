@@ -6,24 +6,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl3cli import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension.
 
     `weight` may have more than one dimension (e.g. [heads, head_dim] when the q and k
     norms of Qwen3 are applied to q and k heads together); it broadcasts over x.
+    On CPU with float32 a 1-D norm runs as one fused op (cpu_kernels.rms_norm_cpu)
+    instead of the six torch ops F.rms_norm decomposes into there.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
         self.eps = eps
+        # Checked once: forward runs twice per layer per token.
+        self._fused = (weight.dim() == 1 and weight.dtype == torch.float32
+                       and weight.device.type == "cpu" and cpu_kernels.available())
+
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        return (self._fused and x.dtype == torch.float32 and x.device.type == "cpu"
+                and x.is_contiguous() and self.weight.device.type == "cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = x.shape[-1]
+        if self._use_fused(x):
+            return cpu_kernels.rms_norm_cpu(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dim() == 1:
             return F.rms_norm(x, (dim,), self.weight, self.eps)  # one fused op
         # Reduced precision: normalise in float32, round, then scale (as the reference
         # implementations do, so results match them bit for bit in most cases).
         normed = F.rms_norm(x.float(), (dim,), None, self.eps).to(x.dtype)
         return normed * self.weight
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm(x + residual)): a pre-norm block's residual add and the
+        norm after it, one pass on the fused CPU path."""
+        if self._use_fused(x) and residual.dtype == torch.float32 and residual.is_contiguous():
+            return cpu_kernels.add_rms_norm_cpu(x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self(total)

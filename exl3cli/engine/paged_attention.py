@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from exl3cli import cpu_kernels
 from exl3cli.engine.paged_cache import PagePool, PageTable
 
 
@@ -27,6 +28,13 @@ def attend_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     (positions 0..S-1, S = start + T); returns [H, T, D]."""
     heads, steps, _ = query.shape
     span, kv_heads = keys.shape[0], keys.shape[1]
+    if start == 0 and (window is None or steps <= window):
+        # A plain causal square: SDPA's causal kernel skips the masked half.
+        return F.scaled_dot_product_attention(
+            query.unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), is_causal=True,
+            enable_gqa=heads != kv_heads,
+        )[0]
     key_pos = torch.arange(span, device=query.device)
     query_pos = torch.arange(start, start + steps, device=query.device)[:, None]
     allowed = key_pos <= query_pos
@@ -96,6 +104,9 @@ class PagedBatch:
         self._decode_rows = [i for i, c in enumerate(self.counts) if c == 1]
         self._chunk_rows = [i for i, c in enumerate(self.counts) if c > 1]
         self._decode_slots, self._decode_lengths = self._plan_decode()
+        self._decode_index = torch.tensor([offsets[i] for i in self._decode_rows],
+                                          dtype=torch.long, device=device)
+        self._fused = self._fused_decode_possible()
         self._chunk_slots = {
             i: torch.tensor(self.tables[i].all_slots(self.starts[i] + self.counts[i]),
                             dtype=torch.long, device=device)
@@ -115,6 +126,20 @@ class PagedBatch:
         return (torch.tensor(rows, dtype=torch.long, device=device),
                 torch.tensor(lengths, dtype=torch.long, device=device))
 
+    def _fused_decode_possible(self) -> bool:
+        """Whether decode rows can use the fused CPU op on the pool's own storage: an
+        unquantized float32 pool on CPU whose per-layer keys are [slots, kv, dim]."""
+        pool = self.pool
+        if pool.device.type != "cpu" or pool.dtype != torch.float32:
+            return False
+        if pool.cache_type.quantized or not self._decode_rows:
+            return False
+        keys = pool.keys[0] if pool.keys else None
+        layout = (pool.num_pages * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != layout:
+            return False
+        return keys.is_contiguous() and cpu_kernels.available()
+
     def check_input(self, input_ids: torch.Tensor) -> None:
         if tuple(input_ids.shape) != (1, self.total):
             raise ValueError(f"a paged step takes input_ids [1, {self.total}], "
@@ -125,14 +150,22 @@ class PagedBatch:
         """query [1, H, N, D], new key/value [1, KV, N, D] -> attention output [1, H, N, D]."""
         self.pool.write(layer, self.write_slots, key[0].transpose(0, 1),
                         value[0].transpose(0, 1))
+        fused = self._fused and query.dtype == torch.float32
+        if fused and not self._chunk_rows:
+            # Decode only (the usual chat step): one op per layer reads the pages in
+            # place, no gathered copy of the history.
+            return self._attend_decode_fused(layer, query[0].transpose(0, 1),
+                                             window).transpose(0, 1).unsqueeze(0)
         out = torch.empty_like(query[0])  # [H, N, D]
         if self._decode_rows:
-            index = torch.tensor([self.offsets[i] for i in self._decode_rows],
-                                 device=query.device)
-            keys, values = self.pool.read(layer, self._decode_slots)
-            decoded = attend_decode(query[0, :, index].transpose(0, 1),
-                                    keys.to(query.dtype), values.to(query.dtype),
-                                    self._decode_lengths, window)
+            index = self._decode_index
+            rows = query[0, :, index].transpose(0, 1)
+            if fused:
+                decoded = self._attend_decode_fused(layer, rows, window)
+            else:
+                keys, values = self.pool.read(layer, self._decode_slots)
+                decoded = attend_decode(rows, keys.to(query.dtype), values.to(query.dtype),
+                                        self._decode_lengths, window)
             out[:, index] = decoded.transpose(0, 1)
         for i in self._chunk_rows:
             begin, end = self.offsets[i], self.offsets[i + 1]
@@ -140,6 +173,13 @@ class PagedBatch:
             out[:, begin:end] = attend_chunk(query[0, :, begin:end], keys.to(query.dtype),
                                              values.to(query.dtype), self.starts[i], window)
         return out.unsqueeze(0)
+
+    def _attend_decode_fused(self, layer: int, query: torch.Tensor,
+                             window: int | None) -> torch.Tensor:
+        """attend_decode on the CPU op, over the pool's storage in place: [B, H, D]."""
+        return cpu_kernels.attend_decode_cpu(query, self.pool.keys[layer],
+                                             self.pool.values[layer], self._decode_slots,
+                                             self._decode_lengths, window)
 
     def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [1, N, E] -> each sequence's last new token, [1, num_seqs, E]."""
