@@ -86,6 +86,13 @@ class DenseLinear(Linear):
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
         self._kernel = cpu_kernels.available()  # checked once: forward runs per token
 
+    def gemv_weights(self) -> cpu_kernels.GemvWeights | None:
+        """The packed weights for the C++ GEMV (fused decode layers call it directly),
+        or None when this layer is not packed or the CPU kernels are unavailable."""
+        if self.cpu_weights is None or not self._kernel:
+            return None
+        return cpu_kernels.GemvWeights(self.packed, self.scale, self.bias, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_weights is None:
             return F.linear(x, self.weight, self.bias)

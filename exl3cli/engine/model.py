@@ -85,16 +85,16 @@ class _DecodePlan(NamedTuple):
             return None
         if not all(type(n) is RMSNorm and n._fused for n in norms):
             return None
-        if not all(isinstance(lin, DenseLinear) and lin.cpu_weights is not None
-                   and getattr(lin, "_kernel", False) for lin in linears):
+        packed = [lin.gemv_weights() if isinstance(lin, DenseLinear) else None
+                  for lin in linears]
+        if any(p is None for p in packed):
             return None
         hidden = layer.input_norm.weight.numel()
         if attention.o.out_features != hidden or mlp.down.out_features != hidden:
             return None
         if attention.head_dim > 512 or not cpu_kernels.available():
             return None
-        return _DecodePlan(*(cpu_kernels.GemvWeights(lin.packed, lin.scale, lin.bias,
-                                                     lin.out_features) for lin in linears))
+        return _DecodePlan(*packed)
 
 
 class CausalLM(nn.Module):
