@@ -6,7 +6,9 @@ ArchitectureSpec; the forward pass lives once in the engine.
 
 from __future__ import annotations
 
-from exl3cli.engine.architecture import ArchitectureSpec
+from dataclasses import fields
+
+from exl3cli.engine.architecture import ArchitectureSpec, TensorNames
 from exl3cli.plugins import hookimpl
 
 # Llama 2, Llama 3, 3.1 and 3.2 (RoPE scaling comes from config.json), SmolLM2.
@@ -21,7 +23,61 @@ QWEN2 = ArchitectureSpec(name="Qwen2ForCausalLM", qkv_bias=True, sliding_window=
 # Qwen3: no qkv bias, per-head RMSNorm on q and k, explicit head_dim in config.json.
 QWEN3 = ArchitectureSpec(name="Qwen3ForCausalLM", qk_norm="rms", sliding_window="from_layer")
 
+# Gemma's "sandwich": the norm in front of the MLP is pre_feedforward_layernorm, and
+# post_attention_layernorm / post_feedforward_layernorm norm the block outputs.
+_GEMMA_TENSORS = TensorNames(
+    post_attention_norm="model.layers.{i}.pre_feedforward_layernorm.weight",
+)
+
+# Gemma 2: 1 + w norms, scaled embeddings, GELU-tanh, every other layer slides (from
+# layer 0); score scale and soft-caps come from config.json.
+GEMMA2 = ArchitectureSpec(
+    name="Gemma2ForCausalLM", activation="gelu_pytorch_tanh", norm_unit_offset=True,
+    embed_scale=True, sandwich_norm=True, sliding_window="pattern", sliding_pattern=2,
+    tensors=_GEMMA_TENSORS,
+)
+
+# Gemma 3 (text): Gemma 2 plus q/k norms, no soft-caps, five sliding layers per global
+# one and a separate rope theta for sliding layers.
+GEMMA3 = ArchitectureSpec(
+    name="Gemma3ForCausalLM", activation="gelu_pytorch_tanh", norm_unit_offset=True,
+    embed_scale=True, sandwich_norm=True, qk_norm="rms", sliding_window="pattern",
+    sliding_pattern=6, tensors=_GEMMA_TENSORS,
+)
+
+
+
+def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
+    """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
+    values = {f.name: getattr(names, f.name) for f in fields(names)}
+    moved = {key: model + value.removeprefix("model.") for key, value in values.items()
+             if value.startswith("model.")}
+    return TensorNames(**{**values, **moved, "lm_head": lm_head})
+
+
+# Gemma 3 4B and up ship as image-text models: the text model is Gemma 3 under
+# "language_model." (checkpoints written before transformers 4.52, which EXL3 folders
+# keep) or "model.language_model." (after); the vision tower is not loaded (text only).
+# Their config.json nests the text model's keys in text_config and leaves out those at
+# transformers' Gemma3TextConfig defaults, filled in here.
+GEMMA3_MULTIMODAL = ArchitectureSpec(
+    name="Gemma3ForConditionalGeneration", activation="gelu_pytorch_tanh",
+    norm_unit_offset=True, embed_scale=True, sandwich_norm=True, qk_norm="rms",
+    sliding_window="pattern", sliding_pattern=6,
+    tensors=_moved(_GEMMA_TENSORS, "language_model.model.", "language_model.lm_head.weight"),
+    alt_tensors=_moved(_GEMMA_TENSORS, "model.language_model.", "lm_head.weight"),
+    config_defaults={
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
+    },
+)
+
 
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
-    return {spec.name: spec for spec in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+    specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL)
+    return {spec.name: spec for spec in specs}

@@ -24,7 +24,23 @@ from exl3cli.engine.architecture import SLIDING_ATTENTION, ArchitectureSpec
 from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.mlp import ACTIVATIONS
 from exl3cli.engine.rope import RotaryEmbedding, apply_rotary
-from exl3cli.errors import UnsupportedArchitecture
+from exl3cli.errors import ConversionError, UnsupportedArchitecture
+
+
+def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[str]:
+    """What this runner (and the converter driving it) cannot reproduce yet: the
+    engine runs these (Gemma 2/3), but quantizing such a model would calibrate every
+    layer on wrong activations."""
+    checks = {
+        "sandwich norms": spec.sandwich_norm,
+        "scaled embeddings": spec.embed_scale,
+        "1 + weight norms": spec.norm_unit_offset,
+        "query_pre_attn_scalar": config.query_pre_attn_scalar is not None,
+        "attention soft-capping": config.attn_logit_softcapping is not None,
+        "final logit soft-capping": config.final_logit_softcapping is not None,
+        "a separate rope for sliding layers": config.sliding_rope_theta is not None,
+    }
+    return [name for name, present in checks.items() if present]
 
 
 class LayerRunner:
@@ -36,6 +52,13 @@ class LayerRunner:
         self.spec = spec
         self.device = device
         self.row_chunk = row_chunk
+        missing = unsupported_features(config, spec)
+        if missing:
+            raise ConversionError(
+                f"converting {spec.name} models is not supported yet (the quantizer's "
+                f"layer forward lacks {', '.join(missing)}); download an EXL3 version "
+                "instead, the engine runs those"
+            )
         self.layer_types = spec.layer_types(config)
         act = config.hidden_act or spec.activation
         if act not in ACTIVATIONS:

@@ -8,7 +8,9 @@ specs are provided by the `exl3_plugins.architectures` plugin through the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from exl3cli.engine.config import ModelConfig
 from exl3cli.errors import UnsupportedArchitecture
@@ -31,6 +33,9 @@ class TensorNames:
     k_proj: str = "model.layers.{i}.self_attn.k_proj"
     v_proj: str = "model.layers.{i}.self_attn.v_proj"
     o_proj: str = "model.layers.{i}.self_attn.o_proj"
+    # Sandwich-norm families (Gemma 2/3) also norm the attention and MLP outputs.
+    attention_out_norm: str = "model.layers.{i}.post_attention_layernorm.weight"
+    mlp_out_norm: str = "model.layers.{i}.post_feedforward_layernorm.weight"
     q_norm: str = "model.layers.{i}.self_attn.q_norm.weight"
     k_norm: str = "model.layers.{i}.self_attn.k_norm.weight"
     gate_proj: str = "model.layers.{i}.mlp.gate_proj"
@@ -43,8 +48,21 @@ class ArchitectureSpec:
     """How one Hugging Face `architectures` name maps onto the engine's blocks.
 
     sliding_window: "none" (never), "all" (every layer when config.sliding_window is
-    set, Mistral), or "from_layer" (Qwen2/3: only with `use_sliding_window`, for layers
-    at or above `max_window_layers`). A config's explicit `layer_types` always wins.
+    set, Mistral), "from_layer" (Qwen2/3: only with `use_sliding_window`, for layers
+    at or above `max_window_layers`), or "pattern" (Gemma 2/3: every
+    `sliding_pattern`-th layer is global, the rest slide; config.json's
+    `sliding_window_pattern` overrides the number). A config's explicit `layer_types`
+    always wins.
+
+    The Gemma options all default to off, so the other families are unchanged:
+    norm_unit_offset (RMSNorm scales by 1 + weight, in float32), embed_scale
+    (embeddings times sqrt(hidden_size)), sandwich_norm (attention and MLP outputs are
+    normed before their residual add). The attention scale (`query_pre_attn_scalar`),
+    soft-caps and a separate rope for sliding layers come from config.json.
+
+    config_defaults: transformers' values for config.json keys a family's checkpoints
+    may leave out (engine/config.py fills them in). alt_tensors: a second naming of the
+    same checkpoint (the loader takes the one whose embedding is present).
     """
 
     name: str
@@ -54,7 +72,20 @@ class ArchitectureSpec:
     qk_norm: str | None = None  # None or "rms" (per-head RMSNorm on q and k, Qwen3)
     sliding_window: str = "none"
     activation: str = "silu"
+    norm_unit_offset: bool = False
+    embed_scale: bool = False
+    sandwich_norm: bool = False
+    sliding_pattern: int = 0
     tensors: TensorNames = field(default_factory=TensorNames)
+    alt_tensors: TensorNames | None = None
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def tensor_names(self, has: Callable[[str], bool]) -> TensorNames:
+        """`tensors`, or `alt_tensors` when only its embedding is in the checkpoint."""
+        alt = self.alt_tensors
+        if alt is not None and not has(self.tensors.embed) and has(alt.embed):
+            return alt
+        return self.tensors
 
     def layer_types(self, config: ModelConfig) -> list[str]:
         """Attention kind of every layer: FULL_ATTENTION or SLIDING_ATTENTION."""
@@ -70,6 +101,16 @@ class ArchitectureSpec:
             first = int(config.raw.get("max_window_layers", config.num_layers))
             return [
                 SLIDING_ATTENTION if i >= first else FULL_ATTENTION
+                for i in range(config.num_layers)
+            ]
+        if self.sliding_window == "pattern":
+            raw = config.raw
+            every = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+                        or self.sliding_pattern)
+            if every < 1:
+                raise ValueError(f"{self.name}: sliding window pattern must be >= 1")
+            return [
+                FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION
                 for i in range(config.num_layers)
             ]
         raise ValueError(f"unknown sliding_window policy {self.sliding_window!r}")

@@ -1,4 +1,6 @@
-"""Grouped-query self-attention with RoPE, optional q/k RMSNorm and sliding windows.
+"""Grouped-query self-attention with RoPE, optional q/k RMSNorm and sliding windows,
+and Gemma's options: a score scale other than head_dim**-0.5, tanh soft-capping of the
+scores, a separate rope for sliding layers.
 
 q, k and v come from one fused projection (a `Linear`: dense weights concatenated at
 load time, so a decode step runs one matmul instead of three; or EXL3 layers side by
@@ -36,7 +38,19 @@ class AttentionStep:
     span: int
     start: int | None
     cache: KVCache | Any = None  # or a paged step (paged_attention.PagedBatch)
+    # Rope tables of sliding layers when they have their own rope (Gemma 3), else None.
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
     _masks: dict[int | None, tuple[torch.Tensor | None, bool]] = field(default_factory=dict)
+    _paged_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # softcapped paging
+
+    def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for a layer: the sliding layers' own tables when `local`."""
+        if local:
+            if self.local_cos is None or self.local_sin is None:
+                raise ValueError("this step has no rope tables for sliding layers")
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
 
     def mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
         """(boolean mask [B or 1, 1, T, span] or None, is_causal) for SDPA; cached."""
@@ -62,7 +76,14 @@ class AttentionStep:
 
 
 class Attention(nn.Module):
-    """One attention block; `window` is the sliding window of this layer or None."""
+    """One attention block; `window` is the sliding window of this layer or None.
+
+    `scale` (None: head_dim**-0.5) multiplies q.k; it is folded into the query, so every
+    attention kernel (fused CPU ops, paged, SDPA) applies it unchanged. `softcap` maps
+    scores to softcap * tanh(scores / softcap) before the mask: only the eager
+    `softcapped_attention` of this module does that, never the fused kernels (contiguous
+    or paged). `local_rope`: this layer rotates with the step's sliding-layer tables.
+    """
 
     def __init__(
         self,
@@ -74,6 +95,10 @@ class Attention(nn.Module):
         head_dim: int,
         qk_norm: RMSNorm | None,
         window: int | None,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        local_rope: bool = False,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -84,6 +109,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.qk_norm = qk_norm
         self.window = window
+        self.scale = scale
+        self.softcap = softcap
+        self.local_rope = local_rope
+        # The query multiplier that turns SDPA's head_dim**-0.5 into `scale`.
+        self._query_factor = None if scale is None else scale * head_dim**0.5
         self._fused: bool | None = None  # see _use_fused
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
@@ -96,16 +126,17 @@ class Attention(nn.Module):
         qk = qkv[:, :, : heads + kv_heads]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
+        cos, sin = step.rope(self.local_rope)
         if fused:  # in place on the fresh projection (or norm) output: one pass
             rows = batch * steps
             qk = cpu_kernels.rotary_cpu(
                 qk.reshape(rows, -1, self.head_dim) if qk.is_contiguous()
                 else qkv.view(rows, heads + 2 * kv_heads, self.head_dim),
-                step.cos.reshape(rows, self.head_dim), step.sin.reshape(rows, self.head_dim),
+                cos.reshape(rows, self.head_dim), sin.reshape(rows, self.head_dim),
                 heads + kv_heads,
             )[:, : heads + kv_heads].view(batch, steps, heads + kv_heads, self.head_dim)
         else:
-            qk = apply_rotary(qk, step.cos, step.sin)
+            qk = apply_rotary(qk, cos, sin)
         return self.o(self.attend(qk, qkv[:, :, heads + kv_heads :], step))
 
     def attend(self, qk: torch.Tensor, value: torch.Tensor, step: AttentionStep) -> torch.Tensor:
@@ -116,6 +147,11 @@ class Attention(nn.Module):
         query = qk[:, :, :heads].transpose(1, 2)
         key = qk[:, :, heads:].transpose(1, 2)
         value = value.transpose(1, 2)
+        if self.softcap is not None:
+            out = self._attend_softcapped(query, key, value, step)
+            return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
+        if self._query_factor is not None:
+            query = query * self._query_factor
         if getattr(step.cache, "paged", False):  # per-sequence attention over pages
             out = step.cache.attend(self.layer_index, query, key, value, self.window)
             return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
@@ -141,6 +177,21 @@ class Attention(nn.Module):
                 enable_gqa=heads != self.num_kv_heads,
             )
         return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
+
+    def _attend_softcapped(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           step: AttentionStep) -> torch.Tensor:
+        """`attend` with soft-capped scores, eager on every cache kind: [B, H, T, D]."""
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        cache = step.cache
+        if getattr(cache, "paged", False):
+            return _paged_softcapped(self, cache, query, key, value, step, scale)
+        if cache is not None:
+            key, value = cache.write(self.layer_index, key, value, step.positions, step.span)
+        mask, is_causal = step.mask(self.window)
+        if is_causal:  # the plain square that SDPA would mask itself
+            steps = query.shape[2]
+            mask = torch.ones(steps, steps, dtype=torch.bool, device=query.device).tril()
+        return softcapped_attention(query, key, value, mask, scale, self.softcap)
 
     def _use_fused(self, qkv: torch.Tensor) -> bool:
         """Fused CPU ops (cpu_kernels) for float32 on CPU; the answer is kept per module."""
@@ -169,3 +220,66 @@ def decode_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     return torch.matmul(probs, value).reshape(batch, heads, 1, dim)
+
+
+def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         allowed: torch.Tensor | None, scale: float, softcap: float,
+                         block: int = 512) -> torch.Tensor:
+    """Attention with scores softcap * tanh(q.k * scale / softcap) (Gemma 2): query
+    [B, H, T, D], key and value [B, KV, S, D], `allowed` (boolean, [B or 1, 1, T, S] or
+    [T, S]; None: every key) -> [B, H, T, D]. Query heads sharing a kv head are
+    stacked as rows of one matmul, so kv heads are never copied; queries go `block` at
+    a time so a long prompt never holds all T x S scores at once."""
+    steps = query.shape[2]
+    if steps > block:
+        return torch.cat([
+            softcapped_attention(
+                query[:, :, start : start + block], key, value,
+                None if allowed is None else allowed[..., start : start + block, :],
+                scale, softcap, block,
+            )
+            for start in range(0, steps, block)
+        ], dim=2)
+    batch, heads, steps, dim = query.shape
+    kv_heads, span = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, group * steps, dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(batch, kv_heads, group, steps, span)
+    if allowed is not None:
+        allowed = allowed.reshape(-1, 1, 1, steps, span)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs.view(batch, kv_heads, group * steps, span), value)
+    return out.reshape(batch, heads, steps, dim)
+
+
+def _paged_softcapped(attention: Attention, batch: Any, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, step: AttentionStep, scale: float) -> torch.Tensor:
+    """Soft-capped attention over a paged step (paged_attention.PagedBatch): the new
+    keys/values go into the pages, then each sequence attends over its history read
+    back from them (dequantized, as later tokens will see it). query [1, H, N, D]."""
+    layer, window = attention.layer_index, attention.window
+    pool = batch.pool
+    pool.write(layer, batch.write_slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = torch.empty_like(query)
+    for i, table in enumerate(batch.tables):
+        begin, end = batch.offsets[i], batch.offsets[i + 1]
+        start, length = batch.starts[i], batch.starts[i] + batch.counts[i]
+        slots = step._paged_slots.get(i)
+        if slots is None:  # the same for every layer of the step
+            slots = torch.tensor(table.all_slots(length), dtype=torch.long, device=query.device)
+            step._paged_slots[i] = slots
+        keys, values = pool.read(layer, slots)  # [S, KV, D]
+        key_pos = torch.arange(length, device=query.device)
+        query_pos = torch.arange(start, length, device=query.device)[:, None]
+        allowed = key_pos <= query_pos
+        if window is not None:
+            allowed &= key_pos > query_pos - window
+        out[:, :, begin:end] = softcapped_attention(
+            query[:, :, begin:end], keys.to(query.dtype).transpose(0, 1).unsqueeze(0),
+            values.to(query.dtype).transpose(0, 1).unsqueeze(0), allowed, scale,
+            attention.softcap,
+        )
+    return out

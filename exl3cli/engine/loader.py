@@ -23,7 +23,7 @@ from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.norm import RMSNorm
 from exl3cli.engine.weights import WeightReader
-from exl3cli.errors import InvalidOption, ModelLoadError
+from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -90,7 +90,7 @@ def build_causal_lm(
     cpu_weights: str | None = None,
 ) -> CausalLM:
     """Assemble the shared blocks as `spec` describes, with weights from `reader`."""
-    names = spec.tensors
+    names = spec.tensor_names(reader.has)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
 
     def tensor(name: str) -> torch.Tensor:
@@ -109,6 +109,18 @@ def build_causal_lm(
     layer_types = spec.layer_types(config)
     if len(layer_types) != config.num_layers:
         raise ModelLoadError("config.json layer_types does not match num_hidden_layers")
+    if config.raw.get("use_bidirectional_attention"):
+        raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
+                                      "config) is not supported")
+    offset = spec.norm_unit_offset
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(tensor(name), config.rms_norm_eps, unit_offset=offset)
+
+    scale = (None if config.query_pre_attn_scalar is None
+             else float(config.query_pre_attn_scalar) ** -0.5)
+    # Only when the config gives sliding layers a rope of their own (Gemma 3).
+    local_rope = config.sliding_rope_theta is not None
     layers = []
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -125,11 +137,13 @@ def build_causal_lm(
                 tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),
                 tensor(names.k_norm.format(i=i)).expand(config.num_kv_heads, -1),
             ])
-            qk_norm = RMSNorm(weight, config.rms_norm_eps)
-        window = config.sliding_window if layer_types[i] == SLIDING_ATTENTION else None
+            qk_norm = RMSNorm(weight, config.rms_norm_eps, unit_offset=offset)
+        sliding = layer_types[i] == SLIDING_ATTENTION
+        window = config.sliding_window if sliding else None
         attention = Attention(
             i, qkv, o_proj, config.num_heads, config.num_kv_heads,
-            config.head_dim, qk_norm, window,
+            config.head_dim, qk_norm, window, scale=scale,
+            softcap=config.attn_logit_softcapping, local_rope=local_rope and sliding,
         )
         gate_up = linear(
             [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
@@ -137,11 +151,12 @@ def build_causal_lm(
         )
         down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
         act = config.hidden_act or spec.activation
+        sandwich = ((norm(names.attention_out_norm.format(i=i)),
+                     norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
         layers.append(DecoderLayer(
-            RMSNorm(tensor(names.input_norm.format(i=i)), config.rms_norm_eps),
-            attention,
-            RMSNorm(tensor(names.post_attention_norm.format(i=i)), config.rms_norm_eps),
-            GatedMLP(gate_up, down, act),
+            norm(names.input_norm.format(i=i)), attention,
+            norm(names.post_attention_norm.format(i=i)), GatedMLP(gate_up, down, act),
+            *sandwich,
         ))
     embed = tensor(names.embed)
     head_prefix = names.lm_head.removesuffix(".weight")
@@ -154,5 +169,5 @@ def build_causal_lm(
         lm_head = embed if packing in (None, "fp32") else DenseLinear(embed, cpu_weights=packing)
     else:
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
-    final_norm = RMSNorm(tensor(names.final_norm), config.rms_norm_eps)
+    final_norm = norm(names.final_norm)
     return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()

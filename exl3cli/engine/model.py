@@ -21,15 +21,25 @@ from exl3cli.engine.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)).
+
+    With `attention_out_norm` and `mlp_out_norm` (Gemma's "sandwich") the attention and
+    MLP outputs are normed too before their residual add; `post_attention_norm` is
+    then the norm in front of the MLP (Gemma's pre_feedforward_layernorm)."""
 
     def __init__(self, input_norm: RMSNorm, attention: Attention,
-                 post_attention_norm: RMSNorm, mlp: GatedMLP):
+                 post_attention_norm: RMSNorm, mlp: GatedMLP,
+                 attention_out_norm: RMSNorm | None = None,
+                 mlp_out_norm: RMSNorm | None = None):
         super().__init__()
+        if (attention_out_norm is None) != (mlp_out_norm is None):
+            raise ValueError("sandwich norms come in pairs (attention and MLP outputs)")
         self.input_norm = input_norm
         self.attention = attention
         self.post_attention_norm = post_attention_norm
         self.mlp = mlp
+        self.attention_out_norm = attention_out_norm
+        self.mlp_out_norm = mlp_out_norm
         self._plan: _DecodePlan | None | bool = False  # False: not looked at yet
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
@@ -40,6 +50,9 @@ class DecoderLayer(nn.Module):
             if plan is not None:
                 return self._decode_rows(plan, x.reshape(batch * steps, hidden), step
                                          ).view(batch, steps, hidden)
+        if self.attention_out_norm is not None and self.mlp_out_norm is not None:
+            x = x + self.attention_out_norm(self.attention(self.input_norm(x), step))
+            return x + self.mlp_out_norm(self.mlp(self.post_attention_norm(x)))
         # The residual add and the second norm are one pass (RMSNorm.add_and_norm).
         x, normed = self.post_attention_norm.add_and_norm(x, self.attention(self.input_norm(x), step))
         return x + self.mlp(normed)
@@ -64,7 +77,9 @@ class DecoderLayer(nn.Module):
 
     def _decode_plan(self) -> _DecodePlan | None:
         """The packed weights for `_decode_rows` when this layer is the plain Llama shape
-        on the CPU kernels (float32 norms, no q/k norm, SiLU, packed dense linears)."""
+        on the CPU kernels (float32 norms, no q/k norm, SiLU, packed dense linears; none
+        of Gemma's options: sandwich or 1 + w norms, score scale or soft-cap, own rope
+        for sliding layers)."""
         if self._plan is False:
             self._plan = _DecodePlan.of(self)
         return self._plan  # type: ignore[return-value]
@@ -83,7 +98,10 @@ class _DecodePlan(NamedTuple):
         linears = (attention.qkv, attention.o, mlp.gate_up, mlp.down)
         if attention.qk_norm is not None or not getattr(mlp, "_silu", False):
             return None
-        if not all(type(n) is RMSNorm and n._fused for n in norms):
+        if (layer.attention_out_norm is not None or attention.scale is not None
+                or attention.softcap is not None or attention.local_rope):
+            return None
+        if not all(type(n) is RMSNorm and n._fused and not n.unit_offset for n in norms):
             return None
         packed = [lin.gemv_weights() if isinstance(lin, DenseLinear) else None
                   for lin in linears]
@@ -122,6 +140,23 @@ class CausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling,
             config.max_position_embeddings, embed_weight.device, embed_weight.dtype,
         )
+        # Sliding layers with their own rope (Gemma 3): a second table, looked up with
+        # the first on every step so both grow (and bump `version`) together.
+        self.local_rotary: RotaryEmbedding | None = None
+        if any(layer.attention.local_rope for layer in layers):
+            if config.sliding_rope_theta is None:
+                raise ValueError("layers use a sliding-layer rope the config does not give")
+            self.local_rotary = RotaryEmbedding(
+                config.head_dim, config.sliding_rope_theta,
+                config.sliding_rope_scaling or {"rope_type": "default"},
+                config.max_position_embeddings, embed_weight.device, embed_weight.dtype,
+            )
+        # Gemma: embeddings times sqrt(hidden_size), rounded to the activation dtype.
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=embed_weight.dtype).item()
+            if spec.embed_scale else None
+        )
+        self.final_softcap = config.final_logit_softcapping
 
     @property
     def lm_head_weight(self) -> torch.Tensor | None:
@@ -175,7 +210,7 @@ class CausalLM(nn.Module):
         step = self._plan_paged_step(cache) if paged else self._plan_step(batch, steps, cache)
         if paged:
             cache.check_input(input_ids)
-        hidden = F.embedding(input_ids, self.embed_weight)
+        hidden = self._embed(input_ids)
         for layer in self.layers:
             hidden = layer(hidden, step)
         if cache is not None:
@@ -183,7 +218,7 @@ class CausalLM(nn.Module):
         if last_logits_only:
             hidden = cache.select_last(hidden) if paged else self._last_valid(hidden, input_lengths)
         hidden = self.final_norm(hidden)
-        return self._project(hidden).float()
+        return self._softcap(self._project(hidden).float())
 
     @torch.inference_mode()
     def decode_step(self, input_ids: torch.Tensor, cache: KVCache, span: int) -> torch.Tensor:
@@ -195,16 +230,11 @@ class CausalLM(nn.Module):
         length), and `cache.lengths` advances by one on the device only: the caller
         mirrors that with `cache.mark_advanced`. The rotary table must already cover
         `span` (see `prepare_decode`)."""
-        positions = cache.lengths[:, None]
-        cos, sin = self.rotary.lookup(positions, span)
-        step = AttentionStep(
-            positions=positions, cos=cos.unsqueeze(2), sin=sin.unsqueeze(2),
-            span=span, start=None, cache=DeviceIndexedWrites(cache),
-        )
-        hidden = F.embedding(input_ids, self.embed_weight)
+        step = self._step(cache.lengths[:, None], span, None, DeviceIndexedWrites(cache))
+        hidden = self._embed(input_ids)
         for layer in self.layers:
             hidden = layer(hidden, step)
-        logits = self.lm_head(self.final_norm(hidden)).float()
+        logits = self._softcap(self.lm_head(self.final_norm(hidden)).float())
         cache.lengths.add_(1)
         return logits[:, -1]
 
@@ -212,9 +242,12 @@ class CausalLM(nn.Module):
         """Build the rotary table for `max_seq_len` positions ahead of `decode_step`;
         False when the model cannot run fixed-shape steps (dynamic NTK rope rebuilds
         its table as the sequence grows)."""
-        if self.rotary.dynamic:
+        if self.rotary.dynamic or (self.local_rotary is not None and self.local_rotary.dynamic):
             return False
-        self.rotary.lookup(torch.zeros(1, dtype=torch.long, device=self.device), max_seq_len)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.rotary.lookup(zero, max_seq_len)
+        if self.local_rotary is not None:
+            self.local_rotary.lookup(zero, max_seq_len)
         return True
 
     @torch.inference_mode()
@@ -223,7 +256,7 @@ class CausalLM(nn.Module):
         cache (embeddings pool these instead of projecting them to the vocabulary)."""
         batch, steps = input_ids.shape
         step = self._plan_step(batch, steps, None)
-        hidden = F.embedding(input_ids.to(self.device), self.embed_weight)
+        hidden = self._embed(input_ids.to(self.device))
         for layer in self.layers:
             hidden = layer(hidden, step)
         return self.final_norm(hidden).float()
@@ -243,19 +276,32 @@ class CausalLM(nn.Module):
                 positions = (offsets + start).expand(batch, steps)
             else:
                 positions = cache.lengths[:, None] + offsets
-        cos, sin = self.rotary.lookup(positions, span)
-        return AttentionStep(
-            positions=positions, cos=cos.unsqueeze(2), sin=sin.unsqueeze(2),
-            span=span, start=start, cache=cache,
-        )
+        return self._step(positions, span, start, cache)
 
     def _plan_paged_step(self, batch: Any) -> AttentionStep:
-        positions = batch.positions.to(self.device)
-        cos, sin = self.rotary.lookup(positions, batch.span)
+        return self._step(batch.positions.to(self.device), batch.span, None, batch)
+
+    def _step(self, positions: torch.Tensor, span: int, start: int | None,
+              cache: Any) -> AttentionStep:
+        """The AttentionStep for `positions` [B, T]: rotary tables and the cache."""
+        cos, sin = self.rotary.lookup(positions, span)
+        local_cos = local_sin = None
+        if self.local_rotary is not None:
+            local_cos, local_sin = (t.unsqueeze(2) for t in self.local_rotary.lookup(positions, span))
         return AttentionStep(
             positions=positions, cos=cos.unsqueeze(2), sin=sin.unsqueeze(2),
-            span=batch.span, start=None, cache=batch,
+            span=span, start=start, cache=cache, local_cos=local_cos, local_sin=local_sin,
         )
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed_weight)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-cap: cap * tanh(logits / cap); identity without one."""
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection. A decode step on CPU with an unpacked float32/bf16

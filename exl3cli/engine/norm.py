@@ -16,12 +16,19 @@ class RMSNorm(nn.Module):
     norms of Qwen3 are applied to q and k heads together); it broadcasts over x.
     On CPU with float32 a 1-D norm runs as one fused op (cpu_kernels.rms_norm_cpu)
     instead of the six torch ops F.rms_norm decomposes into there.
+
+    `unit_offset` (Gemma): the stored weight w scales by (1 + w), and the whole norm
+    runs in float32 before rounding to the activation dtype. (1 + w) is formed once, in
+    float32, here; for float32 activations that is the plain norm with that weight.
     """
 
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, unit_offset: bool = False):
         super().__init__()
+        if unit_offset:
+            weight = 1.0 + weight.float()
         self.register_buffer("weight", weight, persistent=False)
         self.eps = eps
+        self.unit_offset = unit_offset
         # Checked once: forward runs twice per layer per token.
         self._fused = (weight.dim() == 1 and weight.dtype == torch.float32
                        and weight.device.type == "cpu" and cpu_kernels.available())
@@ -36,6 +43,8 @@ class RMSNorm(nn.Module):
             return cpu_kernels.rms_norm_cpu(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dim() == 1:
             return F.rms_norm(x, (dim,), self.weight, self.eps)  # one fused op
+        if self.unit_offset:  # scale in float32, round once at the end
+            return (F.rms_norm(x.float(), (dim,), None, self.eps) * self.weight).to(x.dtype)
         # Reduced precision: normalise in float32, round, then scale (as the reference
         # implementations do, so results match them bit for bit in most cases).
         normed = F.rms_norm(x.float(), (dim,), None, self.eps).to(x.dtype)

@@ -35,6 +35,19 @@ CASES = {
          "num_hidden_layers": 3},
     ),
     "qwen3": ("qwen3", {}),
+    # Gemma (tests/fixtures/tiny_model.py GEMMA_CONFIG): tied embeddings, window 6 over
+    # 3 layers, query_pre_attn_scalar 24 != head_dim 32; see also test_gemma.py.
+    "gemma2": ("gemma2", {}),  # transformers' default caps (50 on scores, 30 on logits)
+    "gemma2_small_softcaps": (
+        "gemma2", {"attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0},
+    ),
+    "gemma3": ("gemma3", {}),  # q/k norms, local rope 1e4 on sliding layers, global 1e6
+    "gemma3_untied_global_rope_scaling": (
+        "gemma3",
+        {"tie_word_embeddings": False, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    ),
 }
 
 
