@@ -5,6 +5,7 @@ layer's weights for their quantized versions between steps, so it runs the layer
 from plain weight tensors rather than through the engine's modules (whose storage
 the EXL3 loader may change). Numerics follow the engine: RMSNorm, RoPE tables and
 rotation from ``exl3cli.engine``, SDPA with causal (and sliding-window) masks.
+Families with Gemma's options (``unsupported_features``) go through ``engine_layer``.
 
 Weights use the converter's orientation ``(in, out)`` (``y = x W``), float32.
 
@@ -28,9 +29,9 @@ from exl3cli.errors import ConversionError, UnsupportedArchitecture
 
 
 def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[str]:
-    """What this runner (and the converter driving it) cannot reproduce yet: the
-    engine runs these (Gemma 2/3), but quantizing such a model would calibrate every
-    layer on wrong activations."""
+    """What this raw-weight runner cannot reproduce (Gemma 2/3): running such a model
+    through it would calibrate every layer on wrong activations, so the converter
+    runs those families through ``engine_layer.EngineLayerForward`` instead."""
     checks = {
         "sandwich norms": spec.sandwich_norm,
         "scaled embeddings": spec.embed_scale,
@@ -55,9 +56,8 @@ class LayerRunner:
         missing = unsupported_features(config, spec)
         if missing:
             raise ConversionError(
-                f"converting {spec.name} models is not supported yet (the quantizer's "
-                f"layer forward lacks {', '.join(missing)}); download an EXL3 version "
-                "instead, the engine runs those"
+                f"LayerRunner: {', '.join(missing)} of {spec.name} not supported yet; "
+                "the converter runs such layers through engine_layer.EngineLayerForward"
             )
         self.layer_types = spec.layer_types(config)
         act = config.hidden_act or spec.activation

@@ -6,7 +6,10 @@ outputs of the quantized q/k/v and gate/up). After each layer its stored tensors
 written atomically to ``work_dir/layer-NNNN.safetensors``; ``resume=True`` reloads them
 and only recomputes activations. The output folder is always written from the
 checkpoints, and everything random is seeded, so a killed and resumed run writes the
-same bytes as an uninterrupted one.
+same bytes as an uninterrupted one. Families with Gemma's options (scaled embeddings,
+sandwich and 1 + w norms, caps, per-layer ropes) are calibrated through the engine's
+own blocks (engine_layer.py); a multimodal wrapper's text model is converted and its
+other tensors (vision tower) are copied as they are.
 
 Public API:
 - ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from exl3cli.engine.architecture import get_architecture
+from exl3cli.engine.architecture import TensorNames, get_architecture
 from exl3cli.engine.config import load_model_config
 from exl3cli.engine.quant import dequantize_linear
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config, padded_size
@@ -40,8 +43,9 @@ from exl3cli.errors import ConversionError
 
 from .allocation import GroupShape, allocate_bits, average_bits
 from .calibration import DEFAULT_COLS, DEFAULT_ROWS, calibration_tokens, read_calibration_text
+from .engine_layer import EngineLayerForward, activation_dtype
 from .hessian import HessianAccumulator
-from .layer_forward import LayerRunner
+from .layer_forward import LayerRunner, unsupported_features
 from .quantize_layer import QuantizedLinear, QuantSettings, quantize_group
 from .report import ConversionSummary, LayerReport
 
@@ -66,8 +70,7 @@ class ConvertOptions:
 Progress = Callable[[LayerReport | str], None]
 
 
-def _layer_modules(spec, i: int) -> dict[str, list[str]]:
-    t = spec.tensors
+def _layer_modules(t: TensorNames, i: int) -> dict[str, list[str]]:
     return {
         "qkv": [t.q_proj.format(i=i), t.k_proj.format(i=i), t.v_proj.format(i=i)],
         "o": [t.o_proj.format(i=i)],
@@ -76,10 +79,10 @@ def _layer_modules(spec, i: int) -> dict[str, list[str]]:
     }
 
 
-def _group_shapes(config, spec, reader: WeightReader) -> list[GroupShape]:
+def _group_shapes(config, names: TensorNames, reader: WeightReader) -> list[GroupShape]:
     shapes = []
     for i in range(config.num_layers):
-        for group, modules in _layer_modules(spec, i).items():
+        for group, modules in _layer_modules(names, i).items():
             weights = 0
             for m in modules:
                 out_f, in_f = reader.get(m + ".weight").shape
@@ -114,8 +117,18 @@ class _Converter:
         self.config = load_model_config(src)
         self.spec = get_architecture(self.config.architecture)
         self.reader = WeightReader(src)
+        # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
+        self.names = self.spec.tensor_names(self.reader.has)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.runner = LayerRunner(self.config, self.spec, self.device)
+        # Families the raw-weight runner cannot reproduce (Gemma) run through the
+        # engine's blocks; the others keep the raw runner (and their exact outputs).
+        self.engine_layers: EngineLayerForward | None = None
+        if unsupported_features(self.config, self.spec):
+            self.engine_layers = EngineLayerForward(self.config, self.spec, self.names,
+                                                    self.device)
+            self.runner: LayerRunner | EngineLayerForward = self.engine_layers
+        else:
+            self.runner = LayerRunner(self.config, self.spec, self.device)
 
     def weight(self, module: str) -> torch.Tensor:
         """(in, out) float32 on the working device."""
@@ -140,18 +153,30 @@ class _Converter:
             acc.hessian(), self.settings(k_bits),
         )
 
-    def norms(self, i: int) -> dict[str, torch.Tensor]:
-        t = self.spec.tensors
+    def norm_names(self, i: int) -> list[str]:
+        t = self.names
         names = [t.input_norm.format(i=i), t.post_attention_norm.format(i=i)]
+        if self.spec.sandwich_norm:
+            names += [t.attention_out_norm.format(i=i), t.mlp_out_norm.format(i=i)]
         if self.spec.qk_norm:
             names += [t.q_norm.format(i=i), t.k_norm.format(i=i)]
-        return {n: self.tensor(n) for n in names}
+        return names
+
+    def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(tokens, self.tensor(self.names.embed))
+        if self.engine_layers is not None:
+            scale = self.engine_layers.embed_scale(activation_dtype(self.config))
+            if scale is not None:
+                hidden = hidden * scale
+        return hidden
 
     def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
                   quantize_bits: dict[str, int] | None = None) -> tuple[torch.Tensor, dict]:
         """Forward one layer; with ``quantize_bits``, quantize each group on the way
         (filling ``dense``) and return the stored tensors and proxy errors too."""
-        t, mods, r = self.spec.tensors, _layer_modules(self.spec, i), self.runner
+        if self.engine_layers is not None:
+            return self.run_engine_layer(i, hidden, dense, quantize_bits)
+        t, mods, r = self.names, _layer_modules(self.names, i), self.runner
         stored, errors = {}, {}
 
         def group(name: str, x: torch.Tensor) -> list[tuple]:
@@ -177,6 +202,28 @@ class _Converter:
         (d_w, d_b), = group("down", mid)
         hidden = hidden + r.linear(mid, d_w, d_b)
         return hidden, {"stored": stored, "errors": errors}
+
+    def run_engine_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
+                         quantize_bits: dict[str, int] | None) -> tuple[torch.Tensor | None, dict]:
+        """``run_layer`` through engine blocks: each group is quantized on the input it
+        gets once the groups before it are quantized. Quantizing returns no hidden
+        state (the pipeline recomputes it from the stored tensors)."""
+        engine, mods = self.engine_layers, _layer_modules(self.names, i)
+        assert engine is not None
+        if quantize_bits is None:
+            return engine.run(engine.build(i, dense, self.tensor), hidden), {}
+        stored, errors = {}, {}
+        for m in (m for ms in mods.values() for m in ms):
+            dense[m] = (self.weight(m), self.bias(m))
+        for group in ("qkv", "o", "gate_up", "down"):
+            x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group)
+            results = self.quantize(mods[group], x, quantize_bits[group])
+            del x
+            for q in results:
+                dense[q.name] = (q.weight, self.bias(q.name))
+                stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
+            errors[group] = sum(q.proxy_error for q in results) / len(results)
+        return None, {"stored": stored, "errors": errors}
 
     def dense_from_stored(self, stored: dict[str, torch.Tensor], modules: list[str]) -> dict:
         dense = {}
@@ -219,13 +266,12 @@ def convert_model(
     job = {"source": str(src.resolve()), "options": asdict(options) | {"device": None}}
     _prepare_work_dir(work_dir, job, resume)
 
-    shapes = _group_shapes(conv.config, conv.spec, conv.reader)
+    shapes = _group_shapes(conv.config, conv.names, conv.reader)
     bits = allocate_bits(shapes, options.bits)
     tokenizer = Tokenizer.from_folder(src)
     text = read_calibration_text(options.calib_path)
     tokens = calibration_tokens(tokenizer, text, options.rows, options.cols).to(conv.device)
-    embed = conv.tensor(conv.spec.tensors.embed)
-    hidden = F.embedding(tokens, embed)
+    hidden = conv.embeddings(tokens)
 
     reports = []
     with torch.inference_mode():
@@ -233,7 +279,7 @@ def convert_model(
             layer_bits = {g: bits[(i, g)] for g in ("qkv", "o", "gate_up", "down")}
             path = work_dir / f"layer-{i:04d}.safetensors"
             begun = time.perf_counter()
-            modules = [m for ms in _layer_modules(conv.spec, i).values() for m in ms]
+            modules = [m for ms in _layer_modules(conv.names, i).values() for m in ms]
             if resume and path.is_file():
                 stored, meta = _load_checkpoint(path)
                 report = LayerReport.from_dict(meta)
@@ -258,11 +304,11 @@ def convert_model(
 
 
 def _head_name(conv: _Converter) -> str:
-    return conv.spec.tensors.lm_head.removesuffix(".weight")
+    return conv.names.lm_head.removesuffix(".weight")
 
 
 def _head_weight(conv: _Converter) -> torch.Tensor:
-    t = conv.spec.tensors
+    t = conv.names
     name = t.lm_head if conv.reader.has(t.lm_head) else t.embed  # tied: copy the embedding
     return conv.tensor(name).T
 
@@ -273,7 +319,7 @@ def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool) 
     path = work_dir / "head.safetensors"
     if resume and path.is_file():
         return float(_load_checkpoint(path)[1]["error"])
-    x = conv.runner.rms_norm(hidden, conv.tensor(conv.spec.tensors.final_norm))
+    x = conv.runner.rms_norm(hidden, conv.tensor(conv.names.final_norm))
     acc = HessianAccumulator(x.shape[-1], conv.device)
     acc.add(x)
     name = _head_name(conv)
@@ -285,19 +331,33 @@ def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool) 
     return q.proxy_error
 
 
+def _wrapper_tensors(conv: _Converter) -> list[str]:
+    """A multimodal wrapper's tensors outside its text model (vision tower, projector):
+    kept as they are, so the folder stays a whole checkpoint of its architecture."""
+    if conv.spec.alt_tensors is None:
+        return []
+    text = conv.names.embed.removesuffix("embed_tokens.weight")
+    head = conv.names.lm_head
+    return sorted(k for k in conv.reader.keys() if not k.startswith(text) and k != head)
+
+
 def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: ConvertOptions,
                   bits: dict, shapes: list[GroupShape]) -> None:
     raw = json.loads((conv.src / "config.json").read_text(encoding="utf-8"))
+    if isinstance(raw.get("text_config"), dict) and "tie_word_embeddings" in raw["text_config"]:
+        # The engine reads text_config over the top level: untie there too (the
+        # writer unties the top level).
+        raw["text_config"] = {**raw["text_config"], "tie_word_embeddings": False}
     building = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(building, ignore_errors=True)
     writer = Exl3FolderWriter(building, raw)
-    t = conv.spec.tensors
+    t = conv.names
     writer.add_tensor(t.embed, conv.reader.get(t.embed))
     for i in range(conv.config.num_layers):
         stored, _ = _load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
-        for name in conv.norms(i):
+        for name in conv.norm_names(i):
             writer.add_tensor(name, conv.reader.get(name))
-        for modules in _layer_modules(conv.spec, i).values():
+        for modules in _layer_modules(t, i).values():
             for m in modules:
                 writer.add_linear_tensors(m, _module_tensors(stored, m))
     writer.add_tensor(t.final_norm, conv.reader.get(t.final_norm))
@@ -307,6 +367,8 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     else:
         stored, _ = _load_checkpoint(work_dir / "head.safetensors")
         writer.add_linear_tensors(head, _module_tensors(stored, head))
+    for name in _wrapper_tensors(conv):
+        writer.add_tensor(name, conv.reader.get(name))
     qconfig = make_quantization_config(
         average_bits(shapes, bits), options.head_bits, options.codebook,
         {"rows": options.rows, "cols": options.cols},

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from exl3cli import cpu_kernels
-from exl3cli.engine.architecture import SLIDING_ATTENTION, ArchitectureSpec, get_architecture
+from exl3cli.engine.architecture import (
+    SLIDING_ATTENTION,
+    ArchitectureSpec,
+    TensorNames,
+    get_architecture,
+)
 from exl3cli.engine.attention import Attention
 from exl3cli.engine.config import ModelConfig, load_model_config
 from exl3cli.engine.linear import (
@@ -79,6 +85,66 @@ def load_causal_lm(
                            cpu_weights=cpu_weights)
 
 
+LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
+
+
+def build_decoder_layer(
+    config: ModelConfig,
+    spec: ArchitectureSpec,
+    names: TensorNames,
+    i: int,
+    layer_type: str,
+    tensor: Callable[[str], torch.Tensor],
+    linear: LinearFactory,
+) -> DecoderLayer:
+    """Layer `i` as `spec` describes it: norms read through `tensor(name)`, projections
+    made by `linear(module prefixes, [(in, out)], bias)` (fused when several). The
+    loader and the quantizer's calibration forward both build layers here, so the
+    activations a model is calibrated on are the ones it computes."""
+    offset = spec.norm_unit_offset
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(tensor(name), config.rms_norm_eps, unit_offset=offset)
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    qkv = linear(
+        [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
+        [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
+    )
+    o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
+    qk_norm = None
+    if spec.qk_norm == "rms":
+        # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
+        weight = torch.cat([
+            tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),
+            tensor(names.k_norm.format(i=i)).expand(config.num_kv_heads, -1),
+        ])
+        qk_norm = RMSNorm(weight, config.rms_norm_eps, unit_offset=offset)
+    sliding = layer_type == SLIDING_ATTENTION
+    scale = (None if config.query_pre_attn_scalar is None
+             else float(config.query_pre_attn_scalar) ** -0.5)
+    attention = Attention(
+        i, qkv, o_proj, config.num_heads, config.num_kv_heads,
+        config.head_dim, qk_norm, config.sliding_window if sliding else None, scale=scale,
+        softcap=config.attn_logit_softcapping,
+        # Only when the config gives sliding layers a rope of their own (Gemma 3).
+        local_rope=config.sliding_rope_theta is not None and sliding,
+    )
+    gate_up = linear(
+        [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
+        [(hidden, inter), (hidden, inter)], spec.mlp_bias,
+    )
+    down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
+    act = config.hidden_act or spec.activation
+    sandwich = ((norm(names.attention_out_norm.format(i=i)),
+                 norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
+    return DecoderLayer(
+        norm(names.input_norm.format(i=i)), attention,
+        norm(names.post_attention_norm.format(i=i)), GatedMLP(gate_up, down, act), *sandwich,
+    )
+
+
 def build_causal_lm(
     config: ModelConfig,
     spec: ArchitectureSpec,
@@ -112,52 +178,9 @@ def build_causal_lm(
     if config.raw.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
                                       "config) is not supported")
-    offset = spec.norm_unit_offset
-
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(tensor(name), config.rms_norm_eps, unit_offset=offset)
-
-    scale = (None if config.query_pre_attn_scalar is None
-             else float(config.query_pre_attn_scalar) ** -0.5)
-    # Only when the config gives sliding layers a rope of their own (Gemma 3).
-    local_rope = config.sliding_rope_theta is not None
-    layers = []
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    for i in range(config.num_layers):
-        qkv = linear(
-            [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
-            [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
-        )
-        o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
-        qk_norm = None
-        if spec.qk_norm == "rms":
-            # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
-            weight = torch.cat([
-                tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),
-                tensor(names.k_norm.format(i=i)).expand(config.num_kv_heads, -1),
-            ])
-            qk_norm = RMSNorm(weight, config.rms_norm_eps, unit_offset=offset)
-        sliding = layer_types[i] == SLIDING_ATTENTION
-        window = config.sliding_window if sliding else None
-        attention = Attention(
-            i, qkv, o_proj, config.num_heads, config.num_kv_heads,
-            config.head_dim, qk_norm, window, scale=scale,
-            softcap=config.attn_logit_softcapping, local_rope=local_rope and sliding,
-        )
-        gate_up = linear(
-            [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
-            [(hidden, inter), (hidden, inter)], spec.mlp_bias,
-        )
-        down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
-        act = config.hidden_act or spec.activation
-        sandwich = ((norm(names.attention_out_norm.format(i=i)),
-                     norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
-        layers.append(DecoderLayer(
-            norm(names.input_norm.format(i=i)), attention,
-            norm(names.post_attention_norm.format(i=i)), GatedMLP(gate_up, down, act),
-            *sandwich,
-        ))
+    layers = [build_decoder_layer(config, spec, names, i, layer_types[i], tensor, linear)
+              for i in range(config.num_layers)]
+    hidden = config.hidden_size
     embed = tensor(names.embed)
     head_prefix = names.lm_head.removesuffix(".weight")
     lm_head: Linear | torch.Tensor
@@ -169,5 +192,6 @@ def build_causal_lm(
         lm_head = embed if packing in (None, "fp32") else DenseLinear(embed, cpu_weights=packing)
     else:
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
-    final_norm = norm(names.final_norm)
+    final_norm = RMSNorm(tensor(names.final_norm), config.rms_norm_eps,
+                         unit_offset=spec.norm_unit_offset)
     return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()

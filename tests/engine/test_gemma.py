@@ -16,7 +16,6 @@ import pytest
 import torch
 import transformers
 
-from exl3cli.convert.layer_forward import LayerRunner
 from exl3cli.engine.architecture import FULL_ATTENTION, SLIDING_ATTENTION, get_architecture
 from exl3cli.engine.config import ModelConfig, load_model_config
 from exl3cli.engine.cuda_graphs import DecodeGraphRunner
@@ -28,7 +27,6 @@ from exl3cli.engine.paged_cache import PagePool, PageTable
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config
 from exl3cli.engine.quant.synthetic import quantize_linear_plain
 from exl3cli.engine.weights import WeightReader
-from exl3cli.errors import ConversionError
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
 TOLERANCE = 1e-3
@@ -229,13 +227,6 @@ def test_llama_decode_plan_kept_and_gemma_excluded(folders, tmp_path):
     from exl3cli import cpu_kernels
     if cpu_kernels.available():  # Llama's fast path is still taken
         assert layer._decode_plan() is not None
-
-
-def test_quantizer_refuses_gemma_clearly(folders):
-    for case in sorted(CASES):
-        config = load_model_config(folders[case])
-        with pytest.raises(ConversionError, match="not supported yet"):
-            LayerRunner(config, get_architecture(config.architecture), torch.device("cpu"))
 
 
 # --- EXL3 folders -----------------------------------------------------------------
