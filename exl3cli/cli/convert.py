@@ -69,9 +69,9 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
         else:
             click.echo(event, err=True)
 
-    from exl3cli.engine.config import load_model_config
+    from exl3cli.engine.architecture import load_family_config
 
-    num_layers = load_model_config(source).num_layers
+    num_layers = load_family_config(source).num_layers
     summary = convert_model(source, target, options, work, resume=resume, progress=progress)
     click.echo(summary.table())
     if name is not None:

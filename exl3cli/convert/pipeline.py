@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from exl3cli.engine.architecture import TensorNames, get_architecture
-from exl3cli.engine.config import load_model_config
+from exl3cli.engine.architecture import TensorNames, get_architecture, load_family_config
 from exl3cli.engine.quant import dequantize_linear
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config, padded_size
 from exl3cli.engine.tokenizer import Tokenizer
@@ -114,7 +113,7 @@ def _module_tensors(tensors: dict[str, torch.Tensor], module: str) -> dict[str, 
 class _Converter:
     def __init__(self, src: Path, options: ConvertOptions, work_dir: Path, progress: Progress):
         self.src, self.options, self.work_dir, self.progress = src, options, work_dir, progress
-        self.config = load_model_config(src)
+        self.config = load_family_config(src)
         self.spec = get_architecture(self.config.architecture)
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.

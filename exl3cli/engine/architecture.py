@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from exl3cli.engine.config import ModelConfig
+from exl3cli.engine.config import ModelConfig, load_model_config
 from exl3cli.errors import UnsupportedArchitecture
 from exl3cli.plugins import get_plugin_manager
 
@@ -136,3 +137,15 @@ def get_architecture(hf_name: str) -> ArchitectureSpec:
             f"unsupported model architecture {hf_name!r} (supported: {known})"
         )
     return spec
+
+
+def family_config_defaults(data: dict) -> dict | None:
+    """config_defaults of the spec that serves this config.json's architecture, if any."""
+    architectures = data.get("architectures") or []
+    spec = available_architectures().get(str(architectures[0])) if architectures else None
+    return dict(spec.config_defaults) if spec is not None else None
+
+
+def load_family_config(folder: str | Path) -> ModelConfig:
+    """`<folder>/config.json` with its family's defaults for the keys it leaves out."""
+    return load_model_config(folder, family_config_defaults)

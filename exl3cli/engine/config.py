@@ -6,12 +6,14 @@ separate rope for sliding layers comes either as `rope_local_base_freq` (4.x) or
 `rope_parameters` keyed by layer type (5.x). A multimodal wrapper's `text_config`
 (Gemma3ForConditionalGeneration) describes the language model and is read in place of
 the top level; keys it leaves out take the family's defaults (`ArchitectureSpec.
-config_defaults`, transformers' values), as transformers itself fills them in.
+config_defaults`, transformers' values, given by architecture.load_family_config), as
+transformers itself fills them in.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,8 +109,13 @@ class ModelConfig:
         )
 
 
-def load_model_config(folder: str | Path) -> ModelConfig:
-    """Read `<folder>/config.json`; ModelLoadError when it is missing or malformed."""
+def load_model_config(
+    folder: str | Path,
+    defaults: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+) -> ModelConfig:
+    """Read `<folder>/config.json`; ModelLoadError when it is missing or malformed.
+    `defaults(data)` gives values for keys the file leaves out (a family's defaults:
+    architecture.load_family_config passes them; this module knows no families)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"no config.json in {folder}")
@@ -118,7 +125,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} is not a JSON object")
-    return ModelConfig.from_dict(data, _family_defaults(data))
+    return ModelConfig.from_dict(data, defaults(data) if defaults is not None else None)
 
 
 def _language_model_keys(data: dict[str, Any]) -> dict[str, Any]:
@@ -132,16 +139,6 @@ def _language_model_keys(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("architectures"):
         merged["architectures"] = data["architectures"]
     return merged
-
-
-def _family_defaults(data: dict[str, Any]) -> dict[str, Any] | None:
-    """config_defaults of the spec that serves this config.json's architecture, if any."""
-    # Imported here: architecture.py imports this module for ModelConfig.
-    from exl3cli.engine.architecture import available_architectures
-
-    architectures = data.get("architectures") or []
-    spec = available_architectures().get(str(architectures[0])) if architectures else None
-    return dict(spec.config_defaults) if spec is not None else None
 
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"

@@ -14,9 +14,10 @@ from exl3cli.engine.architecture import (
     ArchitectureSpec,
     TensorNames,
     get_architecture,
+    load_family_config,
 )
 from exl3cli.engine.attention import Attention
-from exl3cli.engine.config import ModelConfig, load_model_config
+from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.linear import (
     CPU_WEIGHT_MODES,
     DenseLinear,
@@ -76,7 +77,7 @@ def load_causal_lm(
     EXL3 layers are dequantized at load on CPU and decoded in forward on CUDA;
     `linear_mode` ("dense" or "trellis") forces one way (see engine/linear.py).
     `cpu_weights` ("fp32", "bf16", "int8", "off"): see `resolve_cpu_weights`."""
-    config = load_model_config(folder)
+    config = load_family_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(config, device)

@@ -16,8 +16,7 @@ from exl3cli.convert.calibration import calibration_tokens, default_calibration_
 from exl3cli.convert.engine_layer import EngineLayerForward
 from exl3cli.convert.layer_forward import LayerRunner
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
-from exl3cli.engine.architecture import get_architecture
-from exl3cli.engine.config import load_model_config
+from exl3cli.engine.architecture import get_architecture, load_family_config
 from exl3cli.engine.loader import load_causal_lm
 from exl3cli.engine.tokenizer import Tokenizer
 from exl3cli.engine.weights import WeightReader
@@ -106,7 +105,7 @@ def test_calibration_forward_is_the_engines(tmp_path, arch):
     """Layer by layer through EngineLayerForward equals the engine's whole forward
     (scaled embeddings, sandwich and 1 + w norms, caps, windows, both ropes)."""
     src = write_tiny_chat_model(tmp_path / "src", arch, **CASES[arch])
-    config = load_model_config(src)
+    config = load_family_config(src)
     spec = get_architecture(config.architecture)
     reader = WeightReader(src)
     names = spec.tensor_names(reader.has)

@@ -16,8 +16,13 @@ import pytest
 import torch
 import transformers
 
-from exl3cli.engine.architecture import FULL_ATTENTION, SLIDING_ATTENTION, get_architecture
-from exl3cli.engine.config import ModelConfig, load_model_config
+from exl3cli.engine.architecture import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    get_architecture,
+    load_family_config,
+)
+from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.cuda_graphs import DecodeGraphRunner
 from exl3cli.engine.kv_quant import KVCacheType
 from exl3cli.engine.linear import Exl3Linear
@@ -100,7 +105,7 @@ def test_transformers_4_style_gemma3_config(folders, tmp_path):
         rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=3,
         _sliding_window_pattern=None,
     )
-    config = load_model_config(legacy)
+    config = load_family_config(legacy)
     assert (config.rope_theta, config.sliding_rope_theta) == (1000000.0, 10000.0)
     # 3 layers with pattern 3: two sliding, the third global (what the fixture wrote).
     assert get_architecture("Gemma3ForCausalLM").layer_types(config) == [
