@@ -42,7 +42,6 @@ class AttentionStep:
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
     _masks: dict[int | None, tuple[torch.Tensor | None, bool]] = field(default_factory=dict)
-    _paged_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # softcapped paging
 
     def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for a layer: the sliding layers' own tables when `local`."""
@@ -184,7 +183,8 @@ class Attention(nn.Module):
         scale = self.scale if self.scale is not None else self.head_dim**-0.5
         cache = step.cache
         if getattr(cache, "paged", False):
-            return _paged_softcapped(self, cache, query, key, value, step, scale)
+            return cache.attend(self.layer_index, query, key, value, self.window,
+                                softcap=self.softcap, scale=scale)
         if cache is not None:
             key, value = cache.write(self.layer_index, key, value, step.positions, step.span)
         mask, is_causal = step.mask(self.window)
@@ -253,33 +253,3 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(batch, kv_heads, group * steps, span), value)
     return out.reshape(batch, heads, steps, dim)
-
-
-def _paged_softcapped(attention: Attention, batch: Any, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, step: AttentionStep, scale: float) -> torch.Tensor:
-    """Soft-capped attention over a paged step (paged_attention.PagedBatch): the new
-    keys/values go into the pages, then each sequence attends over its history read
-    back from them (dequantized, as later tokens will see it). query [1, H, N, D]."""
-    layer, window = attention.layer_index, attention.window
-    pool = batch.pool
-    pool.write(layer, batch.write_slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = torch.empty_like(query)
-    for i, table in enumerate(batch.tables):
-        begin, end = batch.offsets[i], batch.offsets[i + 1]
-        start, length = batch.starts[i], batch.starts[i] + batch.counts[i]
-        slots = step._paged_slots.get(i)
-        if slots is None:  # the same for every layer of the step
-            slots = torch.tensor(table.all_slots(length), dtype=torch.long, device=query.device)
-            step._paged_slots[i] = slots
-        keys, values = pool.read(layer, slots)  # [S, KV, D]
-        key_pos = torch.arange(length, device=query.device)
-        query_pos = torch.arange(start, length, device=query.device)[:, None]
-        allowed = key_pos <= query_pos
-        if window is not None:
-            allowed &= key_pos > query_pos - window
-        out[:, :, begin:end] = softcapped_attention(
-            query[:, :, begin:end], keys.to(query.dtype).transpose(0, 1).unsqueeze(0),
-            values.to(query.dtype).transpose(0, 1).unsqueeze(0), allowed, scale,
-            attention.softcap,
-        )
-    return out

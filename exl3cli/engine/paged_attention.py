@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from exl3cli import cpu_kernels
+from exl3cli.engine.attention import softcapped_attention
 from exl3cli.engine.paged_cache import PagePool, PageTable
 
 
@@ -107,11 +108,9 @@ class PagedBatch:
         self._decode_index = torch.tensor([offsets[i] for i in self._decode_rows],
                                           dtype=torch.long, device=device)
         self._fused = self._fused_decode_possible()
-        self._chunk_slots = {
-            i: torch.tensor(self.tables[i].all_slots(self.starts[i] + self.counts[i]),
-                            dtype=torch.long, device=device)
-            for i in self._chunk_rows
-        }
+        self._history_slots: dict[int, torch.Tensor] = {}
+        for i in self._chunk_rows:
+            self._row_slots(i)
 
     def _plan_decode(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self._decode_rows:
@@ -146,10 +145,16 @@ class PagedBatch:
                              f"got {list(input_ids.shape)}")
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               window: int | None) -> torch.Tensor:
-        """query [1, H, N, D], new key/value [1, KV, N, D] -> attention output [1, H, N, D]."""
+               window: int | None, *, softcap: float | None = None,
+               scale: float | None = None) -> torch.Tensor:
+        """query [1, H, N, D], new key/value [1, KV, N, D] -> attention output [1, H, N, D].
+        `softcap` (Gemma 2; with the score `scale`) runs every sequence through the eager
+        `attention.softcapped_attention`: the fused and SDPA paths do not cap scores."""
         self.pool.write(layer, self.write_slots, key[0].transpose(0, 1),
                         value[0].transpose(0, 1))
+        if softcap is not None:
+            return self._attend_softcapped(layer, query, window, softcap,
+                                           scale if scale is not None else query.shape[-1]**-0.5)
         fused = self._fused and query.dtype == torch.float32
         if fused and not self._chunk_rows:
             # Decode only (the usual chat step): one op per layer reads the pages in
@@ -169,10 +174,37 @@ class PagedBatch:
             out[:, index] = decoded.transpose(0, 1)
         for i in self._chunk_rows:
             begin, end = self.offsets[i], self.offsets[i + 1]
-            keys, values = self.pool.read(layer, self._chunk_slots[i])
+            keys, values = self.pool.read(layer, self._row_slots(i))
             out[:, begin:end] = attend_chunk(query[0, :, begin:end], keys.to(query.dtype),
                                              values.to(query.dtype), self.starts[i], window)
         return out.unsqueeze(0)
+
+    def _attend_softcapped(self, layer: int, query: torch.Tensor, window: int | None,
+                           softcap: float, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        for i in range(len(self.tables)):
+            begin, end = self.offsets[i], self.offsets[i + 1]
+            start, length = self.starts[i], self.starts[i] + self.counts[i]
+            keys, values = self.pool.read(layer, self._row_slots(i))  # [S, KV, D]
+            key_pos = torch.arange(length, device=query.device)
+            query_pos = torch.arange(start, length, device=query.device)[:, None]
+            allowed = key_pos <= query_pos
+            if window is not None:
+                allowed &= key_pos > query_pos - window
+            out[:, :, begin:end] = softcapped_attention(
+                query[:, :, begin:end], keys.to(query.dtype).transpose(0, 1).unsqueeze(0),
+                values.to(query.dtype).transpose(0, 1).unsqueeze(0), allowed, scale, softcap,
+            )
+        return out
+
+    def _row_slots(self, i: int) -> torch.Tensor:
+        """Slots of sequence i's whole history including this step, made once per step
+        (every layer reads the same): up front for prompt chunks, on demand otherwise."""
+        if i not in self._history_slots:
+            self._history_slots[i] = torch.tensor(
+                self.tables[i].all_slots(self.starts[i] + self.counts[i]),
+                dtype=torch.long, device=self.write_slots.device)
+        return self._history_slots[i]
 
     def _attend_decode_fused(self, layer: int, query: torch.Tensor,
                              window: int | None) -> torch.Tensor:
