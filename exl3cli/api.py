@@ -24,7 +24,7 @@ from typing import Any
 
 from exl3cli.engine.generator import Generator, GeneratorThread
 from exl3cli.engine.generator_jobs import GenerationJob, JobHandle
-from exl3cli.engine.speculative import DEFAULT_DRAFT_TOKENS, drafter_factories, make_drafter
+from exl3cli.engine.speculative import DEFAULT_DRAFT_TOKENS, make_drafter, resolve_draft
 from exl3cli.engine.textmodel import TextModel
 
 __all__ = ["LLM", "load"]
@@ -165,9 +165,8 @@ def load(
         text_model.model, text_model.tokenizer, max_batch=max_batch, num_ctx=max_seq_len,
         kv_cache_type=kv_cache_type, num_pages=num_pages,
     )
-    if draft and draft.strip().partition(":")[0].lower() not in drafter_factories():
-        draft = str(resolve_model_folder(draft, store_root))
     if draft:
+        draft = resolve_draft(draft, lambda name: resolve_model_folder(name, store_root))
         make_drafter(draft)  # a bad name or a missing model fails here, not per request
     llm = LLM(text_model, generator, draft, draft_tokens)
     return llm.start_background() if background else llm

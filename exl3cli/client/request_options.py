@@ -131,18 +131,14 @@ def drafter_for(draft: str | None, options: dict[str, Any],
     `store` (the caller's), a folder path is used as it is."""
     if not draft:
         return None, 0
-    from exl3cli.engine.speculative import draft_count, drafter_factories, make_drafter
+    from exl3cli.engine.speculative import draft_count, make_drafter, resolve_draft
     from exl3cli.errors import Exl3Error
 
     count = draft_count(options)
     if count == 0:
         return None, 0
     try:
-        spec = draft
-        named = draft.strip().partition(":")[0].lower() in drafter_factories()
-        if store is not None and not named and not os.path.isdir(os.path.expanduser(draft)):
-            spec = str(store.model_folder(draft))
-        drafter = make_drafter(spec)
+        drafter = make_drafter(draft if store is None else resolve_draft(draft, store.model_folder))
         theirs = getattr(drafter, "vocab_size", None)
         if vocab_size is not None and theirs is not None and theirs != vocab_size:
             raise InvalidOption(f"its vocabulary has {theirs} tokens, the model's {vocab_size}")

@@ -16,7 +16,8 @@ built-in one (plugins/drafters.py) is `ngram`: prompt lookup.
 Public API:
 - ``Drafter`` (protocol): ``propose(history: list[int], count: int) -> list[int]``.
 - ``make_drafter(spec: str) -> Drafter``: by a plugin's name, e.g. ``"ngram"`` or
-  ``"ngram:N"``, else a draft model's store name or folder (the ``model`` drafter).
+  ``"ngram:N"``, else a draft model's store name or folder (the ``model`` drafter);
+  ``resolve_draft(spec, model_folder)`` turns a model name into its folder first.
 - ``verify(sampler, logits[k+1, V], draft, history) -> list[int]``: the tokens to
   emit, in order: the accepted drafts then one sampled token (1 .. k+1 tokens).
 - ``draft_count(options) -> int``: k from ``draft_num_predict`` (default
@@ -27,6 +28,7 @@ Public API:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -58,14 +60,28 @@ def drafter_factories() -> dict[str, Callable[[str], Drafter]]:
     return factories
 
 
+def is_drafter_name(spec: str) -> bool:
+    """Whether a DRAFT value names a drafter (``ngram``, ``ngram:2``) rather than a
+    draft model."""
+    name = spec.strip().partition(":")[0].lower()
+    return name != "model" and name in drafter_factories()
+
+
+def resolve_draft(spec: str, model_folder: Callable[[str], Any]) -> str:
+    """A DRAFT value ready for `make_drafter`: a drafter name or a folder as they are, a
+    model name turned into its folder by `model_folder(name)` (a store lookup)."""
+    if is_drafter_name(spec) or os.path.isdir(os.path.expanduser(spec.strip())):
+        return spec
+    return str(model_folder(spec.strip()))
+
+
 def make_drafter(spec: str) -> Drafter:
     """The drafter a Modelfile `DRAFT` line names: a drafter's name (``ngram``,
     ``ngram:2``), else a draft model (store name or folder) for the ``model`` drafter."""
     spec = spec.strip()
-    name = spec.partition(":")[0].lower()
     factories = drafter_factories()
-    if name in factories and name != "model":
-        return factories[name](spec.lower())
+    if is_drafter_name(spec):
+        return factories[spec.partition(":")[0].lower()](spec.lower())
     if "model" not in factories:
         known = ", ".join(sorted(factories))
         raise InvalidOption(f"unknown draft {spec!r} (available: {known})")
