@@ -261,3 +261,56 @@ def exl3_gemm(
         out = torch.empty(*lead, n_out, dtype=x.dtype, device=x.device)
     ext.hadamard(acc, None, svh32, _as_f32(bias), out.view(rows, n_out), pad_out)
     return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    values: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    key_bits: int,
+    value_bits: int,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    page_size: int,
+    window: int | None,
+    *,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> torch.Tensor | None:
+    """Decode attention straight over a paged cache, or None where no kernel applies
+    (the caller then runs the PyTorch reference, engine/decode_step.py).
+
+    query [B, H, D]; keys/values: one layer's pool storage, [slots, KV, D] in the
+    query's dtype, or (bit-packed codes [slots, KV*D/8*bits] uint8, float16 scales
+    [slots, KV*D/32]) for a quantized cache (key_bits/value_bits < 16); page_table
+    [B, P] (int64 page indices), lengths [B] (keys per row, the query's own included).
+    Row b attends to its positions max(0, lengths[b] - window) .. lengths[b] - 1,
+    scores q.k * scale (default D**-0.5), soft-capped when `softcap` is set."""
+    ext = _use_ext(query)
+    if ext is None or not hasattr(ext, "paged_attention"):
+        return None
+    if query.dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] % 32:
+        return None
+    quantized = isinstance(keys, tuple)
+    if quantized != isinstance(values, tuple):
+        return None
+    if not quantized and (keys.dtype != query.dtype or values.dtype != query.dtype):
+        return None
+    batch, heads, dim = query.shape
+    if dim > 256:
+        return None
+    empty = query.new_empty(0)
+    k_codes, k_scales = keys if quantized else (keys, empty)
+    v_codes, v_scales = values if quantized else (values, empty)
+    kv_heads = (k_scales.shape[1] * 32 // dim) if quantized else keys.shape[1]
+    if heads % kv_heads:
+        return None
+    out = torch.empty_like(query)
+    ext.paged_attention(
+        query.contiguous(), k_codes, k_scales, v_codes, v_scales,
+        key_bits if quantized else 16, value_bits if quantized else 16,
+        page_table, lengths, out, int(page_size), kv_heads,
+        -1 if window is None else int(window),
+        0.0 if softcap is None else float(softcap),
+        dim**-0.5 if scale is None else float(scale))
+    return out

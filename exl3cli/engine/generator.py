@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from exl3cli.engine.batch_sampling import sample_rows
+from exl3cli.engine.decode_step import DecodeRunner
 from exl3cli.engine.generator_jobs import (
     ActiveJob,
     GenerationJob,
@@ -71,6 +73,7 @@ class Generator:
         num_pages: int | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         max_queue: int = 256,
+        decode_mode: str | None = None,
     ):
         config = model.config
         self.model = model
@@ -86,6 +89,8 @@ class Generator:
             num_pages, len(model.layers), config.num_kv_heads, config.head_dim,
             model.dtype, model.device, self.cache_type,
         )
+        # Decode-only steps: fixed shapes, replayed from CUDA graphs (decode_step.py).
+        self.decode = DecodeRunner(model, self.pool, self.max_batch, self.num_ctx, decode_mode)
         self.background = False  # True while a GeneratorThread runs this generator
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
@@ -187,21 +192,12 @@ class Generator:
             report.jobs = len(fed)
             report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
-            tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
-            verifying = [active.verifying for active, _ in fed]
-            if any(verifying):
-                batch = VerifyingBatch(self.pool, tables, token_lists, verifying)
-                rows: list[Any] = [r if v else r.start
-                                   for r, v in zip(batch.output_rows, verifying, strict=True)]
-            else:
-                batch = PagedBatch(self.pool, tables, token_lists)
-                rows = list(range(len(fed)))
-            input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]],
-                                     dtype=torch.long, device=self.model.device)
-            logits = self.model.forward(input_ids, batch, last_logits_only=True)[0]
+            logits, rows = self._forward(fed)
+            tokens_of = self._sample(fed, logits, rows)
             elapsed = time.perf_counter_ns() - start
-            for row, (active, tokens) in zip(rows, fed, strict=True):
-                events = active.after_forward(tokens, logits[row], elapsed)
+            for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
+                events = active.after_forward(tokens, None if i in tokens_of else logits[row],
+                                              elapsed, tokens_of.get(i))
                 if events and events[-1].done:
                     self._retire(active, events)
                     report.finished += 1
@@ -210,6 +206,39 @@ class Generator:
             for observer in self.step_observers:
                 observer(report)
             return report
+
+    @staticmethod
+    def _sample(fed: list[tuple[ActiveJob, list[int]]], logits: torch.Tensor,
+                rows: list[Any]) -> dict[int, int]:
+        """{index in fed: token} for the jobs whose step ends in a plain sample, drawn
+        together (batch_sampling: one read-back for the batch)."""
+        due = [i for i, (active, tokens) in enumerate(fed) if active.samples_after(tokens)]
+        if not due:
+            return {}
+        index = torch.tensor([rows[i] for i in due], device=logits.device)
+        drawn = sample_rows(logits.index_select(0, index), [fed[i][0].sampler for i in due],
+                            [fed[i][0].history for i in due])
+        return dict(zip(due, drawn, strict=True))
+
+    def _forward(self, fed: list[tuple[ActiveJob, list[int]]]) -> tuple[torch.Tensor, list[Any]]:
+        """One forward pass over the fed tokens: (logits, the logits row of each job:
+        an index, or a slice of 1 + k rows for a job verifying k drafts)."""
+        decode = [(active.table, tokens[0]) for active, tokens in fed
+                  if not active.prefilling and len(tokens) == 1]
+        if len(decode) == len(fed) and self.decode.fits(decode):
+            return self.decode.run(decode), list(range(len(fed)))
+        tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
+        verifying = [active.verifying for active, _ in fed]
+        if any(verifying):
+            batch = VerifyingBatch(self.pool, tables, token_lists, verifying)
+            rows: list[Any] = [r if v else r.start
+                               for r, v in zip(batch.output_rows, verifying, strict=True)]
+        else:
+            batch = PagedBatch(self.pool, tables, token_lists)
+            rows = list(range(len(fed)))
+        input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]],
+                                 dtype=torch.long, device=self.model.device)
+        return self.model.forward(input_ids, batch, last_logits_only=True)[0], rows
 
     def run_until_done(self) -> None:
         """Step until every submitted job has finished."""
@@ -227,7 +256,9 @@ class Generator:
                 return  # wait for running jobs to free pages (the first job always fits)
             self._queue.popleft()
             stops = [s for s in job.stop if s]
-            eos = set(self.tokenizer.eos_token_ids) | special_stop_ids(self.tokenizer, stops)
+            eos = special_stop_ids(self.tokenizer, stops)
+            if not job.ignore_eos:
+                eos |= set(self.tokenizer.eos_token_ids)
             # Constrained jobs decode plainly: their mask is stateful, one token at a time.
             drafter = job.drafter if job.constraint is None else None
             self._active.append(ActiveJob(

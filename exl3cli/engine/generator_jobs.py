@@ -61,6 +61,9 @@ class GenerationJob:
     # `draft_tokens` tokens per step, verified in the step's one forward pass.
     drafter: Any = None
     draft_tokens: int = 0
+    # Benchmarks: EOS does not end the job (it runs to num_predict, as the peers'
+    # min_new_tokens does); stop strings still apply.
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -204,9 +207,20 @@ class ActiveJob:
             return []
         return [int(t) for t in self.drafter.propose(self.history, count)][:count]
 
-    def after_forward(self, fed: list[int], logits: torch.Tensor,
-                      elapsed_ns: int) -> list[GeneratorEvent]:
-        """Account for a step that fed `fed`; sample when the logits are due."""
+    def samples_after(self, fed: list[int]) -> bool:
+        """Whether the step feeding `fed` ends with a plain sample of this job's logits
+        (which the generator may then draw for all such jobs at once): decoding
+        without drafts, or the last chunk of the prompt; never with a constraint."""
+        if self.handle.job.constraint is not None or self._draft:
+            return False
+        if self.prefilling:
+            return self.cursor + len(fed) >= len(self.prompt) and self.budget > 0
+        return True
+
+    def after_forward(self, fed: list[int], logits: torch.Tensor | None,
+                      elapsed_ns: int, token: int | None = None) -> list[GeneratorEvent]:
+        """Account for a step that fed `fed`; sample when the logits are due (or take
+        `token`, sampled by the generator for the whole batch)."""
         if self.prefilling:
             self.cursor += len(fed)
             self.prompt_eval_ns += elapsed_ns
@@ -219,6 +233,8 @@ class ActiveJob:
             self.eval_ns += elapsed_ns
             if self._draft:
                 return self._verify(fed, logits)
+        if token is not None:
+            return self._take(token)[0]
         return self._sample(logits)
 
     def _verify(self, fed: list[int], logits: torch.Tensor) -> list[GeneratorEvent]:

@@ -279,7 +279,8 @@ class CausalLM(nn.Module):
         return self._step(positions, span, start, cache)
 
     def _plan_paged_step(self, batch: Any) -> AttentionStep:
-        return self._step(batch.positions.to(self.device), batch.span, None, batch)
+        positions, span = batch.prepare()
+        return self._step(positions.to(self.device), span, None, batch)
 
     def _step(self, positions: torch.Tensor, span: int, start: int | None,
               cache: Any) -> AttentionStep:

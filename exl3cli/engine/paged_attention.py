@@ -49,13 +49,19 @@ def attend_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+                  lengths: torch.Tensor, window: int | None, *, softcap: float | None = None,
+                  scale: float | None = None) -> torch.Tensor:
     """One query per sequence: query [B, H, D]; keys/values [B, S, KV, D] right-padded;
-    `lengths` [B] valid keys per row (the query sits at position lengths - 1)."""
+    `lengths` [B] valid keys per row (the query sits at position lengths - 1).
+    Scores are q.k * `scale` (default D**-0.5), then soft-capped when `softcap` is set
+    (cap * tanh(score / cap), Gemma 2)."""
     batch, heads, dim = query.shape
     kv_heads = keys.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)) * dim**-0.5  # [B, KV, G, S]
+    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1))  # [B, KV, G, S]
+    scores = scores * (dim**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(keys.shape[1], device=query.device)
     allowed = key_pos < lengths[:, None]
     if window is not None:
@@ -138,6 +144,10 @@ class PagedBatch:
         if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != layout:
             return False
         return keys.is_contiguous() and cpu_kernels.available()
+
+    def prepare(self) -> tuple[torch.Tensor, int]:
+        """(positions [1, N], span) of this step's tokens, for the rotary tables."""
+        return self.positions, self.span
 
     def check_input(self, input_ids: torch.Tensor) -> None:
         if tuple(input_ids.shape) != (1, self.total):

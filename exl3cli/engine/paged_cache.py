@@ -13,6 +13,9 @@ reusable in an LRU list until its slot is needed by an allocation.
 
 Admission reserves every page a sequence may ever need, so a running sequence never
 fails to grow (no preemption needed).
+
+One page of storage beyond `num_pages`, the scratch page, is never handed out: the
+padding rows of a fixed-shape decode step (engine/decode_step.py) write there.
 """
 
 from __future__ import annotations
@@ -65,13 +68,15 @@ class PagePool:
         if num_pages < 1:
             raise ValueError("a page pool needs at least one page")
         self.num_pages = num_pages
+        self.scratch_page = num_pages  # storage only; never allocated to a sequence
+        self.storage_pages = num_pages + 1
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
         self.cache_type = cache_type or KVCacheType()
-        slots = num_pages * page_size
+        slots = self.storage_pages * page_size
         channels = num_kv_heads * head_dim
         if self.cache_type.quantized:
             groups = channels // 32

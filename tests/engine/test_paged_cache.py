@@ -116,7 +116,7 @@ def test_storage_round_trip_plain_and_quantized():
 def _stored_bytes_per_slot(pool) -> float:
     tensors = [t for layer in (*pool.keys, *pool.values)
                for t in (layer if isinstance(layer, tuple) else (layer,))]
-    return sum(t.numel() * t.element_size() for t in tensors) / (pool.num_pages * pool.page_size)
+    return sum(t.numel() * t.element_size() for t in tensors) / (pool.storage_pages * pool.page_size)
 
 
 @pytest.mark.parametrize("cache_type", [None, KVCacheType(8, 8), KVCacheType(6, 6),

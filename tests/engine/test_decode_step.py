@@ -1,0 +1,112 @@
+"""The generator's fixed-shape decode step (engine/decode_step.py) against its general
+paged path, on the CPU ("static" mode: exactly what a CUDA graph replays, run eagerly).
+
+Both paths must give the same greedy tokens for concurrent jobs that join and leave
+mid-way, cross page boundaries, and run in buckets with padding rows; for every cache
+type; and for Gemma's sliding windows and soft-caps.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from exl3cli.engine.decode_step import DecodeRunner, bucket
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
+from exl3cli.engine.paged_attention import PagedBatch
+from exl3cli.engine.paged_cache import PagePool, PageTable
+from exl3cli.engine.textmodel import TextModel
+from tests.fixtures.tiny_model import write_tiny_model
+from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
+
+GREEDY = {"temperature": 0}
+
+
+def _jobs(seed: int, count: int, page_size: int) -> list[GenerationJob]:
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        # Prompts ending just before, at and after page boundaries.
+        length = rng.choice([page_size - 2, page_size, page_size + 3, 2 * page_size - 1,
+                             rng.randrange(3, 3 * page_size)])
+        jobs.append(GenerationJob([rng.randrange(3, 300) for _ in range(length)], GREEDY,
+                                  num_predict=rng.randrange(3, 12)))
+    return jobs
+
+
+def _run(model: TextModel, jobs: list[GenerationJob], mode: str, late: int, **settings):
+    generator = Generator(model.model, model.tokenizer, decode_mode=mode, **settings)
+    assert generator.decode.mode == mode
+    handles = [generator.submit(job) for job in jobs[:-late]]
+    for _ in range(4):
+        generator.step()
+    handles += [generator.submit(job) for job in jobs[-late:]]  # join mid-way
+    generator.run_until_done()
+    assert generator.pool.pages_in_use == 0
+    return [handle.token_ids for handle in handles], generator
+
+
+@pytest.mark.parametrize("cache", ["fp16", "q8", "q4", "k8v4"])
+def test_fixed_step_gives_the_general_paths_tokens(text_model, cache):
+    jobs = _jobs(3, 7, 256)
+    settings = {"max_batch": 5, "num_ctx": 1024, "kv_cache_type": cache,
+                "max_prefill_tokens": 200}
+    expected, _ = _run(text_model, jobs, "off", 2, **settings)
+    got, generator = _run(text_model, jobs, "static", 2, **settings)
+    assert got == expected
+    # Several buckets were used: batch padding and more than one page count.
+    assert len(generator.decode._steps) >= 3
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma2-decode")
+    write_tiny_model(folder, "gemma2", max_position_embeddings=1024,
+                     attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    write_tiny_tokenizer(folder)
+    return TextModel.load(folder, device="cpu")
+
+
+def test_fixed_step_sliding_window_and_softcap(gemma):
+    jobs = _jobs(4, 4, 256)
+    settings = {"max_batch": 4, "num_ctx": 1024}
+    expected, _ = _run(gemma, jobs, "off", 1, **settings)
+    got, _ = _run(gemma, jobs, "static", 1, **settings)
+    assert got == expected
+
+
+def test_padding_rows_touch_only_the_scratch_page(text_model):
+    model = text_model.model
+    config = model.config
+    pool = PagePool(6, len(model.layers), config.num_kv_heads, config.head_dim, model.dtype,
+                    model.device)
+    runner = DecodeRunner(model, pool, max_batch=4, num_ctx=512, mode="static")
+    tables = []
+    for prompt in ([5, 6, 7], [1, 2], [8] * 255):  # the third fills its page
+        table = PageTable(pool)
+        assert table.admit(prompt, 300)
+        model.forward(torch.tensor([prompt]), PagedBatch(pool, [table], [prompt]))
+        tables.append(table)
+    snapshot = [keys.clone() for keys in pool.keys]
+    logits = runner.run([(table, 9) for table in tables])  # 3 rows: a bucket of 4
+    assert logits.shape == (3, config.vocab_size)
+    assert list(runner._steps) == [(4, 1)]
+    size = pool.page_size
+    written = {tables[0].pages[0] * size + 3, tables[1].pages[0] * size + 2,
+               tables[2].pages[0] * size + 255}
+    for layer, keys in enumerate(pool.keys):
+        changed = set((keys != snapshot[layer]).flatten(1).any(-1).nonzero().flatten().tolist())
+        assert written <= changed <= written | {pool.scratch_page * size}
+    assert [table.length for table in tables] == [4, 3, 256]
+    # The same step again: the third table's next token starts its second page.
+    runner.run([(table, 10) for table in tables])
+    assert len(tables[2].pages) == 2 and tables[2].length == 257
+    assert list(runner._steps) == [(4, 1), (4, 2)]
+
+
+def test_bucket_sizes():
+    assert [bucket(n, 64) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket(5, 6) == 6 and bucket(6, 6) == 6  # capped at the limit, never below n
