@@ -117,6 +117,99 @@ void hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& pre,
       "exl3 hadamard");
 }
 
+void check_contiguous(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// q/out: (B, H, D) half/bf16; k/v: pool storage (see exl3_ops.h); k_bits/v_bits 16 when
+// the storage is the activation dtype (scales then unused).
+void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scales,
+                     const at::Tensor& v, const at::Tensor& v_scales, int64_t k_bits,
+                     int64_t v_bits, const at::Tensor& page_table, const at::Tensor& lengths,
+                     at::Tensor& out, int64_t page_size, int64_t kv_heads, int64_t window,
+                     double softcap, double scale) {
+  check_contiguous(q, "q");
+  check_contiguous(k, "k");
+  check_contiguous(v, "v");
+  check_contiguous(out, "out");
+  check_contiguous(lengths, "lengths");
+  check_cuda(page_table, "page_table");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "q and out must be (B, H, D) of one dtype");
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 &&
+                  page_table.stride(1) == 1 && lengths.scalar_type() == at::kLong,
+              "page_table (B, P) and lengths (B) must be int64");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  TORCH_CHECK(page_table.size(0) == batch && lengths.numel() == batch, "batch mismatch");
+  const bool kq = k_bits < 16, vq = v_bits < 16;
+  if (kq) {
+    check_contiguous(k_scales, "k_scales");
+    TORCH_CHECK(k.scalar_type() == at::kByte && k_scales.scalar_type() == at::kHalf &&
+                    k.size(1) == kv_heads * dim / 8 * k_bits,
+                "quantized keys: uint8 codes (slots, C/8*bits) and float16 scales");
+  } else {
+    TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.dim() == 3 && k.size(1) == kv_heads &&
+                    k.size(2) == dim, "keys must be (slots, kv_heads, D) in q's dtype");
+  }
+  if (vq) {
+    check_contiguous(v_scales, "v_scales");
+    TORCH_CHECK(v.scalar_type() == at::kByte && v_scales.scalar_type() == at::kHalf &&
+                    v.size(1) == kv_heads * dim / 8 * v_bits,
+                "quantized values: uint8 codes (slots, C/8*bits) and float16 scales");
+  } else {
+    TORCH_CHECK(v.scalar_type() == q.scalar_type() && v.dim() == 3 && v.size(1) == kv_heads &&
+                    v.size(2) == dim, "values must be (slots, kv_heads, D) in q's dtype");
+  }
+  // Chunks of 256 positions covering every page of the table (fixed per table shape,
+  // so a captured graph launches the same grid every step).
+  const int64_t pages = page_table.size(1);
+  const int chunks = (int)((pages * page_size + 255) / 256);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor part_acc, part_ml;
+  float* acc_ptr = nullptr;
+  float* ml_ptr = nullptr;
+  if (chunks > 1) {
+    auto options = q.options().dtype(at::kFloat);
+    part_acc = at::empty({batch, heads, chunks, dim}, options);
+    part_ml = at::empty({batch, heads, chunks, 2}, options);
+    acc_ptr = part_acc.data_ptr<float>();
+    ml_ptr = part_ml.data_ptr<float>();
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_paged_attention(
+                   dtype_code(q), q.data_ptr(), (int)batch, (int)heads, (int)kv_heads, (int)dim,
+                   k.data_ptr(), kq ? k_scales.data_ptr() : nullptr, (int)k_bits, v.data_ptr(),
+                   vq ? v_scales.data_ptr() : nullptr, (int)v_bits,
+                   page_table.data_ptr<int64_t>(), (int)pages, lengths.data_ptr<int64_t>(),
+                   (int)page_size, (int)window, (float)softcap, (float)scale, acc_ptr, ml_ptr,
+                   chunks, out.data_ptr(), stream),
+               "exl3 paged attention");
+}
+
+// x: (N, C) rows to quantize into codes/scales at `slots` (N) int64.
+void kv_quant_write(const at::Tensor& x, const at::Tensor& slots, int64_t bits,
+                    at::Tensor& codes, at::Tensor& scales) {
+  check_contiguous(x, "x");
+  check_contiguous(slots, "slots");
+  check_contiguous(codes, "codes");
+  check_contiguous(scales, "scales");
+  TORCH_CHECK(x.dim() == 2 && slots.scalar_type() == at::kLong && slots.numel() == x.size(0),
+              "x must be (N, C) and slots (N) int64");
+  const int64_t channels = x.size(1);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == channels / 8 * bits &&
+                  scales.scalar_type() == at::kHalf && scales.size(1) == channels / 32,
+              "codes (slots, C/8*bits) uint8 and scales (slots, C/32) float16");
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_kv_quant_write(dtype_code(x), x.data_ptr(),
+                                           slots.data_ptr<int64_t>(), (int)x.size(0),
+                                           (int)channels, (int)bits, codes.data_ptr(),
+                                           scales.data_ptr(), stream),
+               "exl3 kv quant write");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -131,4 +224,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = H128(sum_s x[s] * pre) * post + bias, per 128 columns over width",
         py::arg("x"), py::arg("pre"), py::arg("post"), py::arg("bias"), py::arg("out"),
         py::arg("width"));
+  m.def("paged_attention", &paged_attention, "decode attention over a paged KV cache",
+        py::arg("q"), py::arg("k"), py::arg("k_scales"), py::arg("v"), py::arg("v_scales"),
+        py::arg("k_bits"), py::arg("v_bits"), py::arg("page_table"), py::arg("lengths"),
+        py::arg("out"), py::arg("page_size"), py::arg("kv_heads"), py::arg("window"),
+        py::arg("softcap"), py::arg("scale"));
+  m.def("kv_quant_write", &kv_quant_write, "quantize rows into a paged quantized KV cache",
+        py::arg("x"), py::arg("slots"), py::arg("bits"), py::arg("codes"), py::arg("scales"));
 }

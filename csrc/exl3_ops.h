@@ -33,4 +33,26 @@ bool launch_hadamard(int in_dtype, int out_dtype, const void* x, int64_t slice_s
                      const float* post, const float* bias, void* out, int64_t out_row_stride,
                      int out_cols, int rows, cudaStream_t stream);
 
+// Decode attention over a paged KV cache (one query per row), see paged_attention.cu.
+// q/out: (batch, heads, dim) in `dtype` (DT_HALF or DT_BF16); k/v: (slots, kv_heads, dim)
+// in that dtype when k_bits/v_bits is 16, else bit-planed codes (slots, kv_heads*dim/8*bits)
+// with float16 scales (slots, kv_heads*dim/32). page_table: (batch, pages) int64;
+// lengths: (batch) int64 keys per row. part_acc (batch, heads, chunks, dim) and part_ml
+// (batch, heads, chunks, 2) float32 are scratch when chunks > 1 (chunks * 256 positions
+// must cover every row). window <= 0: none; softcap <= 0: none. False: unsupported shape.
+bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int kv_heads,
+                            int dim, const void* k, const void* k_scales, int k_bits,
+                            const void* v, const void* v_scales, int v_bits,
+                            const int64_t* page_table, int pages, const int64_t* lengths,
+                            int page_size, int window, float softcap, float scale,
+                            float* part_acc, float* part_ml, int chunks, void* out,
+                            cudaStream_t stream);
+
+// Quantize rows x (rows, channels) in `dtype` into a quantized cache at `slots`: codes
+// (slots, channels/8*bits) uint8 bit-planes (bits == 8: one byte per channel), float16
+// scales (slots, channels/32). Matches kv_quant.quantize_rows + pack_codes.
+bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int rows,
+                           int channels, int bits, void* codes, void* scales,
+                           cudaStream_t stream);
+
 }  // namespace exl3

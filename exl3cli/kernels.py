@@ -32,6 +32,7 @@ from .extension_loader import LazyExtension, build_extension
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("bindings.cpp", "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu",
+            "paged_attention.cu",
             "hadamard.cu")
 _CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 FUSED_MAX_ROWS = 32
@@ -305,12 +306,27 @@ def paged_attention(
     kv_heads = (k_scales.shape[1] * 32 // dim) if quantized else keys.shape[1]
     if heads % kv_heads:
         return None
+    query = query.contiguous()
     out = torch.empty_like(query)
     ext.paged_attention(
-        query.contiguous(), k_codes, k_scales, v_codes, v_scales,
+        query, k_codes, k_scales, v_codes, v_scales,
         key_bits if quantized else 16, value_bits if quantized else 16,
-        page_table, lengths, out, int(page_size), kv_heads,
+        page_table.contiguous(), lengths.contiguous(), out, int(page_size), kv_heads,
         -1 if window is None else int(window),
         0.0 if softcap is None else float(softcap),
         dim**-0.5 if scale is None else float(scale))
     return out
+
+
+def kv_quant_write(rows: torch.Tensor, slots: torch.Tensor, bits: int, codes: torch.Tensor,
+                   scales: torch.Tensor) -> bool:
+    """Quantize rows [N, C] into a quantized KV store at `slots` [N] (kv_quant.quantize_rows
+    then pack_codes, in one kernel); False where no kernel applies (the caller then runs
+    those PyTorch functions)."""
+    ext = _use_ext(rows)
+    if ext is None or not hasattr(ext, "kv_quant_write"):
+        return False
+    if rows.dtype not in (torch.float16, torch.bfloat16, torch.float32) or rows.shape[-1] % 32:
+        return False
+    ext.kv_quant_write(rows.contiguous(), slots.contiguous(), int(bits), codes, scales)
+    return True

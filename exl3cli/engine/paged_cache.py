@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from exl3cli import kernels
 from exl3cli.engine.kv_quant import (
     KVCacheType,
     dequantize_rows,
@@ -184,7 +185,10 @@ class PagePool:
             return
         for store, rows, bits in ((self.keys[layer], keys, kind.key_bits),
                                   (self.values[layer], values, kind.value_bits)):
-            codes, scales = quantize_rows(rows.reshape(rows.shape[0], -1), bits)
+            flat = rows.reshape(rows.shape[0], -1)
+            if kernels.kv_quant_write(flat, slots, bits, store[0], store[1]):
+                continue  # the CUDA kernel: quantize and pack in one pass
+            codes, scales = quantize_rows(flat, bits)
             store[0].index_copy_(0, slots, pack_codes(codes, bits))
             store[1].index_copy_(0, slots, scales)
 

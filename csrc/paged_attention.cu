@@ -1,0 +1,423 @@
+// Decode attention straight over the paged KV cache, and the quantized cache write.
+//
+// Attention: one query token per sequence. Grid (chunks, kv_heads, batch); a block
+// takes the G = heads / kv_heads query heads sharing one kv head over one chunk of
+// kChunk positions: scores (one thread per position), softmax statistics (a warp per
+// head), then the weighted sum of values (threads over channels). With more than one
+// chunk each block writes an unnormalised partial result and its (max, sum), and a
+// second kernel combines the chunks. Pages are read where they lie, through the page
+// table: no gathered copy of the history.
+//
+// Quantized pages (kv_quant.py, EXL3-FORMAT.md 6) hold, per position, b-bit codes of
+// the Hadamard-rotated channels (groups of 32) as bit-planes (per 8 channels, b bytes:
+// byte j holds bit j of each channel's code) and one float16 scale per 32 channels.
+// They are dequantized in registers and never un-rotated per position: q.k equals
+// (H q).(H k) for the symmetric orthogonal H, so the query is rotated once, and the
+// rotation of the values is applied once to the weighted sum.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math_constants.h>
+
+#include "exl3_ops.h"
+
+namespace exl3 {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kChunk = 256;  // positions per block
+constexpr int kMaxGroupDim = 2048;  // G * D held in shared memory
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(float v) { return v; }
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Sylvester Hadamard entry (i, j) of the 32x32 matrix divided by sqrt(32).
+__device__ __forceinline__ float hadamard32(int i, int j) {
+  return (__popc(i & j) & 1) ? -0.17677669529663687f : 0.17677669529663687f;
+}
+
+// Eight codes of one lane group (8 channels) from `bits` bit-plane bytes.
+__device__ __forceinline__ void unpack8(const uint8_t* planes, int bits, int codes[8]) {
+  if (bits == 8) {
+#pragma unroll
+    for (int l = 0; l < 8; ++l) codes[l] = planes[l];
+    return;
+  }
+#pragma unroll
+  for (int l = 0; l < 8; ++l) codes[l] = 0;
+  for (int j = 0; j < bits; ++j) {
+    const int byte = planes[j];
+#pragma unroll
+    for (int l = 0; l < 8; ++l) codes[l] |= ((byte >> l) & 1) << j;
+  }
+}
+
+// One channel's code: channel c of a packed row.
+__device__ __forceinline__ int code_of(const uint8_t* row, int c, int bits) {
+  if (bits == 8) return row[c];
+  const uint8_t* planes = row + (c >> 3) * bits;
+  const int lane = c & 7;
+  int code = 0;
+  for (int j = 0; j < bits; ++j) code |= ((planes[j] >> lane) & 1) << j;
+  return code;
+}
+
+struct Args {
+  const void* q;  // [B, H, D]
+  const void* k;  // [slots, KV, D] (T) or codes [slots, KV*D/8*bits]
+  const __half* k_scales;  // [slots, KV*D/32] (quantized)
+  const void* v;
+  const __half* v_scales;
+  int k_bits, v_bits;  // 16: not quantized
+  const int64_t* page_table;  // [B, P]
+  const int64_t* lengths;  // [B]
+  int pages, page_size;
+  int heads, kv_heads, dim;
+  int window;  // <= 0: none
+  float softcap;  // <= 0: none
+  float scale;
+  int chunks;
+  float* part_acc;  // [B, H, chunks, D]
+  float* part_ml;  // [B, H, chunks, 2]
+  void* out;  // [B, H, D]
+};
+
+template <typename T, bool KQ, bool VQ>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
+  extern __shared__ float smem[];
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int D = a.dim, G = a.heads / a.kv_heads, C = a.kv_heads * D;
+  float* qs = smem;  // [G][D]
+  float* scores = qs + G * D;  // [G][kChunk]
+  float* red = scores + G * kChunk;  // [G][D], also the statistics
+  int* slots = reinterpret_cast<int*>(red + G * D);  // [kChunk]
+  __shared__ float stat_m[16], stat_l[16];
+
+  const int length = (int)a.lengths[b];
+  const int first = a.window > 0 ? max(0, length - a.window) : 0;
+  const int t0 = chunk * kChunk;
+  const int t_lo = max(t0, first), t_hi = min(t0 + kChunk, length);
+  const int head0 = kvh * G;
+  if (t_lo >= t_hi) {  // nothing of this row in the chunk
+    if (a.chunks > 1 && threadIdx.x < G) {
+      float* ml = a.part_ml + (((int64_t)b * a.heads + head0 + threadIdx.x) * a.chunks + chunk) * 2;
+      ml[0] = -CUDART_INF_F;
+      ml[1] = 0.f;
+    }
+    return;
+  }
+
+  // The queries of this kv head, scaled (and rotated per 32 channels for quantized keys).
+  const T* q = reinterpret_cast<const T*>(a.q) + ((int64_t)b * a.heads + head0) * D;
+  for (int i = threadIdx.x; i < G * D; i += kThreads) red[i] = to_f32(q[i]) * a.scale;
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += kThreads) {
+    if (KQ) {
+      const int base = i & ~31, e = i & 31;
+      float sum = 0.f;
+      for (int j = 0; j < 32; ++j) sum += red[base + j] * hadamard32(j, e);
+      qs[i] = sum;
+    } else {
+      qs[i] = red[i];
+    }
+  }
+  __syncthreads();
+
+  // Scores: one thread per position.
+  for (int tl = threadIdx.x; tl < kChunk; tl += kThreads) {
+    const int t = t0 + tl;
+    const bool valid = t >= t_lo && t < t_hi;
+    int slot = 0;
+    if (valid) {
+      slot = (int)(a.page_table[(int64_t)b * a.pages + t / a.page_size] * a.page_size +
+                   t % a.page_size);
+    }
+    slots[tl] = slot;
+    float acc[16];
+#pragma unroll
+    for (int g = 0; g < 16; ++g) acc[g] = 0.f;
+    if (valid) {
+      if (KQ) {
+        const int packed = C / 8 * a.k_bits;
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(a.k) + (int64_t)slot * packed;
+        const __half* scales = a.k_scales + (int64_t)slot * (C / 32) + kvh * D / 32;
+        const float half_range = (float)(1 << (a.k_bits - 1));
+        for (int d = 0; d < D; d += 8) {
+          int codes[8];
+          const int c = kvh * D + d;
+          unpack8(row + (a.k_bits == 8 ? c : (c >> 3) * a.k_bits), a.k_bits, codes);
+          const float step = __half2float(scales[d >> 5]) / half_range;
+          float k8[8];
+#pragma unroll
+          for (int l = 0; l < 8; ++l) k8[l] = ((float)codes[l] - (half_range - 0.5f)) * step;
+#pragma unroll
+          for (int g = 0; g < 16; ++g) {
+            if (g < G) {
+              const float* qg = qs + g * D + d;
+#pragma unroll
+              for (int l = 0; l < 8; ++l) acc[g] += qg[l] * k8[l];
+            }
+          }
+        }
+      } else {
+        const T* row = reinterpret_cast<const T*>(a.k) + ((int64_t)slot * a.kv_heads + kvh) * D;
+        for (int d = 0; d < D; d += 8) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(row + d);
+          const T* k8 = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+          for (int g = 0; g < 16; ++g) {
+            if (g < G) {
+              const float* qg = qs + g * D + d;
+#pragma unroll
+              for (int l = 0; l < 8; ++l) acc[g] += qg[l] * to_f32(k8[l]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < 16; ++g) {
+      if (g < G) {
+        float s = acc[g];
+        if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
+        scores[g * kChunk + tl] = valid ? s : -CUDART_INF_F;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Softmax statistics: a warp per head; scores become exp(s - max).
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int g = warp; g < G; g += kThreads / 32) {
+    float* s = scores + g * kChunk;
+    float m = -CUDART_INF_F;
+    for (int i = lane; i < kChunk; i += 32) m = fmaxf(m, s[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+    float l = 0.f;
+    for (int i = lane; i < kChunk; i += 32) {
+      const float p = s[i] == -CUDART_INF_F ? 0.f : __expf(s[i] - m);
+      s[i] = p;
+      l += p;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(kFull, l, o);
+    if (lane == 0) {
+      stat_m[g] = m;
+      stat_l[g] = l;
+    }
+  }
+  __syncthreads();
+
+  // Weighted sum of values: thread -> channels d (and every TS-th position).
+  const int width = D < kThreads ? D : kThreads;
+  const int ts = kThreads / width;  // position interleave (D < 128)
+  const int tsub = threadIdx.x / width;
+  const int d0 = threadIdx.x % width;
+  const int nd = D / width;  // 1 or 2 channels per thread
+  float acc[2][16];
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+#pragma unroll
+    for (int g = 0; g < 16; ++g) acc[k][g] = 0.f;
+  if (tsub < ts) {
+    const float v_half = VQ ? (float)(1 << (a.v_bits - 1)) : 1.f;
+    const int packed = VQ ? C / 8 * a.v_bits : 0;
+    for (int t = t_lo + tsub; t < t_hi; t += ts) {
+      const int tl = t - t0;
+      const int slot = slots[tl];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        if (k < nd) {
+          const int d = d0 + k * width;
+          float v;
+          if (VQ) {
+            const uint8_t* row = reinterpret_cast<const uint8_t*>(a.v) + (int64_t)slot * packed;
+            const int c = kvh * D + d;
+            const float sc = __half2float(a.v_scales[(int64_t)slot * (C / 32) + (c >> 5)]);
+            v = ((float)code_of(row, c, a.v_bits) - (v_half - 0.5f)) * (sc / v_half);
+          } else {
+            v = to_f32(reinterpret_cast<const T*>(a.v)[((int64_t)slot * a.kv_heads + kvh) * D + d]);
+          }
+#pragma unroll
+          for (int g = 0; g < 16; ++g)
+            if (g < G) acc[k][g] += scores[g * kChunk + tl] * v;
+        }
+      }
+    }
+  }
+  // Sum the position interleaves, then (quantized values) un-rotate per 32 channels.
+  __syncthreads();  // `red` is free again (queries are in `qs`)
+  for (int i = threadIdx.x; i < G * D; i += kThreads) red[i] = 0.f;
+  __syncthreads();
+  if (tsub < ts) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      if (k < nd)
+#pragma unroll
+        for (int g = 0; g < 16; ++g)
+          if (g < G) atomicAdd(&red[g * D + d0 + k * width], acc[k][g]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    float value = red[i];
+    if (VQ) {
+      const int base = i & ~31, e = d & 31;
+      value = 0.f;
+      for (int j = 0; j < 32; ++j) value += red[base + j] * hadamard32(j, e);
+    }
+    const int64_t bh = (int64_t)b * a.heads + head0 + g;
+    if (a.chunks == 1) {
+      const float l = stat_l[g];
+      reinterpret_cast<T*>(a.out)[bh * D + d] = from_f32<T>(l > 0.f ? value / l : 0.f);
+    } else {
+      a.part_acc[(bh * a.chunks + chunk) * D + d] = value;
+      if (d == 0) {
+        a.part_ml[(bh * a.chunks + chunk) * 2] = stat_m[g];
+        a.part_ml[(bh * a.chunks + chunk) * 2 + 1] = stat_l[g];
+      }
+    }
+  }
+}
+
+// out[b, h, :] from the chunks' partial sums: grid (B * H), threads over D.
+template <typename T>
+__global__ void combine_chunks_kernel(const float* part_acc, const float* part_ml, T* out,
+                                      int chunks, int dim) {
+  const int64_t bh = blockIdx.x;
+  const float* ml = part_ml + bh * chunks * 2;
+  float m = -CUDART_INF_F;
+  for (int c = 0; c < chunks; ++c) m = fmaxf(m, ml[2 * c]);
+  float l = 0.f;
+  for (int c = 0; c < chunks; ++c)
+    if (ml[2 * c + 1] > 0.f) l += ml[2 * c + 1] * __expf(ml[2 * c] - m);
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    float acc = 0.f;
+    for (int c = 0; c < chunks; ++c)
+      if (ml[2 * c + 1] > 0.f) acc += part_acc[(bh * chunks + c) * dim + d] * __expf(ml[2 * c] - m);
+    out[bh * dim + d] = from_f32<T>(l > 0.f ? acc / l : 0.f);
+  }
+}
+
+template <typename T>
+bool launch_typed(const Args& a, cudaStream_t stream, int batch) {
+  const int G = a.heads / a.kv_heads;
+  const size_t smem = (size_t)(2 * G * a.dim + G * kChunk) * sizeof(float) + kChunk * sizeof(int);
+  const dim3 grid(a.chunks, a.kv_heads, batch);
+  const bool kq = a.k_bits < 16, vq = a.v_bits < 16;
+  auto kernel = kq ? (vq ? paged_attention_kernel<T, true, true> : paged_attention_kernel<T, true, false>)
+                   : (vq ? paged_attention_kernel<T, false, true> : paged_attention_kernel<T, false, false>);
+  if (smem > 48 * 1024) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+        cudaSuccess)
+      return false;
+  }
+  kernel<<<grid, kThreads, smem, stream>>>(a);
+  if (a.chunks > 1) {
+    combine_chunks_kernel<T><<<batch * a.heads, a.dim < 128 ? a.dim : 128, 0, stream>>>(
+        a.part_acc, a.part_ml, reinterpret_cast<T*>(a.out), a.chunks, a.dim);
+  }
+  return true;
+}
+
+// Quantized cache write: one warp per (row, 32-channel group).
+template <typename T>
+__global__ void kv_quant_write_kernel(const T* x, const int64_t* slots, int rows, int channels,
+                                      int bits, uint8_t* codes, __half* scales) {
+  const int warp_global = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  const int groups = channels / 32;
+  if (warp_global >= rows * groups) return;
+  const int row = warp_global / groups, group = warp_global % groups;
+  float v = to_f32(x[(int64_t)row * channels + group * 32 + lane]);
+  // Fast Walsh-Hadamard transform across the warp: Sylvester order, then 1/sqrt(32).
+#pragma unroll
+  for (int h = 1; h < 32; h <<= 1) {
+    const float other = __shfl_xor_sync(kFull, v, h);
+    v = (lane & h) ? other - v : v + other;
+  }
+  v *= 0.17677669529663687f;
+  float absmax = fabsf(v);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) absmax = fmaxf(absmax, __shfl_xor_sync(kFull, absmax, o));
+  absmax = fminf(absmax, 65504.f);
+  const __half scale = __float2half_ru(absmax);  // the smallest float16 >= absmax
+  const float safe = fmaxf(__half2float(scale), 6.103515625e-05f);
+  const float half_range = (float)(1 << (bits - 1));
+  float q = __fadd_rn(__fmul_rn(__fdiv_rn(v, safe), half_range), half_range - 0.5f);
+  q = fminf(fmaxf(rintf(q), 0.f), (float)((1 << bits) - 1));
+  const int code = (int)q;
+  const int64_t slot = slots[row];
+  if (bits == 8) {
+    codes[slot * channels + group * 32 + lane] = (uint8_t)code;
+  } else {
+    const int64_t packed = (int64_t)channels / 8 * bits;
+    const int mine_j = lane % bits, mine_m = lane / bits;
+    unsigned mine = 0;
+    for (int j = 0; j < bits; ++j) {
+      const unsigned ballot = __ballot_sync(kFull, (code >> j) & 1);
+      if (j == mine_j) mine = ballot;
+    }
+    if (lane < 4 * bits)
+      codes[slot * packed + (int64_t)(group * 4 + mine_m) * bits + mine_j] =
+          (uint8_t)((mine >> (8 * mine_m)) & 0xff);
+  }
+  if (lane == 0) scales[slot * groups + group] = scale;
+}
+
+}  // namespace
+
+bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int kv_heads,
+                            int dim, const void* k, const void* k_scales, int k_bits,
+                            const void* v, const void* v_scales, int v_bits,
+                            const int64_t* page_table, int pages, const int64_t* lengths,
+                            int page_size, int window, float softcap, float scale,
+                            float* part_acc, float* part_ml, int chunks, void* out,
+                            cudaStream_t stream) {
+  if (kv_heads <= 0 || heads % kv_heads || dim % 32 || dim > 256) return false;
+  const int G = heads / kv_heads;
+  if (G > 16 || G * dim > kMaxGroupDim) return false;
+  if ((k_bits < 16 && (k_bits < 2 || k_bits > 8)) || (v_bits < 16 && (v_bits < 2 || v_bits > 8)))
+    return false;
+  Args a{q, k, reinterpret_cast<const __half*>(k_scales), v,
+         reinterpret_cast<const __half*>(v_scales), k_bits, v_bits, page_table, lengths, pages,
+         page_size, heads, kv_heads, dim, window, softcap, scale, chunks, part_acc, part_ml, out};
+  if (dtype == DT_HALF) return launch_typed<__half>(a, stream, batch);
+  if (dtype == DT_BF16) return launch_typed<__nv_bfloat16>(a, stream, batch);
+  return false;
+}
+
+bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int rows,
+                           int channels, int bits, void* codes, void* scales,
+                           cudaStream_t stream) {
+  if (channels % 32 || bits < 2 || bits > 8 || rows <= 0) return false;
+  const int warps = rows * (channels / 32);
+  const int threads = 256;
+  const int blocks = (warps * 32 + threads - 1) / threads;
+  auto* c = reinterpret_cast<uint8_t*>(codes);
+  auto* s = reinterpret_cast<__half*>(scales);
+  if (dtype == DT_HALF)
+    kv_quant_write_kernel<__half><<<blocks, threads, 0, stream>>>(
+        reinterpret_cast<const __half*>(x), slots, rows, channels, bits, c, s);
+  else if (dtype == DT_BF16)
+    kv_quant_write_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x), slots, rows, channels, bits, c, s);
+  else if (dtype == DT_FLOAT)
+    kv_quant_write_kernel<float><<<blocks, threads, 0, stream>>>(
+        reinterpret_cast<const float*>(x), slots, rows, channels, bits, c, s);
+  else
+    return false;
+  return true;
+}
+
+}  // namespace exl3
