@@ -1,0 +1,67 @@
+"""The table of bench/gpu_generator.sh: our generator against ExLlamaV3's at each job
+count, from the JSON files that script leaves in its output folder.
+
+    python bench/generator_table.py OUT_FOLDER
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ours(folder: Path, model: str) -> dict[tuple[str, int], float]:
+    report = _json(folder / f"ours-{model}.json") or {}
+    return {(row["kv"], row["jobs"]): row["tokens_per_s"] for row in report.get("rows", [])}
+
+
+def peer(folder: Path, model: str, kv: int) -> dict[int, float]:
+    """Median aggregate decode tok/s per job count over the peer's measured runs."""
+    runs: dict[int, list[float]] = {}
+    try:
+        lines = (folder / f"peer-{model}-kv{kv}.log").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        if line.startswith('{"jobs"'):
+            row = json.loads(line)
+            runs.setdefault(row["jobs"], []).append(row["agg_decode_tok_s"])
+    return {jobs: statistics.median(values) for jobs, values in runs.items()}
+
+
+def main(folder: Path) -> None:
+    fmt = lambda v: f"{v:8.1f}" if v else "       -"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:5.2f}x" if a and b else "    -"  # noqa: E731
+    print(f"{'model':<6}{'jobs':>5} | {'ours fp16':>9}{'ours q4':>9}{'q4/fp16':>8} | "
+          f"{'peer fp16':>9}{'peer q4':>9} | {'fp16 vs peer':>12}{'q4 vs peer':>11}")
+    for model in ("8b", "1b"):
+        mine, theirs, theirs4 = ours(folder, model), peer(folder, model, 16), peer(folder, model, 4)
+        for jobs in sorted({j for _, j in mine} | set(theirs)):
+            a, b = mine.get(("fp16", jobs)), mine.get(("q4", jobs))
+            c, d = theirs.get(jobs), theirs4.get(jobs)
+            print(f"{model:<6}{jobs:>5} | {fmt(a)} {fmt(b)} {ratio(b, a):>7} | {fmt(c)} "
+                  f"{fmt(d)} | {ratio(a, c):>12}{ratio(b, d):>11}")
+    for mode in ("graph", "static"):
+        prof = _json(folder / f"profile-{mode}.json")
+        if prof and "kernel_us" in prof:
+            kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["kernel_us"].items())
+            print(f"8b 1 job, {prof['mode']}: {prof['step_us']:.0f} us/step ({prof['tok_s']:.1f} "
+                  f"tok/s), {prof['kernels_per_step']:.0f} kernels/step; GPU busy "
+                  f"{prof['gpu_busy_us']:.0f} us, waiting {prof['gpu_wait_us']:.0f} us; "
+                  f"kernel us/step: {kinds}")
+        elif prof:
+            print(f"profile {mode}: {prof}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

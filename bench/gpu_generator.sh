@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One device call for the generator (the path `run`, `serve` and the Python API take):
+# build the kernels, run the cuda tests, write synthetic Llama-3.1-8B and Llama-3.2-1B
+# shaped EXL3 folders (4.0 bpw, head 6 bits), measure our generator at 1/16/64 jobs
+# with an fp16 and a q4 cache, profile one job's decode step, then ExLlamaV3 1.6.5's
+# generator on the same folders in the same call, and print the table last.
+#
+# Usage (repo root): bash bench/gpu_generator.sh        carry: [".whl"] where .whl/ holds
+# the peer's wheels, its prebuilt extension (*.so.xz) and peer_exllamav3_jobs.py
+# (shared/tools/README.md). STAGES="tests ours peer profile" picks stages.
+set -u -o pipefail
+OUT=${OUT:-/tmp/exl3-gen-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
+export MAX_JOBS=${MAX_JOBS:-16}
+STAGES=${STAGES:-"tests ours profile peer"}
+JOBS=${JOBS:-1,16,64}
+M8=/tmp/exl3-llama3-8b-4.0 M1=/tmp/exl3-llama3.2-1b-4.0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
+  | tee "$OUT/env.txt"
+# The synthetic folders (CPU work) while the kernels build.
+for spec in "llama3-8b $M8" "llama3.2-1b $M1"; do
+  set -- $spec
+  [ -f "$2/config.json" ] || python3 bench/synthetic_model.py "$1" -b 4.0 --head-bits 6 \
+    --out "$2" >"$OUT/synthetic-$1.log" 2>&1 &
+done
+if ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
+  ( python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
+    && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so && echo "peer install ok" ) \
+    >"$OUT/peer-install.log" 2>&1 &
+fi
+. bench/device_install.sh >"$OUT/install.log" 2>&1
+python3 -c "
+import time; t = time.time()
+from exl3cli import kernels
+ok = kernels.available()
+print('BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.time() - t:.1f} s')
+" >"$OUT/build.log" 2>&1
+stamp "$(grep BUILD "$OUT/build.log" || { echo 'FAIL: build crashed'; tail -20 "$OUT/build.log"; })"
+
+if [[ " $STAGES " == *" tests "* ]]; then
+  timeout 240 python3 -m pytest -q -x -m cuda -p no:randomly tests/kernels \
+    tests/engine/test_generator_cuda.py >"$OUT/tests-cuda.log" 2>&1
+  stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
+fi
+wait
+stamp "models: $(ls $M8 $M1 2>/dev/null | grep -c safetensors) shards"
+
+if [[ " $STAGES " == *" ours "* ]]; then
+  for m in "8b $M8" "1b $M1"; do
+    set -- $m
+    timeout 200 python3 bench/generator_throughput.py "$2" --device cuda --jobs "$JOBS" \
+      --prompt 128 --gen 64 --kv fp16,q4 --repeat 3 --json >"$OUT/ours-$1.json" \
+      2>"$OUT/ours-$1.err" || { echo "FAIL: ours $1"; tail -8 "$OUT/ours-$1.err"; }
+    stamp "ours $1 done"
+  done
+fi
+
+if [[ " $STAGES " == *" profile "* ]]; then
+  for mode in graph static; do
+    timeout 90 python3 bench/decode_profile.py "$M8" --mode "$mode" --json \
+      >"$OUT/profile-$mode.json" 2>"$OUT/profile-$mode.err" \
+      || { echo "FAIL: profile $mode"; tail -5 "$OUT/profile-$mode.err"; }
+  done
+  stamp "profile done"
+fi
+
+if [[ " $STAGES " == *" peer "* ]] && grep -q "peer install ok" "$OUT/peer-install.log" 2>/dev/null; then
+  PEER_JOBS=$(echo "$JOBS" | sed 's/\([0-9]*\)/\1,\1,\1/g')
+  for m in "8b $M8" "1b $M1"; do
+    set -- $m
+    for kv in "" 4; do
+      (cd /tmp && PYTHONPATH=/tmp/peer EX3_KV_BITS=$kv timeout 150 python3 \
+        "$OLDPWD/.whl/peer_exllamav3_jobs.py" "$2" "$PEER_JOBS" 128 64) \
+        >"$OUT/peer-$1-kv${kv:-16}.log" 2>&1 || { echo "FAIL: peer $1 kv${kv:-16}"; \
+        tail -5 "$OUT/peer-$1-kv${kv:-16}.log"; }
+      stamp "peer $1 kv${kv:-16} done"
+    done
+  done
+fi
+
+python3 bench/generator_table.py "$OUT" | tee "$OUT/table.txt"
+stamp "end"
