@@ -4,7 +4,7 @@ Hadamard, attention, other), and the time the GPU waits for the host.
     python bench/decode_profile.py MODEL_FOLDER [--gen 48] [--prompt 128] [--kv fp16]
         [--mode graph] [--json]
 
-One greedy job runs through the generator (the path `run` and `serve` use) twice: a
+`--jobs` greedy jobs run through the generator (the path `run` and `serve` use) twice: a
 warm-up, then under torch.profiler. Kernel times are summed from the profiler's CUDA
 events inside the decode-only window; the GPU's busy time is the union of the
 kernel intervals, and the rest of the window is host time the GPU waited for.
@@ -50,15 +50,17 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
-            mode: str | None) -> dict[str, Any]:
-    generator = Generator(model, tokenizer, max_batch=1, num_ctx=prompt + gen + 8,
-                          kv_cache_type=kv, decode_mode=mode)
-    ids = torch.randint(10, model.config.vocab_size // 2, (prompt,),
-                        generator=torch.Generator().manual_seed(0)).tolist()
+            mode: str | None, jobs: int = 1) -> dict[str, Any]:
+    generator = Generator(model, tokenizer, max_batch=jobs, num_ctx=prompt + gen + 8,
+                          kv_cache_type=kv, decode_mode=mode, max_prefill_tokens=prompt * jobs)
+    seeds = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, model.config.vocab_size // 2, (prompt,), generator=seeds).tolist()
+               for _ in range(jobs)]
 
     def one_job(profiled: bool) -> tuple[int, float, Any]:
-        generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen,
-                                       ignore_eos=True))
+        for ids in prompts:
+            generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen,
+                                           ignore_eos=True))
         while generator.step().prefill_tokens:  # the prompt, not profiled
             pass
         activities = [torch.profiler.ProfilerActivity.CPU,
@@ -69,7 +71,8 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
             prof.start()
         started, steps = time.perf_counter(), 0
         while generator.has_work:
-            steps += generator.step().decode_tokens
+            generator.step()
+            steps += 1
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         if prof is not None:
@@ -88,11 +91,11 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
     busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     per_token = {k: v / steps for k, v in sorted(by_kind.items())}
     return {
-        "mode": generator.decode.mode, "kv": kv, "steps": steps,
+        "mode": generator.decode.mode, "kv": kv, "jobs": jobs, "steps": steps,
         "step_us": plain_s * 1e6 / steps, "kernel_us": per_token,
         "gpu_busy_us": busy / steps, "gpu_wait_us": (plain_s * 1e6 - busy) / steps,
         "kernels_per_step": len(kernels) / steps,
-        "tok_s_profiled": steps / window_s, "tok_s": steps / plain_s,
+        "tok_s_profiled": jobs * steps / window_s, "tok_s": jobs * steps / plain_s,
     }
 
 
@@ -103,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--kv", default="fp16")
     parser.add_argument("--mode", default=None, help="graph, static or off")
+    parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     model = load_causal_lm(args.model, device="cuda")
     tokenizer = Tokenizer.from_folder(args.model)
-    result = profile(model, tokenizer, args.prompt, args.gen, args.kv, args.mode)
+    result = profile(model, tokenizer, args.prompt, args.gen, args.kv, args.mode, args.jobs)
     if args.json:
         print(json.dumps(result))
     else:

@@ -51,16 +51,16 @@ def main(folder: Path) -> None:
             c, d = theirs.get(jobs), theirs4.get(jobs)
             print(f"{model:<6}{jobs:>5} | {fmt(a)} {fmt(b)} {ratio(b, a):>7} | {fmt(c)} "
                   f"{fmt(d)} | {ratio(a, c):>12}{ratio(b, d):>11}")
-    for mode in ("graph", "static"):
-        prof = _json(folder / f"profile-{mode}.json")
+    for jobs in (1, 16, 64):
+        prof = _json(folder / f"profile-{jobs}.json")
         if prof and "kernel_us" in prof:
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["kernel_us"].items())
-            print(f"8b 1 job, {prof['mode']}: {prof['step_us']:.0f} us/step ({prof['tok_s']:.1f} "
+            print(f"8b {jobs} jobs, {prof['mode']}: {prof['step_us']:.0f} us/step ({prof['tok_s']:.1f} "
                   f"tok/s), {prof['kernels_per_step']:.0f} kernels/step; GPU busy "
                   f"{prof['gpu_busy_us']:.0f} us, waiting {prof['gpu_wait_us']:.0f} us; "
                   f"kernel us/step: {kinds}")
         elif prof:
-            print(f"profile {mode}: {prof}")
+            print(f"profile {jobs} jobs: {prof}")
 
 
 if __name__ == "__main__":

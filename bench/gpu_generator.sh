@@ -22,6 +22,7 @@ M8=/tmp/exl3-llama3-8b-4.0 M1=/tmp/exl3-llama3.2-1b-4.0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
   | tee "$OUT/env.txt"
+. bench/device_install.sh >"$OUT/install.log" 2>&1
 # The synthetic folders (CPU work) while the kernels build.
 for spec in "llama3-8b $M8" "llama3.2-1b $M1"; do
   set -- $spec
@@ -33,7 +34,6 @@ if ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
     && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so && echo "peer install ok" ) \
     >"$OUT/peer-install.log" 2>&1 &
 fi
-. bench/device_install.sh >"$OUT/install.log" 2>&1
 python3 -c "
 import time; t = time.time()
 from exl3cli import kernels
@@ -43,7 +43,7 @@ print('BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.t
 stamp "$(grep BUILD "$OUT/build.log" || { echo 'FAIL: build crashed'; tail -20 "$OUT/build.log"; })"
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  timeout 240 python3 -m pytest -q -x -m cuda -p no:randomly tests/kernels \
+  timeout 240 python3 -m pytest -q -m cuda -p no:randomly tests/kernels \
     tests/engine/test_generator_cuda.py >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
@@ -62,10 +62,10 @@ if [[ " $STAGES " == *" ours "* ]]; then
 fi
 
 if [[ " $STAGES " == *" profile "* ]]; then
-  for mode in graph static; do
-    timeout 90 python3 bench/decode_profile.py "$M8" --mode "$mode" --json \
-      >"$OUT/profile-$mode.json" 2>"$OUT/profile-$mode.err" \
-      || { echo "FAIL: profile $mode"; tail -5 "$OUT/profile-$mode.err"; }
+  for jobs in 1 16 64; do
+    timeout 90 python3 bench/decode_profile.py "$M8" --jobs "$jobs" --json \
+      >"$OUT/profile-$jobs.json" 2>"$OUT/profile-$jobs.err" \
+      || { echo "FAIL: profile $jobs jobs"; tail -5 "$OUT/profile-$jobs.err"; }
   done
   stamp "profile done"
 fi
@@ -86,3 +86,6 @@ fi
 
 python3 bench/generator_table.py "$OUT" | tee "$OUT/table.txt"
 stamp "end"
+# Only a few files come back: keep the table, the JSON and one tarball of the logs.
+tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.err *.txt 2>/dev/null) 2>/dev/null
+(cd "$OUT" && rm -f *.log *.err env.txt)

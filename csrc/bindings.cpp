@@ -63,7 +63,7 @@ void gemm_partial(const at::Tensor& xh, const at::Tensor& trellis, int64_t k2, i
                   xh.size(1) == 16 * kb,
               "xh must be contiguous float16 (rows, 16*kb)");
   const int rows = (int)xh.size(0);
-  TORCH_CHECK(rows >= 1 && rows <= 32, "fused GEMM takes 1..32 rows, got ", rows);
+  TORCH_CHECK(rows >= 1 && rows <= 64, "fused GEMM takes 1..64 rows, got ", rows);
   check_cuda(partial, "partial");
   TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
                   partial.dim() == 3 && partial.size(1) == rows && partial.size(2) == 16 * nb,
@@ -161,10 +161,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(v.scalar_type() == q.scalar_type() && v.dim() == 3 && v.size(1) == kv_heads &&
                     v.size(2) == dim, "values must be (slots, kv_heads, D) in q's dtype");
   }
-  // Chunks of 256 positions covering every page of the table (fixed per table shape,
+  // Chunks of 64 positions covering every page of the table (fixed per table shape,
   // so a captured graph launches the same grid every step).
   const int64_t pages = page_table.size(1);
-  const int chunks = (int)((pages * page_size + 255) / 256);
+  const int chunks = (int)((pages * page_size + 63) / 64);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor part_acc, part_ml;
   float* acc_ptr = nullptr;
@@ -217,7 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "trellis (kb, nb, 8*k2) int16 -> out (16kb, 16nb) float16",
         py::arg("trellis"), py::arg("k2"), py::arg("codebook"), py::arg("out"));
   m.def("gemm_partial", &gemm_partial,
-        "xh (rows<=32, 16kb) float16 x decoded trellis -> partial (splits, rows, 16nb) float32",
+        "xh (rows<=64, 16kb) float16 x decoded trellis -> partial (splits, rows, 16nb) float32",
         py::arg("xh"), py::arg("trellis"), py::arg("k2"), py::arg("codebook"),
         py::arg("partial"));
   m.def("hadamard", &hadamard,

@@ -17,7 +17,7 @@ bool launch_decode(const void* trellis, void* out, int kb, int nb, int k2, int c
                    cudaStream_t stream);
 
 // partial[s, r, n] = sum over the s-th run of input tiles of xh[r, k] * Ŵ[k, n].
-// xh: (rows, 16*kb) float16; partial: (splits, rows, 16*nb) float32; rows <= 32.
+// xh: (rows, 16*kb) float16; partial: (splits, rows, 16*nb) float32; rows <= 64.
 bool launch_gemm_mul1(const void* xh, const void* trellis, float* partial, int rows, int kb,
                       int nb, int k2, int splits, cudaStream_t stream);
 bool launch_gemm_mcg(const void* xh, const void* trellis, float* partial, int rows, int kb,
@@ -38,8 +38,8 @@ bool launch_hadamard(int in_dtype, int out_dtype, const void* x, int64_t slice_s
 // in that dtype when k_bits/v_bits is 16, else bit-planed codes (slots, kv_heads*dim/8*bits)
 // with float16 scales (slots, kv_heads*dim/32). page_table: (batch, pages) int64;
 // lengths: (batch) int64 keys per row. part_acc (batch, heads, chunks, dim) and part_ml
-// (batch, heads, chunks, 2) float32 are scratch when chunks > 1 (chunks * 256 positions
-// must cover every row). window <= 0: none; softcap <= 0: none. False: unsupported shape.
+// (batch, heads, chunks, 2) float32 are scratch when chunks > 1 (chunks * 64 positions
+// must cover every row); dim 64, 128 or 256. window <= 0: none; softcap <= 0: none. False: unsupported shape.
 bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int kv_heads,
                             int dim, const void* k, const void* k_scales, int k_bits,
                             const void* v, const void* v_scales, int v_bits,

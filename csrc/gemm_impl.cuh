@@ -1,4 +1,4 @@
-// Fused decode + GEMM for 1..32 rows: partial = xh · Ŵ with Ŵ decoded tile by tile.
+// Fused decode + GEMM for 1..64 rows: partial = xh · Ŵ with Ŵ decoded tile by tile.
 //
 // Each warp owns TN adjacent tile columns and one run ("split") of tile rows. The
 // packed tiles stream through a warp-private ring of STAGES shared-memory slots
@@ -36,7 +36,7 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// NG: groups of 8 rows handled (1 for rows <= 8, 4 for rows <= 32).
+// NG: groups of 8 rows handled (1 for rows <= 8, 4 for rows <= 32, 8 for rows <= 64).
 template <int K2, int CB, int NG>
 __global__ void __launch_bounds__(kWarps * 32)
     gemm_kernel(const __half* __restrict__ xh, const uint32_t* __restrict__ trellis,
@@ -162,8 +162,11 @@ void run_gemm(const void* xh, const void* trellis, float* partial, int rows, int
   if (rows <= 8)
     gemm_kernel<K2, CB, 1><<<grid, kWarps * 32, smem, stream>>>(x, t, partial, rows, kb, nb,
                                                                  kb_per_split);
-  else
+  else if (rows <= 32)
     gemm_kernel<K2, CB, 4><<<grid, kWarps * 32, smem, stream>>>(x, t, partial, rows, kb, nb,
+                                                                 kb_per_split);
+  else
+    gemm_kernel<K2, CB, 8><<<grid, kWarps * 32, smem, stream>>>(x, t, partial, rows, kb, nb,
                                                                  kb_per_split);
 }
 
@@ -175,7 +178,7 @@ void run_gemm(const void* xh, const void* trellis, float* partial, int rows, int
   namespace exl3 {                                                                         \
   bool launch_gemm_##NAME(const void* xh, const void* trellis, float* partial, int rows,   \
                           int kb, int nb, int k2, int splits, cudaStream_t stream) {       \
-    if (rows < 1 || rows > 32 || splits < 1) return false;                                 \
+    if (rows < 1 || rows > 64 || splits < 1) return false;                                 \
     switch (k2) {                                                                          \
       FOR_K2(EXL3_GEMM_CASE_##NAME)                                                        \
       default:                                                                             \

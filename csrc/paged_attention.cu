@@ -2,10 +2,10 @@
 //
 // Attention: one query token per sequence. Grid (chunks, kv_heads, batch); a block
 // takes the G = heads / kv_heads query heads sharing one kv head over one chunk of
-// kChunk positions: scores (one thread per position), softmax statistics (a warp per
-// head), then the weighted sum of values (threads over channels). With more than one
-// chunk each block writes an unnormalised partial result and its (max, sum), and a
-// second kernel combines the chunks. Pages are read where they lie, through the page
+// kChunk positions: scores (a warp per position, lanes over channels, so each key row
+// is one coalesced read), softmax statistics (a warp per head), then the weighted sum
+// of values (a warp per position again). With more than one chunk each block writes an
+// unnormalised partial result and its (max, sum), and a second kernel combines them. Pages are read where they lie, through the page
 // table: no gathered copy of the history.
 //
 // Quantized pages (kv_quant.py, EXL3-FORMAT.md 6) hold, per position, b-bit codes of
@@ -23,8 +23,9 @@
 namespace exl3 {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kChunk = 256;  // positions per block
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 64;  // positions per block
 constexpr int kMaxGroupDim = 2048;  // G * D held in shared memory
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -43,32 +44,6 @@ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
 // Sylvester Hadamard entry (i, j) of the 32x32 matrix divided by sqrt(32).
 __device__ __forceinline__ float hadamard32(int i, int j) {
   return (__popc(i & j) & 1) ? -0.17677669529663687f : 0.17677669529663687f;
-}
-
-// Eight codes of one lane group (8 channels) from `bits` bit-plane bytes.
-__device__ __forceinline__ void unpack8(const uint8_t* planes, int bits, int codes[8]) {
-  if (bits == 8) {
-#pragma unroll
-    for (int l = 0; l < 8; ++l) codes[l] = planes[l];
-    return;
-  }
-#pragma unroll
-  for (int l = 0; l < 8; ++l) codes[l] = 0;
-  for (int j = 0; j < bits; ++j) {
-    const int byte = planes[j];
-#pragma unroll
-    for (int l = 0; l < 8; ++l) codes[l] |= ((byte >> l) & 1) << j;
-  }
-}
-
-// One channel's code: channel c of a packed row.
-__device__ __forceinline__ int code_of(const uint8_t* row, int c, int bits) {
-  if (bits == 8) return row[c];
-  const uint8_t* planes = row + (c >> 3) * bits;
-  const int lane = c & 7;
-  int code = 0;
-  for (int j = 0; j < bits; ++j) code |= ((planes[j] >> lane) & 1) << j;
-  return code;
 }
 
 struct Args {
@@ -91,14 +66,67 @@ struct Args {
   void* out;  // [B, H, D]
 };
 
-template <typename T, bool KQ, bool VQ>
+
+// CPL channels of one position's row for this lane, as floats: channels c0 .. c0 + CPL - 1
+// of the kv head's D (c0 = lane * CPL). Quantized rows are bit-planed codes + scales.
+template <typename T, bool Q, int CPL>
+__device__ __forceinline__ void load_row(const void* base, const __half* scales, int bits,
+                                         int64_t slot, int kv_heads, int kvh, int D, int C,
+                                         int c0, float (&out)[CPL]) {
+  if constexpr (Q) {
+    const int c = kvh * D + c0;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(base) + slot * (C / 8 * bits);
+    const float half_range = (float)(1 << (bits - 1));
+    const float step = __half2float(scales[slot * (C / 32) + (c >> 5)]) / half_range;
+    if (bits == 8) {
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) out[i] = ((float)row[c + i] - (half_range - 0.5f)) * step;
+    } else {
+      int codes[CPL];
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) codes[i] = 0;
+      const uint8_t* planes = row + (c >> 3) * bits;
+      const int sub = c & 7;
+      for (int j = 0; j < bits; ++j) {
+        const int byte = planes[j] >> sub;
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
+      }
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) out[i] = ((float)codes[i] - (half_range - 0.5f)) * step;
+    }
+  } else {
+    const T* row = reinterpret_cast<const T*>(base) + (slot * kv_heads + kvh) * D + c0;
+    if constexpr (CPL * sizeof(T) == 16) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(row);
+      const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) out[i] = to_f32(v[i]);
+    } else if constexpr (CPL * sizeof(T) == 8) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(row);
+      const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) out[i] = to_f32(v[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) out[i] = to_f32(row[i]);
+    }
+  }
+}
+
+// Grid (chunks, kv_heads, batch), kThreads threads: one kv head's G query heads over
+// kChunk positions. Lane l of a warp holds channels l*CPL .. l*CPL + CPL - 1 of every
+// row it reads (coalesced); warps take positions in turn.
+template <typename T, bool KQ, bool VQ, int D>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
+  constexpr int CPL = D / 32;
+  constexpr int kMaxG = 64 / CPL;  // accumulators per lane: G * CPL <= 64
   extern __shared__ float smem[];
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int D = a.dim, G = a.heads / a.kv_heads, C = a.kv_heads * D;
+  const int G = a.heads / a.kv_heads, C = a.kv_heads * D;
   float* qs = smem;  // [G][D]
   float* scores = qs + G * D;  // [G][kChunk]
-  float* red = scores + G * kChunk;  // [G][D], also the statistics
+  float* red = scores + G * kChunk;  // [G][D]
   int* slots = reinterpret_cast<int*>(red + G * D);  // [kChunk]
   __shared__ float stat_m[16], stat_l[16];
 
@@ -119,6 +147,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
   // The queries of this kv head, scaled (and rotated per 32 channels for quantized keys).
   const T* q = reinterpret_cast<const T*>(a.q) + ((int64_t)b * a.heads + head0) * D;
   for (int i = threadIdx.x; i < G * D; i += kThreads) red[i] = to_f32(q[i]) * a.scale;
+  for (int tl = threadIdx.x; tl < kChunk; tl += kThreads) {
+    const int t = t0 + tl;
+    slots[tl] = (t >= t_lo && t < t_hi)
+                    ? (int)(a.page_table[(int64_t)b * a.pages + t / a.page_size] * a.page_size +
+                            t % a.page_size)
+                    : 0;
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     if (KQ) {
@@ -132,72 +167,34 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
   }
   __syncthreads();
 
-  // Scores: one thread per position.
-  for (int tl = threadIdx.x; tl < kChunk; tl += kThreads) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c0 = lane * CPL;
+  // Scores: a warp per position, partial dot products reduced across the lanes.
+  for (int tl = warp; tl < kChunk; tl += kWarps) {
     const int t = t0 + tl;
-    const bool valid = t >= t_lo && t < t_hi;
-    int slot = 0;
-    if (valid) {
-      slot = (int)(a.page_table[(int64_t)b * a.pages + t / a.page_size] * a.page_size +
-                   t % a.page_size);
+    if (t < t_lo || t >= t_hi) {
+      if (lane < G) scores[lane * kChunk + tl] = -CUDART_INF_F;
+      continue;
     }
-    slots[tl] = slot;
-    float acc[16];
+    float k[CPL];
+    load_row<T, KQ, CPL>(a.k, a.k_scales, a.k_bits, slots[tl], a.kv_heads, kvh, D, C, c0, k);
 #pragma unroll
-    for (int g = 0; g < 16; ++g) acc[g] = 0.f;
-    if (valid) {
-      if (KQ) {
-        const int packed = C / 8 * a.k_bits;
-        const uint8_t* row = reinterpret_cast<const uint8_t*>(a.k) + (int64_t)slot * packed;
-        const __half* scales = a.k_scales + (int64_t)slot * (C / 32) + kvh * D / 32;
-        const float half_range = (float)(1 << (a.k_bits - 1));
-        for (int d = 0; d < D; d += 8) {
-          int codes[8];
-          const int c = kvh * D + d;
-          unpack8(row + (a.k_bits == 8 ? c : (c >> 3) * a.k_bits), a.k_bits, codes);
-          const float step = __half2float(scales[d >> 5]) / half_range;
-          float k8[8];
-#pragma unroll
-          for (int l = 0; l < 8; ++l) k8[l] = ((float)codes[l] - (half_range - 0.5f)) * step;
-#pragma unroll
-          for (int g = 0; g < 16; ++g) {
-            if (g < G) {
-              const float* qg = qs + g * D + d;
-#pragma unroll
-              for (int l = 0; l < 8; ++l) acc[g] += qg[l] * k8[l];
-            }
-          }
-        }
-      } else {
-        const T* row = reinterpret_cast<const T*>(a.k) + ((int64_t)slot * a.kv_heads + kvh) * D;
-        for (int d = 0; d < D; d += 8) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(row + d);
-          const T* k8 = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-          for (int g = 0; g < 16; ++g) {
-            if (g < G) {
-              const float* qg = qs + g * D + d;
-#pragma unroll
-              for (int l = 0; l < 8; ++l) acc[g] += qg[l] * to_f32(k8[l]);
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < 16; ++g) {
+    for (int g = 0; g < kMaxG; ++g) {
       if (g < G) {
-        float s = acc[g];
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) s += qs[g * D + c0 + i] * k[i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
         if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
-        scores[g * kChunk + tl] = valid ? s : -CUDART_INF_F;
+        if (lane == 0) scores[g * kChunk + tl] = s;
       }
     }
   }
   __syncthreads();
 
   // Softmax statistics: a warp per head; scores become exp(s - max).
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int g = warp; g < G; g += kThreads / 32) {
+  for (int g = warp; g < G; g += kWarps) {
     float* s = scores + g * kChunk;
     float m = -CUDART_INF_F;
     for (int i = lane; i < kChunk; i += 32) m = fmaxf(m, s[i]);
@@ -216,58 +213,36 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
       stat_l[g] = l;
     }
   }
+  for (int i = threadIdx.x; i < G * D; i += kThreads) red[i] = 0.f;
   __syncthreads();
 
-  // Weighted sum of values: thread -> channels d (and every TS-th position).
-  const int width = D < kThreads ? D : kThreads;
-  const int ts = kThreads / width;  // position interleave (D < 128)
-  const int tsub = threadIdx.x / width;
-  const int d0 = threadIdx.x % width;
-  const int nd = D / width;  // 1 or 2 channels per thread
-  float acc[2][16];
+  // Weighted sum of values: a warp per position again, lanes over channels.
+  float acc[kMaxG][CPL];
 #pragma unroll
-  for (int k = 0; k < 2; ++k)
+  for (int g = 0; g < kMaxG; ++g)
 #pragma unroll
-    for (int g = 0; g < 16; ++g) acc[k][g] = 0.f;
-  if (tsub < ts) {
-    const float v_half = VQ ? (float)(1 << (a.v_bits - 1)) : 1.f;
-    const int packed = VQ ? C / 8 * a.v_bits : 0;
-    for (int t = t_lo + tsub; t < t_hi; t += ts) {
-      const int tl = t - t0;
-      const int slot = slots[tl];
+    for (int i = 0; i < CPL; ++i) acc[g][i] = 0.f;
+  for (int t = t_lo + warp; t < t_hi; t += kWarps) {
+    const int tl = t - t0;
+    float v[CPL];
+    load_row<T, VQ, CPL>(a.v, a.v_scales, a.v_bits, slots[tl], a.kv_heads, kvh, D, C, c0, v);
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        if (k < nd) {
-          const int d = d0 + k * width;
-          float v;
-          if (VQ) {
-            const uint8_t* row = reinterpret_cast<const uint8_t*>(a.v) + (int64_t)slot * packed;
-            const int c = kvh * D + d;
-            const float sc = __half2float(a.v_scales[(int64_t)slot * (C / 32) + (c >> 5)]);
-            v = ((float)code_of(row, c, a.v_bits) - (v_half - 0.5f)) * (sc / v_half);
-          } else {
-            v = to_f32(reinterpret_cast<const T*>(a.v)[((int64_t)slot * a.kv_heads + kvh) * D + d]);
-          }
+    for (int g = 0; g < kMaxG; ++g) {
+      if (g < G) {
+        const float p = scores[g * kChunk + tl];
 #pragma unroll
-          for (int g = 0; g < 16; ++g)
-            if (g < G) acc[k][g] += scores[g * kChunk + tl] * v;
-        }
+        for (int i = 0; i < CPL; ++i) acc[g][i] += p * v[i];
       }
     }
   }
-  // Sum the position interleaves, then (quantized values) un-rotate per 32 channels.
-  __syncthreads();  // `red` is free again (queries are in `qs`)
-  for (int i = threadIdx.x; i < G * D; i += kThreads) red[i] = 0.f;
-  __syncthreads();
-  if (tsub < ts) {
 #pragma unroll
-    for (int k = 0; k < 2; ++k)
-      if (k < nd)
+  for (int g = 0; g < kMaxG; ++g)
+    if (g < G)
 #pragma unroll
-        for (int g = 0; g < 16; ++g)
-          if (g < G) atomicAdd(&red[g * D + d0 + k * width], acc[k][g]);
-  }
+      for (int i = 0; i < CPL; ++i) atomicAdd(&red[g * D + c0 + i], acc[g][i]);
   __syncthreads();
+
+  // Un-rotate quantized values per 32 channels, then write the row or the chunk's part.
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     const int g = i / D, d = i % D;
     float value = red[i];
@@ -309,25 +284,37 @@ __global__ void combine_chunks_kernel(const float* part_acc, const float* part_m
   }
 }
 
-template <typename T>
-bool launch_typed(const Args& a, cudaStream_t stream, int batch) {
+template <typename T, int D>
+bool launch_dim(const Args& a, cudaStream_t stream, int batch) {
   const int G = a.heads / a.kv_heads;
-  const size_t smem = (size_t)(2 * G * a.dim + G * kChunk) * sizeof(float) + kChunk * sizeof(int);
+  if (G * (D / 32) > 64) return false;
+  const size_t smem = (size_t)(2 * G * D + G * kChunk) * sizeof(float) + kChunk * sizeof(int);
   const dim3 grid(a.chunks, a.kv_heads, batch);
   const bool kq = a.k_bits < 16, vq = a.v_bits < 16;
-  auto kernel = kq ? (vq ? paged_attention_kernel<T, true, true> : paged_attention_kernel<T, true, false>)
-                   : (vq ? paged_attention_kernel<T, false, true> : paged_attention_kernel<T, false, false>);
-  if (smem > 48 * 1024) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
-        cudaSuccess)
-      return false;
-  }
+  auto kernel = kq ? (vq ? paged_attention_kernel<T, true, true, D>
+                         : paged_attention_kernel<T, true, false, D>)
+                   : (vq ? paged_attention_kernel<T, false, true, D>
+                         : paged_attention_kernel<T, false, false, D>);
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+          cudaSuccess)
+    return false;
   kernel<<<grid, kThreads, smem, stream>>>(a);
   if (a.chunks > 1) {
-    combine_chunks_kernel<T><<<batch * a.heads, a.dim < 128 ? a.dim : 128, 0, stream>>>(
-        a.part_acc, a.part_ml, reinterpret_cast<T*>(a.out), a.chunks, a.dim);
+    combine_chunks_kernel<T><<<batch * a.heads, D < 128 ? D : 128, 0, stream>>>(
+        a.part_acc, a.part_ml, reinterpret_cast<T*>(a.out), a.chunks, D);
   }
   return true;
+}
+
+template <typename T>
+bool launch_typed(const Args& a, cudaStream_t stream, int batch) {
+  switch (a.dim) {
+    case 64: return launch_dim<T, 64>(a, stream, batch);
+    case 128: return launch_dim<T, 128>(a, stream, batch);
+    case 256: return launch_dim<T, 256>(a, stream, batch);
+    default: return false;
+  }
 }
 
 // Quantized cache write: one warp per (row, 32-channel group).
@@ -384,7 +371,7 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
                             int page_size, int window, float softcap, float scale,
                             float* part_acc, float* part_ml, int chunks, void* out,
                             cudaStream_t stream) {
-  if (kv_heads <= 0 || heads % kv_heads || dim % 32 || dim > 256) return false;
+  if (kv_heads <= 0 || heads % kv_heads || (dim != 64 && dim != 128 && dim != 256)) return false;
   const int G = heads / kv_heads;
   if (G > 16 || G * dim > kMaxGroupDim) return false;
   if ((k_bits < 16 && (k_bits < 2 || k_bits > 8)) || (v_bits < 16 && (v_bits < 2 || v_bits > 8)))

@@ -12,7 +12,7 @@ Public API:
   the rotated weight Ŵ, bit-exact with ``decode_tiles``.
 - ``exl3_gemm(x, trellis, suh, svh, k, codebook, bias=None, out=None, out_features=None)
   -> y``: ``y = x @ W + bias`` with ``W = diag(suh)·Hblk·Ŵ·Hblk·diag(svh)``, in x's dtype.
-  1..32 rows: fused decode-GEMM kernel; more rows: decode + cuBLAS.
+  1..64 rows: fused decode-GEMM kernel; more rows: decode + cuBLAS.
 - ``hadamard128(x, pre=None, post=None, bias=None, out_dtype=None) -> Tensor``.
 Environment: ``EXL3_NO_EXT=1`` forces the fallback; ``EXL3_KERNEL_CACHE`` sets the
 build cache folder (default ``~/.cache/exl3/kernels``).
@@ -35,7 +35,7 @@ _SOURCES = ("bindings.cpp", "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3i
             "paged_attention.cu",
             "hadamard.cu")
 _CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
-FUSED_MAX_ROWS = 32
+FUSED_MAX_ROWS = 64
 
 
 def _arch_flags(major: int, minor: int) -> list[str]:
@@ -185,13 +185,26 @@ def hadamard128(
     return out.view(*x.shape[:-1], width)
 
 
-def choose_splits(kb: int, nb: int, device: torch.device) -> int:
+def choose_splits(kb: int, nb: int, device: torch.device, rows: int = 1) -> int:
     """Runs of tile rows for the fused GEMM: enough warps to fill the GPU (~16 per SM),
-    each run at least 8 tile rows long."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    each run at least 8 tile rows long; fewer past 32 rows, where every split's partial
+    sums (rows x columns float32) cost more than the warps they add."""
+    sms = _sm_count(device)
     groups = -(-nb // 4)
     want = -(-16 * sms // groups)
+    if rows > 32:
+        want = min(want, 4)
     return max(1, min(want, kb // 8 if kb >= 8 else 1))
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    device = torch.device(device)
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def _reference_gemm(x2, trellis, suh, svh, k2, codebook, bias):
@@ -246,7 +259,7 @@ def exl3_gemm(
     xh = torch.empty(rows, pad_in, dtype=torch.float16, device=x.device)
     ext.hadamard(x2.unsqueeze(0), suh32, None, None, xh, pad_in)
     if rows <= FUSED_MAX_ROWS:
-        splits = choose_splits(kb, nb, x.device)
+        splits = choose_splits(kb, nb, x.device, rows)
         acc = torch.empty(splits, rows, pad_out, dtype=torch.float32, device=x.device)
         ext.gemm_partial(xh, trellis.contiguous(), k2, cb, acc)
     else:
@@ -290,7 +303,7 @@ def paged_attention(
     ext = _use_ext(query)
     if ext is None or not hasattr(ext, "paged_attention"):
         return None
-    if query.dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] % 32:
+    if query.dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] not in (64, 128, 256):
         return None
     quantized = isinstance(keys, tuple)
     if quantized != isinstance(values, tuple):
@@ -298,14 +311,12 @@ def paged_attention(
     if not quantized and (keys.dtype != query.dtype or values.dtype != query.dtype):
         return None
     batch, heads, dim = query.shape
-    if dim > 256:
-        return None
     empty = query.new_empty(0)
     k_codes, k_scales = keys if quantized else (keys, empty)
     v_codes, v_scales = values if quantized else (values, empty)
     kv_heads = (k_scales.shape[1] * 32 // dim) if quantized else keys.shape[1]
-    if heads % kv_heads:
-        return None
+    if heads % kv_heads or (heads // kv_heads) * (dim // 32) > 64:
+        return None  # more accumulators per lane than the kernel keeps
     query = query.contiguous()
     out = torch.empty_like(query)
     ext.paged_attention(

@@ -161,7 +161,7 @@ def test_decode_kernel_matches_exllamav3_vectors(case: str) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(("k", "codebook"), ALL_CASES)
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 32])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 57, 64])
 def test_fused_gemm_partials_exact_sum(k: float, codebook: str, rows: int) -> None:
     """The split partial sums add up to xh · Ŵ (float32 accumulation of exact products)."""
     _gpu_ext()
@@ -180,7 +180,7 @@ def test_fused_gemm_partials_exact_sum(k: float, codebook: str, rows: int) -> No
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 31, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 31, 32, 33, 64, 65, 100])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gemm_matches_float_reference(rows: int, dtype: torch.dtype) -> None:
     _gpu_ext()
