@@ -51,6 +51,10 @@ def main(folder: Path) -> None:
             c, d = theirs.get(jobs), theirs4.get(jobs)
             print(f"{model:<6}{jobs:>5} | {fmt(a)} {fmt(b)} {ratio(b, a):>7} | {fmt(c)} "
                   f"{fmt(d)} | {ratio(a, c):>12}{ratio(b, d):>11}")
+    for model in ("8b", "1b"):
+        halves = ours(folder, f"{model}-halves").get(("fp16", 64))
+        if halves:
+            print(f"{model} 64 jobs, fp16, EXL3_GEMM_WIDE=halves: {halves:.1f} tok/s")
     for jobs in (1, 16, 64):
         prof = _json(folder / f"profile-{jobs}.json")
         if prof and "kernel_us" in prof:

@@ -58,6 +58,10 @@ if [[ " $STAGES " == *" ours "* ]]; then
       --prompt 128 --gen 64 --kv fp16,q4 --repeat 3 --json >"$OUT/ours-$1.json" \
       2>"$OUT/ours-$1.err" || { echo "FAIL: ours $1"; tail -8 "$OUT/ours-$1.err"; }
     stamp "ours $1 done"
+    # Variant: 33..64 rows as two launches of 32 (EXL3_GEMM_WIDE=halves).
+    EXL3_GEMM_WIDE=halves timeout 100 python3 bench/generator_throughput.py "$2" --device cuda \
+      --jobs 64 --prompt 128 --gen 64 --kv fp16 --repeat 3 --json >"$OUT/ours-$1-halves.json" \
+      2>"$OUT/ours-$1-halves.err" || { echo "FAIL: ours $1 halves"; tail -8 "$OUT/ours-$1-halves.err"; }
   done
 fi
 

@@ -23,9 +23,10 @@
 namespace exl3 {
 namespace {
 
-constexpr int kThreads = 128;  // 4 warps
+constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 64;  // positions per block
+constexpr int kPerWarp = kChunk / kWarps;  // positions a warp loads at once
 constexpr int kMaxGroupDim = 2048;  // G * D held in shared memory
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -169,25 +170,35 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c0 = lane * CPL;
-  // Scores: a warp per position, partial dot products reduced across the lanes.
-  for (int tl = warp; tl < kChunk; tl += kWarps) {
-    const int t = t0 + tl;
-    if (t < t_lo || t >= t_hi) {
-      if (lane < G) scores[lane * kChunk + tl] = -CUDART_INF_F;
-      continue;
+  // Scores: a warp per position, partial dot products reduced across the lanes. Each
+  // warp issues the loads of all its kPerWarp rows before any arithmetic.
+  {
+    float k[kPerWarp][CPL];
+#pragma unroll
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int tl = warp + j * kWarps, t = t0 + tl;
+      if (t >= t_lo && t < t_hi)
+        load_row<T, KQ, CPL>(a.k, a.k_scales, a.k_bits, slots[tl], a.kv_heads, kvh, D, C, c0,
+                             k[j]);
     }
-    float k[CPL];
-    load_row<T, KQ, CPL>(a.k, a.k_scales, a.k_bits, slots[tl], a.kv_heads, kvh, D, C, c0, k);
 #pragma unroll
-    for (int g = 0; g < kMaxG; ++g) {
-      if (g < G) {
-        float s = 0.f;
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int tl = warp + j * kWarps, t = t0 + tl;
+      if (t < t_lo || t >= t_hi) {
+        if (lane < G) scores[lane * kChunk + tl] = -CUDART_INF_F;
+        continue;
+      }
 #pragma unroll
-        for (int i = 0; i < CPL; ++i) s += qs[g * D + c0 + i] * k[i];
+      for (int g = 0; g < kMaxG; ++g) {
+        if (g < G) {
+          float s = 0.f;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
-        if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
-        if (lane == 0) scores[g * kChunk + tl] = s;
+          for (int i = 0; i < CPL; ++i) s += qs[g * D + c0 + i] * k[j][i];
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+          if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
+          if (lane == 0) scores[g * kChunk + tl] = s;
+        }
       }
     }
   }
@@ -222,16 +233,26 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
   for (int g = 0; g < kMaxG; ++g)
 #pragma unroll
     for (int i = 0; i < CPL; ++i) acc[g][i] = 0.f;
-  for (int t = t_lo + warp; t < t_hi; t += kWarps) {
-    const int tl = t - t0;
-    float v[CPL];
-    load_row<T, VQ, CPL>(a.v, a.v_scales, a.v_bits, slots[tl], a.kv_heads, kvh, D, C, c0, v);
+  {
+    float v[kPerWarp][CPL];
 #pragma unroll
-    for (int g = 0; g < kMaxG; ++g) {
-      if (g < G) {
-        const float p = scores[g * kChunk + tl];
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int tl = warp + j * kWarps, t = t0 + tl;
+      if (t >= t_lo && t < t_hi)
+        load_row<T, VQ, CPL>(a.v, a.v_scales, a.v_bits, slots[tl], a.kv_heads, kvh, D, C, c0,
+                             v[j]);
+    }
 #pragma unroll
-        for (int i = 0; i < CPL; ++i) acc[g][i] += p * v[i];
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int tl = warp + j * kWarps, t = t0 + tl;
+      if (t < t_lo || t >= t_hi) continue;
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g) {
+        if (g < G) {
+          const float p = scores[g * kChunk + tl];
+#pragma unroll
+          for (int i = 0; i < CPL; ++i) acc[g][i] += p * v[j][i];
+        }
       }
     }
   }

@@ -185,15 +185,12 @@ def hadamard128(
     return out.view(*x.shape[:-1], width)
 
 
-def choose_splits(kb: int, nb: int, device: torch.device, rows: int = 1) -> int:
+def choose_splits(kb: int, nb: int, device: torch.device) -> int:
     """Runs of tile rows for the fused GEMM: enough warps to fill the GPU (~16 per SM),
-    each run at least 8 tile rows long; fewer past 32 rows, where every split's partial
-    sums (rows x columns float32) cost more than the warps they add."""
+    each run at least 8 tile rows long."""
     sms = _sm_count(device)
     groups = -(-nb // 4)
     want = -(-16 * sms // groups)
-    if rows > 32:
-        want = min(want, 4)
     return max(1, min(want, kb // 8 if kb >= 8 else 1))
 
 
@@ -258,10 +255,21 @@ def exl3_gemm(
         x2 = x2.contiguous()
     xh = torch.empty(rows, pad_in, dtype=torch.float16, device=x.device)
     ext.hadamard(x2.unsqueeze(0), suh32, None, None, xh, pad_in)
+    if out is None:
+        out = torch.empty(*lead, n_out, dtype=x.dtype, device=x.device)
     if rows <= FUSED_MAX_ROWS:
-        splits = choose_splits(kb, nb, x.device, rows)
-        acc = torch.empty(splits, rows, pad_out, dtype=torch.float32, device=x.device)
-        ext.gemm_partial(xh, trellis.contiguous(), k2, cb, acc)
+        splits = choose_splits(kb, nb, x.device)
+        # Rows 33..64 run as one launch of 8 row groups, or (EXL3_GEMM_WIDE=halves) as two
+        # launches of at most 32 rows, which keep more warps resident.
+        parts = 2 if rows > 32 and os.environ.get("EXL3_GEMM_WIDE") == "halves" else 1
+        out2 = out.view(rows, n_out)
+        for begin in range(0, rows, -(-rows // parts)):
+            end = min(rows, begin + -(-rows // parts))
+            acc = torch.empty(splits, end - begin, pad_out, dtype=torch.float32,
+                              device=x.device)
+            ext.gemm_partial(xh[begin:end], trellis.contiguous(), k2, cb, acc)
+            ext.hadamard(acc, None, svh32, _as_f32(bias), out2[begin:end], pad_out)
+        return out
     else:
         weight = torch.empty(pad_in, pad_out, dtype=torch.float16, device=x.device)
         ext.decode(trellis.contiguous(), k2, cb, weight)
@@ -271,8 +279,6 @@ def exl3_gemm(
         weight.mul_(scale.to(torch.float16))
         svh32 = svh32 / scale
         acc = (xh @ weight).unsqueeze(0)
-    if out is None:
-        out = torch.empty(*lead, n_out, dtype=x.dtype, device=x.device)
     ext.hadamard(acc, None, svh32, _as_f32(bias), out.view(rows, n_out), pad_out)
     return out
 
@@ -315,7 +321,8 @@ def paged_attention(
     k_codes, k_scales = keys if quantized else (keys, empty)
     v_codes, v_scales = values if quantized else (values, empty)
     kv_heads = (k_scales.shape[1] * 32 // dim) if quantized else keys.shape[1]
-    if heads % kv_heads or (heads // kv_heads) * (dim // 32) > 64:
+    group = heads // kv_heads if heads % kv_heads == 0 else 0
+    if not 0 < group <= 16 or group * (dim // 32) > 64:
         return None  # more accumulators per lane than the kernel keeps
     query = query.contiguous()
     out = torch.empty_like(query)
