@@ -42,11 +42,18 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_jobs(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen: int,
-             kv: str, seed: int) -> dict[str, Any]:
+def new_generator(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen: int,
+                  kv: str) -> Generator:
+    """One generator per measured configuration, kept across its runs as a server keeps
+    it: CUDA graphs are captured in the warm-up run, not in the measured ones."""
+    return Generator(model, tokenizer, max_batch=jobs, num_ctx=prompt + gen + 8,
+                     kv_cache_type=kv, max_queue=jobs)
+
+
+def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
+             seed: int) -> dict[str, Any]:
     """One measured run: `jobs` concurrent greedy jobs; decode-only aggregate tok/s."""
-    generator = Generator(model, tokenizer, max_batch=jobs, num_ctx=prompt + gen + 8,
-                          kv_cache_type=kv, max_queue=jobs)
+    model = generator.model
     steps: list[tuple[float, StepReport]] = []
     device = torch.device(model.device)
 
@@ -54,7 +61,7 @@ def run_jobs(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen: int,
         _synchronize(device)
         steps.append((time.perf_counter(), report))
 
-    generator.step_observers.append(observe)
+    generator.step_observers[:] = [observe]
     for ids in _prompts(jobs, prompt, model.config.vocab_size, seed):
         generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen,
                                        ignore_eos=True))
@@ -68,7 +75,8 @@ def run_jobs(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen: int,
     tokens = sum(r.decode_tokens for _, r in decode_steps)
     seconds = (decode_steps[-1][0] - window_start) if decode_steps else float("nan")
     return {
-        "jobs": jobs, "kv": kv, "decode_steps": len(decode_steps), "decode_tokens": tokens,
+        "jobs": jobs, "kv": generator.cache_type.name, "decode_mode": generator.decode.mode,
+        "graphs": generator.decode.graph_count, "decode_steps": len(decode_steps), "decode_tokens": tokens,
         "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "kv_bytes_per_token": generator.pool.bytes_per_token(),
         "total_seconds": time.perf_counter() - started,
@@ -92,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for kv in args.kv.split(","):
         for jobs in (int(j) for j in args.jobs.split(",")):
-            run_jobs(model, tokenizer, jobs, args.prompt, args.gen, kv, args.seed)  # warm
-            runs = [run_jobs(model, tokenizer, jobs, args.prompt, args.gen, kv, args.seed)
-                    for _ in range(max(1, args.repeat))]
+            generator = new_generator(model, tokenizer, jobs, args.prompt, args.gen, kv)
+            run_jobs(generator, jobs, args.prompt, args.gen, args.seed)  # warm-up
+            runs = [run_jobs(generator, jobs, args.prompt, args.gen, args.seed + 1 + i)
+                    for i in range(max(1, args.repeat))]
+            for run in runs:
+                run["kv"] = kv
             rates = sorted(r["tokens_per_s"] for r in runs)
             row = runs[len(runs) // 2] if len(runs) % 2 else runs[0]
             row = dict(row, tokens_per_s=statistics.median(rates), runs=rates)

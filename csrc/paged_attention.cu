@@ -121,7 +121,7 @@ __device__ __forceinline__ void load_row(const void* base, const __half* scales,
 template <typename T, bool KQ, bool VQ, int D>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
   constexpr int CPL = D / 32;
-  constexpr int kMaxG = 64 / CPL;  // accumulators per lane: G * CPL <= 64
+  constexpr int kMaxG = 64 / CPL < 16 ? 64 / CPL : 16;  // accumulators: G * CPL <= 64, G <= 16
   extern __shared__ float smem[];
   const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int G = a.heads / a.kv_heads, C = a.kv_heads * D;
@@ -188,17 +188,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
         if (lane < G) scores[lane * kChunk + tl] = -CUDART_INF_F;
         continue;
       }
+      for (int g = 0; g < G; ++g) {  // a runtime loop: nothing indexed by g in registers
+        float s = 0.f;
 #pragma unroll
-      for (int g = 0; g < kMaxG; ++g) {
-        if (g < G) {
-          float s = 0.f;
+        for (int i = 0; i < CPL; ++i) s += qs[g * D + c0 + i] * k[j][i];
 #pragma unroll
-          for (int i = 0; i < CPL; ++i) s += qs[g * D + c0 + i] * k[j][i];
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
-          if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
-          if (lane == 0) scores[g * kChunk + tl] = s;
-        }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+        if (a.softcap > 0.f) s = a.softcap * tanhf(s / a.softcap);
+        if (lane == 0) scores[g * kChunk + tl] = s;
       }
     }
   }
@@ -311,11 +308,11 @@ bool launch_dim(const Args& a, cudaStream_t stream, int batch) {
   if (G * (D / 32) > 64) return false;
   const size_t smem = (size_t)(2 * G * D + G * kChunk) * sizeof(float) + kChunk * sizeof(int);
   const dim3 grid(a.chunks, a.kv_heads, batch);
-  const bool kq = a.k_bits < 16, vq = a.v_bits < 16;
-  auto kernel = kq ? (vq ? paged_attention_kernel<T, true, true, D>
-                         : paged_attention_kernel<T, true, false, D>)
-                   : (vq ? paged_attention_kernel<T, false, true, D>
-                         : paged_attention_kernel<T, false, false, D>);
+  // Keys and values are quantized together or not at all (the cache types of kv_quant.py).
+  const bool quantized = a.k_bits < 16;
+  if (quantized != (a.v_bits < 16)) return false;
+  auto kernel = quantized ? paged_attention_kernel<T, true, true, D>
+                          : paged_attention_kernel<T, false, false, D>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
           cudaSuccess)
