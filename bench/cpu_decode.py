@@ -5,8 +5,7 @@ loads the Hugging Face folder given with --model (e.g. the real SmolLM2-135M-Ins
 then measures a 512-token prompt and greedy generation: ours with each CPU weight mode
 (float32 activations; "off" = plain F.linear, see engine/loader.resolve_cpu_weights) and
 with bfloat16 compute, transformers in float32 and bfloat16. Ours is timed on the
-contiguous KVCache ("generation") and on the paged cache the chat generator uses
-("paged": one PagedBatch per step, as engine/generator.py runs it). Each figure is the
+paged cache, one PagedBatch per step, as engine/generator.py runs it. Each figure is the
 best of --repeats runs (the machine is shared; the best run is the least disturbed one).
 EXL3_NO_EXT=1 times the pure-PyTorch fallback of the CPU kernels.
 
@@ -63,8 +62,9 @@ def best_of(repeats: int, timer, *args) -> tuple[float, ...]:
     return tuple(max(r[i] for r in runs) for i in range(len(runs[0])))
 
 
-def time_paged(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float]:
-    """Generation tok/s over the paged cache, one sequence (the terminal chat)."""
+def time_ours(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """Prompt and generation tok/s over the paged cache, one sequence, one PagedBatch
+    per step as engine/generator.py runs it (the terminal chat)."""
     config = model.config
     total = prompt.shape[1] + new_tokens + 1
     pool = PagePool(pages_for(total), len(model.layers), config.num_kv_heads,
@@ -73,25 +73,15 @@ def time_paged(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float]:
     ids = prompt[0].tolist()
     if not table.admit(ids, total):
         raise RuntimeError(f"{PAGE_SIZE}-token pages do not fit the run")
+    start = time.perf_counter()
     logits = model(prompt, PagedBatch(pool, [table], [ids]), last_logits_only=True)
+    prompt_s = time.perf_counter() - start
     token = int(logits[0, -1].argmax())
     start = time.perf_counter()
     for _ in range(new_tokens):
         logits = model(torch.tensor([[token]]), PagedBatch(pool, [table], [[token]]),
                        last_logits_only=True)
         token = int(logits[0, -1].argmax())
-    return (new_tokens / (time.perf_counter() - start),)
-
-
-def time_ours(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    cache = model.new_cache(1, prompt.shape[1] + new_tokens + 1)
-    start = time.perf_counter()
-    logits = model(prompt, cache, last_logits_only=True)
-    prompt_s = time.perf_counter() - start
-    token = logits[:, -1].argmax(-1, keepdim=True)
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
     return prompt.shape[1] / prompt_s, new_tokens / (time.perf_counter() - start)
 
 
@@ -153,10 +143,9 @@ def main() -> None:
         ours = build(dtype, mode)
         time_ours(ours, prompt[:, :16], 4)  # warm-up
         ours_prompt, ours_gen = best_of(args.repeats, time_ours, ours, prompt, args.new_tokens)
-        (paged_gen,) = best_of(args.repeats, time_paged, ours, prompt, args.new_tokens)
         name = f"{str(dtype).removeprefix('torch.')}/{mode}"
         print(f"{name:14s} exl3   prompt {ours_prompt:8.1f} tok/s  generation {ours_gen:6.1f} "
-              f"tok/s  paged {paged_gen:6.1f} tok/s", flush=True)
+              "tok/s", flush=True)
         del ours
     if args.no_transformers:
         return

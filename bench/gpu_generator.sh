@@ -16,7 +16,9 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=${MAX_JOBS:-16}
-STAGES=${STAGES:-"tests ours profile peer"}
+STAGES=${STAGES:-"tests ours peer profile cli"}
+PEER_KV=${PEER_KV:-"16"}  # "16 4": also the peer with a 4-bit cache
+PROFILE_JOBS=${PROFILE_JOBS:-"1 64"}
 JOBS=${JOBS:-1,16,64}
 M8=/tmp/exl3-llama3-8b-4.0 M1=/tmp/exl3-llama3.2-1b-4.0
 
@@ -58,34 +60,46 @@ if [[ " $STAGES " == *" ours "* ]]; then
       --prompt 128 --gen 64 --kv fp16,q4 --repeat 3 --json >"$OUT/ours-$1.json" \
       2>"$OUT/ours-$1.err" || { echo "FAIL: ours $1"; tail -8 "$OUT/ours-$1.err"; }
     stamp "ours $1 done"
-    # Variant: 33..64 rows as two launches of 32 (EXL3_GEMM_WIDE=halves).
-    EXL3_GEMM_WIDE=halves timeout 100 python3 bench/generator_throughput.py "$2" --device cuda \
-      --jobs 64 --prompt 128 --gen 64 --kv fp16 --repeat 3 --json >"$OUT/ours-$1-halves.json" \
-      2>"$OUT/ours-$1-halves.err" || { echo "FAIL: ours $1 halves"; tail -8 "$OUT/ours-$1-halves.err"; }
   done
-fi
-
-if [[ " $STAGES " == *" profile "* ]]; then
-  for jobs in 1 16 64; do
-    timeout 90 python3 bench/decode_profile.py "$M8" --jobs "$jobs" --json \
-      >"$OUT/profile-$jobs.json" 2>"$OUT/profile-$jobs.err" \
-      || { echo "FAIL: profile $jobs jobs"; tail -5 "$OUT/profile-$jobs.err"; }
-  done
-  stamp "profile done"
 fi
 
 if [[ " $STAGES " == *" peer "* ]] && grep -q "peer install ok" "$OUT/peer-install.log" 2>/dev/null; then
   PEER_JOBS=$(echo "$JOBS" | sed 's/\([0-9]*\)/\1,\1,\1/g')
   for m in "8b $M8" "1b $M1"; do
     set -- $m
-    for kv in "" 4; do
-      (cd /tmp && PYTHONPATH=/tmp/peer EX3_KV_BITS=$kv timeout 150 python3 \
+    for kv in $PEER_KV; do
+      bits=$([ "$kv" = 16 ] && echo "" || echo "$kv")
+      (cd /tmp && PYTHONPATH=/tmp/peer EX3_KV_BITS=$bits timeout 150 python3 \
         "$OLDPWD/.whl/peer_exllamav3_jobs.py" "$2" "$PEER_JOBS" 128 64) \
-        >"$OUT/peer-$1-kv${kv:-16}.log" 2>&1 || { echo "FAIL: peer $1 kv${kv:-16}"; \
-        tail -5 "$OUT/peer-$1-kv${kv:-16}.log"; }
-      stamp "peer $1 kv${kv:-16} done"
+        >"$OUT/peer-$1-kv$kv.log" 2>&1 || { echo "FAIL: peer $1 kv$kv"; \
+        tail -5 "$OUT/peer-$1-kv$kv.log"; }
+      stamp "peer $1 kv$kv done"
     done
   done
+fi
+
+if [[ " $STAGES " == *" cli "* ]]; then
+  # What a user sees: `exl3 run --verbose` and `exl3 bench` on the 8B folder, one job.
+  export EXL3_MODELS=/tmp/exl3-store
+  printf 'FROM %s\nPARAMETER temperature 0\nPARAMETER num_predict 256\n' "$M8" >/tmp/Modelfile
+  timeout 60 python3 -m exl3cli create syn8b -f /tmp/Modelfile >"$OUT/create.log" 2>&1
+  timeout 90 python3 -m exl3cli run syn8b "Tell me a story about trellis codes." --verbose \
+    >/dev/null 2>"$OUT/run-verbose.log" || { echo "FAIL: exl3 run"; tail -5 "$OUT/run-verbose.log"; }
+  grep -E "^eval (count|rate)" "$OUT/run-verbose.log" | sed 's/^/exl3 run --verbose: /'
+  timeout 120 python3 -m exl3cli bench "$M8" --prompt-lengths 128 --gen-tokens 256 --batch 1 \
+    --memory-context 0 >"$OUT/exl3-bench.txt" 2>"$OUT/exl3-bench.err" \
+    || { echo "FAIL: exl3 bench"; tail -5 "$OUT/exl3-bench.err"; }
+  grep -A3 "^generate" "$OUT/exl3-bench.txt" | sed 's/^/exl3 bench: /'
+  stamp "cli done"
+fi
+
+if [[ " $STAGES " == *" profile "* ]]; then
+  for jobs in $PROFILE_JOBS; do
+    timeout 90 python3 bench/decode_profile.py "$M8" --jobs "$jobs" --json \
+      >"$OUT/profile-$jobs.json" 2>"$OUT/profile-$jobs.err" \
+      || { echo "FAIL: profile $jobs jobs"; tail -5 "$OUT/profile-$jobs.err"; }
+  done
+  stamp "profile done"
 fi
 
 python3 bench/generator_table.py "$OUT" | tee "$OUT/table.txt"

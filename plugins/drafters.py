@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from exl3cli.engine.paged_attention import PagedBatch
+from exl3cli.engine.paged_cache import PagePool, PageTable, pages_for
 from exl3cli.engine.speculative import Drafter
 from exl3cli.errors import InvalidOption
 from exl3cli.plugins import hookimpl
@@ -93,17 +95,27 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ModelDrafter:
-    """Greedy drafts from a small model, with this job's own cache of it."""
+    """Greedy drafts from a small model, with this job's own paged cache of it (a
+    private page pool of one sequence, grown by doubling)."""
 
     def __init__(self, model: Any):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
-        self._cache: Any = None
-        self._cached: list[int] = []  # the tokens whose keys/values the cache holds
+        self._table: PageTable | None = None
+        self._capacity = 0
 
     def _logits_after(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        return self.model.forward(ids, self._cache, last_logits_only=True)[0, -1]
+        batch = PagedBatch(self._table.pool, [self._table], [tokens])
+        return self.model.forward(ids, batch, last_logits_only=True)[0, -1]
+
+    def _new_cache(self, size: int) -> None:
+        model, config = self.model, self.model.config
+        pool = PagePool(pages_for(size), len(model.layers), config.num_kv_heads, config.head_dim,
+                        model.dtype, model.device)
+        self._table = PageTable(pool)
+        self._table.admit([], size)
+        self._capacity = size
 
     @torch.inference_mode()
     def propose(self, history: list[int], count: int) -> list[int]:
@@ -111,26 +123,23 @@ class ModelDrafter:
         limit = int(self.model.config.max_position_embeddings)
         if count <= 0 or not history or need > limit:
             return []
-        if self._cache is None or self._cache.max_seq_len < need:
+        if self._table is None or self._capacity < need:
             # Grow by doubling (re-fed from scratch): few reallocations per job.
-            size = min(limit, max(256, 1 << (need - 1).bit_length()))
-            self._cache, self._cached = self.model.new_cache(1, size), []
-        keep = min(_common_prefix(self._cached, history), len(history) - 1)
-        self._cache.truncate(0, keep)
+            self._new_cache(min(limit, max(256, 1 << (need - 1).bit_length())))
+        keep = min(_common_prefix(self._table.tokens, history), len(history) - 1)
+        self._table.truncate(keep)
         logits = self._logits_after(history[keep:])
-        cached, proposals = list(history), []
+        proposals: list[int] = []
         for _ in range(count):
             proposals.append(int(torch.argmax(logits)))
             if len(proposals) == count:
                 break
             logits = self._logits_after(proposals[-1:])
-            cached.append(proposals[-1])
-        self._cached = cached
         return proposals
 
     def release(self) -> None:
         """The job ended: free this job's cache of the draft model."""
-        self._cache, self._cached = None, []
+        self._table, self._capacity = None, 0
 
 
 def _model_factory(spec: str) -> Drafter:

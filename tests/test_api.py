@@ -6,9 +6,8 @@ import pytest
 
 import exl3cli.api
 from exl3cli.api import load
-from exl3cli.engine.generate import generate_tokens
-from exl3cli.engine.sampling import build_sampler
 from exl3cli.errors import ContextOverflow, ModelNotFound
+from tests.fixtures.paged import greedy_reference
 from tests.fixtures.tiny_store import make_tiny_store, write_tiny_chat_model
 
 
@@ -57,9 +56,7 @@ def test_generate_returns_the_greedy_completion(model_path):
     prompt = "The quick brown fox"
     text = llm.generate(prompt, max_tokens=10, temperature=0)
     ids = llm.tokenizer.encode(prompt)
-    expected = list(generate_tokens(llm.model, ids, build_sampler({"temperature": 0}),
-                                    max_seq_len=512, num_predict=10,
-                                    eos_ids=llm.tokenizer.eos_token_ids))
+    expected = greedy_reference(llm.model, ids, 10, llm.tokenizer.eos_token_ids)
     assert text == llm.tokenizer.decode(expected)
     streamed = llm.generate(prompt, max_tokens=10, temperature=0, stream=True)
     assert not isinstance(streamed, str)

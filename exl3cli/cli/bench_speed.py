@@ -1,9 +1,10 @@
 """Speed benchmark of a local model (`exl3 bench MODEL`, `exl3 bench --synthetic SHAPE`).
 
-For each batch size and prompt length: prefill tokens/s (one forward of the whole
-prompt, the second of two runs), then generation tokens/s over `gen_tokens` greedy
-steps after the prompt (the second of two runs, so CUDA graphs are captured before
-the timed one; argmax read back every step, as a sampler does). Batch-1 generation
+Everything runs through the generator, the path `run` and `serve` take, so these are
+the numbers users get. For each batch size and prompt length, `batch` concurrent
+greedy jobs: prefill tokens/s (the steps that take the prompts, in one step of the
+whole batch), then generation tokens/s over the steps that only decode (the second of
+two runs of each configuration, so CUDA graphs are captured before the timed one). Batch-1 generation
 is set against the memory-bandwidth limit: bytes a decode step must read (weights as
 stored, one embedding row, the KV cache up to the context) over the measured device
 copy rate (bytes read + written). On CUDA a last run measures peak memory with a
@@ -25,12 +26,11 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.cuda_graphs import DecodeGraphRunner
 from exl3cli.engine.linear import DenseLinear, Exl3Linear
 from exl3cli.engine.norm import RMSNorm
 
 GIB = 2**30
-MEMORY_PREFILL_CHUNK = 512  # as generate.PREFILL_CHUNK: the chunk a real prompt runs in
+MEMORY_PREFILL_CHUNK = 512  # the generator's default prompt chunk
 
 
 def _sync(device: torch.device) -> None:
@@ -130,64 +130,92 @@ def _workspace_estimate(model: Any, rows: int) -> int:
     return gemm + activations + config.vocab_size * 4 * 2
 
 
-def _random_ids(gen: torch.Generator, vocab: int, rows: int, length: int,
-                device: torch.device) -> torch.Tensor:
-    return torch.randint(0, vocab, (rows, length), generator=gen).to(device)
+def _random_prompts(gen: torch.Generator, vocab: int, rows: int, length: int) -> list[list[int]]:
+    # Fresh ids every run, from the low half of the vocabulary (no special tokens), so
+    # no run takes its prompt from the prefix cache of an earlier one.
+    return torch.randint(10, max(11, vocab // 2), (rows, length), generator=gen).tolist()
 
 
-def _decode(runner: DecodeGraphRunner, cache: Any, first: list[int], steps: int) -> None:
-    tokens = first
-    for _ in range(steps):
-        logits = runner.step(tokens, cache)
-        tokens = logits.argmax(dim=-1).tolist()  # a sampler reads each token back too
+class _Generators:
+    """One generator per (batch, context), kept across runs as a server keeps it: the
+    CUDA graphs of its decode buckets are captured once, in the first run."""
+
+    def __init__(self, model: Any, tokenizer: Any, mode: str | None):
+        self.model, self.tokenizer, self.mode = model, tokenizer, mode
+        self._made: dict[tuple[int, int], Any] = {}
+
+    def get(self, batch: int, context: int, prefill: int) -> Any:
+        from exl3cli.engine.generator import Generator
+
+        key = (batch, context)
+        if key not in self._made:
+            self._made.clear()  # one pool at a time
+            self._made[key] = Generator(self.model, self.tokenizer, max_batch=batch,
+                                        num_ctx=context, decode_mode=self.mode,
+                                        max_prefill_tokens=prefill, max_queue=batch)
+        return self._made[key]
 
 
-def _measure_pair(model: Any, runner: DecodeGraphRunner, gen: torch.Generator, batch: int,
-                  length: int, gen_tokens: int) -> tuple[dict, dict]:
-    device = model.device
-    cache = runner.cache(batch, length + gen_tokens + 1)
-    ids = _random_ids(gen, model.config.vocab_size, batch, length, device)
-    prefill = []
-    for _ in range(2):  # first run: allocator, cuBLAS heuristics
-        cache.reset()
-        prefill.append(timed(lambda: model.forward(ids, cache, last_logits_only=True), device))
-    first = ids[:, -1].tolist()
-    decode = []
-    for _ in range(2):  # first run: captures the graphs of the spans it crosses
-        for row in range(batch):
-            cache.truncate(row, length)
-        decode.append(timed(lambda: _decode(runner, cache, first, gen_tokens), device))
-    prompt = {"batch": batch, "tokens": length, "seconds": prefill[-1],
-              "tok_s": batch * length / prefill[-1]}
-    generation = {"batch": batch, "context": length, "tokens": gen_tokens,
-                  "seconds": decode[-1], "tok_s": batch * gen_tokens / decode[-1],
-                  "tok_s_per_row": gen_tokens / decode[-1],
-                  "ms_per_step": 1e3 * decode[-1] / gen_tokens}
+def _run_jobs(generator: Any, prompts: list[list[int]], gen_tokens: int
+              ) -> tuple[float, float, int]:
+    """(prefill seconds, decode seconds, decode steps) of one batch of greedy jobs
+    through the generator: the prompt steps, then the steps that only decode."""
+    from exl3cli.engine.generator_jobs import GenerationJob
+
+    device = torch.device(generator.model.device)
+    for ids in prompts:
+        generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen_tokens,
+                                       ignore_eos=True))
+    _sync(device)
+    start = time.perf_counter()
+    while generator.prefilling:
+        generator.step()
+    _sync(device)
+    prefilled = time.perf_counter()
+    steps = 0
+    while generator.has_work:
+        steps += 1 if generator.step().decode_tokens else 0
+    _sync(device)
+    return prefilled - start, time.perf_counter() - prefilled, steps
+
+
+def _measure_pair(generators: _Generators, gen: torch.Generator, batch: int, length: int,
+                  gen_tokens: int) -> tuple[dict, dict]:
+    generator = generators.get(batch, length + gen_tokens + 8, batch * length)
+    vocab = generators.model.config.vocab_size
+    runs = [_run_jobs(generator, _random_prompts(gen, vocab, batch, length), gen_tokens)
+            for _ in range(2)]  # the first run: allocator, cuBLAS heuristics, graphs
+    prefill, decode, steps = runs[-1]
+    prompt = {"batch": batch, "tokens": length, "seconds": prefill,
+              "tok_s": batch * length / prefill}
+    generation = {"batch": batch, "context": length, "tokens": steps,
+                  "seconds": decode, "tok_s": batch * steps / decode,
+                  "tok_s_per_row": steps / decode, "ms_per_step": 1e3 * decode / steps}
     return prompt, generation
 
 
-def _memory_run(model: Any, graphs: bool, context: int, gen: torch.Generator) -> dict:
+def _memory_run(generators: _Generators, context: int, gen: torch.Generator) -> dict:
     """Peak allocated memory of one sequence in a `context`-token cache: a prompt of
     up to 2048 tokens in 512-token chunks, then 16 decode steps."""
+    model = generators.model
     device = model.device
+    generators._made.clear()
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    runner = DecodeGraphRunner(model, mode="graph" if graphs else "eager")
-    cache = runner.cache(1, context)
-    cache_bytes = sum(_nbytes(t) for t in cache.keys + cache.values)
+    generator = generators.get(1, context, MEMORY_PREFILL_CHUNK)
+    pool = generator.pool
+    cache_bytes = sum(_nbytes(t) for layer in (*pool.keys, *pool.values)
+                      for t in (layer if isinstance(layer, tuple) else (layer,)))
     length = max(1, min(2048, context - 17))
-    ids = _random_ids(gen, model.config.vocab_size, 1, length, device)
-    for begin in range(0, length, MEMORY_PREFILL_CHUNK):
-        model.forward(ids[:, begin : begin + MEMORY_PREFILL_CHUNK], cache, last_logits_only=True)
-    _decode(runner, cache, [int(ids[0, -1])], min(16, context - length))
-    _sync(device)
+    prompts = _random_prompts(gen, model.config.vocab_size, 1, length)
+    _run_jobs(generator, prompts, min(16, context - length))
     peak = torch.cuda.max_memory_allocated(device)
     weights = _weights_bytes(model)
     workspace = _workspace_estimate(model, min(MEMORY_PREFILL_CHUNK, length))
     expected = weights + cache_bytes + workspace
-    del runner, cache
+    generators._made.clear()
     return {"context": context, "prompt_tokens": length, "peak_bytes": peak,
             "allocated_before_bytes": before, "weights_bytes": weights,
             "cache_bytes": cache_bytes, "stated_workspace_bytes": workspace,
@@ -207,28 +235,31 @@ def run_speed(
     label: str | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Load the model in `folder` and measure it (see the module docstring)."""
+    """Load the model in `folder` and measure it through the generator, the path `run`
+    and `serve` take (see the module docstring)."""
     from exl3cli import kernels
     from exl3cli.engine.loader import load_causal_lm
+    from exl3cli.engine.tokenizer import Tokenizer
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bandwidth = copy_bandwidth(dev)
     start = time.perf_counter()
     model = load_causal_lm(folder, device=dev)
+    tokenizer = Tokenizer.from_folder(folder)
     _sync(dev)
     load_seconds = time.perf_counter() - start
     cuda = dev.type == "cuda"
-    mode = "graph" if cuda and graphs else "eager"
-    runner = DecodeGraphRunner(model, mode=mode)
+    generators = _Generators(model, tokenizer, None if graphs or not cuda else "static")
     gen = torch.Generator().manual_seed(seed)
-    # Warm-up: builds the kernels and the first graphs outside every timed region.
-    _measure_pair(model, runner, gen, 1, min(16, min(prompt_lengths)), 4)
+    # Warm-up: builds the kernels outside every timed region.
+    _measure_pair(generators, gen, 1, min(16, min(prompt_lengths)), 4)
     prompts, generation = [], []
     for batch in batches:
         for length in prompt_lengths:
-            prompt, generated = _measure_pair(model, runner, gen, batch, length, gen_tokens)
+            prompt, generated = _measure_pair(generators, gen, batch, length, gen_tokens)
             prompts.append(prompt)
             generation.append(generated)
+    mode = next(iter(generators._made.values())).decode.mode
     for row in generation:
         if row["batch"] == 1:
             need = bytes_per_token(model, row["context"])
@@ -239,7 +270,7 @@ def run_speed(
         "model": label or str(folder),
         "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
         "dtype": str(model.dtype).removeprefix("torch."),
-        "decode_mode": runner.mode,
+        "decode_mode": mode,
         "kernels": ("fused" if kernels.available() else "reference") if cuda else "cpu",
         "kernels_reason": kernels.unavailable_reason() if cuda else None,
         "load_seconds": load_seconds,
@@ -249,9 +280,8 @@ def run_speed(
         "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
         "memory": None,
     }
-    del runner
     if cuda and memory_context > 0:
-        report["memory"] = _memory_run(model, graphs, memory_context, gen)
+        report["memory"] = _memory_run(generators, memory_context, gen)
     report["summary"] = _summary(report)
     return report
 

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl3cli import cpu_kernels
-from exl3cli.engine.cache import KVCache
 from exl3cli.engine.linear import Linear
 from exl3cli.engine.norm import RMSNorm
 from exl3cli.engine.rope import apply_rotary
@@ -37,7 +36,7 @@ class AttentionStep:
     sin: torch.Tensor
     span: int
     start: int | None
-    cache: KVCache | Any = None  # or a paged step (paged_attention.PagedBatch)
+    cache: Any = None  # a paged step (PagedBatch, FixedDecodeStep), or None: no cache
     # Rope tables of sliding layers when they have their own rope (Gemma 3), else None.
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
@@ -151,42 +150,24 @@ class Attention(nn.Module):
             return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
         if self._query_factor is not None:
             query = query * self._query_factor
-        if getattr(step.cache, "paged", False):  # per-sequence attention over pages
+        if step.cache is not None:  # per-sequence attention over pages
             out = step.cache.attend(self.layer_index, query, key, value, self.window)
             return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
-        if step.cache is not None:
-            key, value = step.cache.write(self.layer_index, key, value, step.positions, step.span)
-        if steps == 1 and key.dtype == torch.float32 and self._use_fused(key):
-            # One query per row, read from the cache in place; keys up to each row's
-            # position (and inside the window), as the mask below would allow.
-            lengths = None if step.start is not None else step.positions[:, 0] + 1
-            out = cpu_kernels.attend_decode_cpu(
-                query.reshape(batch, heads, self.head_dim), key, value, None, lengths,
-                self.window if self.window is not None and step.span > self.window else None,
-            )
-            return out.view(batch, 1, heads * self.head_dim)
+        # No cache: every row is a whole sequence from position 0 (prompts, evaluation).
         mask, is_causal = step.mask(self.window)
-        if steps == 1 and (mask is None or (query.is_cuda and heads != self.num_kv_heads)):
-            # One query per row: grouped matmuls, kv heads never repeated (SDPA's masked
-            # GQA path would copy them for every query head).
-            out = decode_attention(query, key, value, mask)
-        else:
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, is_causal=is_causal,
-                enable_gqa=heads != self.num_kv_heads,
-            )
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=is_causal,
+            enable_gqa=heads != self.num_kv_heads,
+        )
         return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
 
     def _attend_softcapped(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            step: AttentionStep) -> torch.Tensor:
-        """`attend` with soft-capped scores, eager on every cache kind: [B, H, T, D]."""
+        """`attend` with soft-capped scores: [B, H, T, D]."""
         scale = self.scale if self.scale is not None else self.head_dim**-0.5
-        cache = step.cache
-        if getattr(cache, "paged", False):
-            return cache.attend(self.layer_index, query, key, value, self.window,
-                                softcap=self.softcap, scale=scale)
-        if cache is not None:
-            key, value = cache.write(self.layer_index, key, value, step.positions, step.span)
+        if step.cache is not None:
+            return step.cache.attend(self.layer_index, query, key, value, self.window,
+                                     softcap=self.softcap, scale=scale)
         mask, is_causal = step.mask(self.window)
         if is_causal:  # the plain square that SDPA would mask itself
             steps = query.shape[2]
@@ -200,26 +181,6 @@ class Attention(nn.Module):
         if self._fused is None:
             self._fused = cpu_kernels.available()
         return self._fused
-
-
-def decode_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one query per row over all keys: query [B, H, 1, D], key and value
-    [B, KV, S, D], `mask` (boolean [B or 1, 1, 1, S], True = may attend) or None. The
-    query heads that share a kv head are stacked as rows of one matmul, so kv heads are
-    never copied; on CPU this beats SDPA's kernel for T = 1."""
-    batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * dim**-0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value).reshape(batch, heads, 1, dim)
 
 
 def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -98,26 +98,34 @@ def batched_probs(logits: torch.Tensor, samplers: Sequence[Sampler]
     return torch.softmax(values / temperature, dim=-1), ids
 
 
+def sample_on_device(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor | None:
+    """Every row's token as a device tensor [n] (nothing read back), or None when a row
+    needs its own sampler."""
+    if not all(batchable(s) for s in samplers):
+        return None
+    tokens = torch.argmax(logits, dim=-1)
+    drawn = [i for i, sampler in enumerate(samplers) if not sampler.greedy]
+    if drawn:
+        index = torch.tensor(drawn, device=logits.device)
+        probs, ids = batched_probs(logits.index_select(0, index), [samplers[i] for i in drawn])
+        tokens.index_copy_(0, index, ids.gather(1, torch.multinomial(probs, 1))[:, 0])
+    return tokens
+
+
 def sample_rows(logits: torch.Tensor, samplers: Sequence[Sampler],
                 histories: Sequence[list[int]]) -> list[int]:
     """One token per row of logits [n, V]: batched where `batchable`, else each row's
     own sampler."""
+    together = sample_on_device(logits, samplers)
+    if together is not None:
+        return together.tolist()  # the step's one read-back
     count = logits.shape[0]
     tokens: list[int | None] = [None] * count
-    greedy = [i for i in range(count) if batchable(samplers[i]) and samplers[i].greedy]
-    drawn = [i for i in range(count) if batchable(samplers[i]) and not samplers[i].greedy]
-    picked: list[torch.Tensor] = []
-    if greedy:
-        index = torch.tensor(greedy, device=logits.device)
-        picked.append(torch.argmax(logits.index_select(0, index), dim=-1))
-    if drawn:
-        index = torch.tensor(drawn, device=logits.device)
-        probs, ids = batched_probs(logits.index_select(0, index), [samplers[i] for i in drawn])
-        choice = torch.multinomial(probs, 1)
-        picked.append(ids.gather(1, choice)[:, 0])
-    if picked:
-        values = torch.cat(picked).tolist()  # the step's one read-back
-        for i, token in zip(greedy + drawn, values, strict=True):
+    batched = [i for i in range(count) if batchable(samplers[i])]
+    if batched:
+        index = torch.tensor(batched, device=logits.device)
+        some = sample_on_device(logits.index_select(0, index), [samplers[i] for i in batched])
+        for i, token in zip(batched, some.tolist(), strict=True):
             tokens[i] = int(token)
     for i in range(count):
         if tokens[i] is None:

@@ -10,9 +10,10 @@ of that (B, P) bucket: a job joining, leaving or growing a page changes the data
 the buffer, never the graph. Padding rows write to the pool's scratch page and
 attend to that one slot.
 
-`DecodeRunner.run(rows)` feeds rows [(PageTable, token)], returns logits [n, V]
-(float32; a graph's output buffer, valid until the next run) and commits the tokens
-to the tables.
+`DecodeRunner.run(rows)` feeds rows [(PageTable, token)] and returns logits [n, V]
+(float32; a graph's output buffer, valid until the next run); the caller commits the
+tokens to the tables. The tokens may also come as a device tensor (`ids`): the
+generator then launches a step before the tokens of the one before are read back.
 
 Modes: "graph" (the CUDA default): capture per bucket, replay; "static": the same
 fixed-shape step run eagerly (what a graph replays, checkable on any device);
@@ -74,8 +75,14 @@ class FixedDecodeStep:
         self.span = pages * pool.page_size
         device = pool.device
         self.buffer = torch.zeros(batch, 2 + pages, dtype=torch.long, device=device)
-        self._host = torch.zeros(batch, 2 + pages, dtype=torch.long,
-                                 pin_memory=device.type == "cuda")
+        # Two pinned staging buffers, used in turn: while the GPU runs behind the host
+        # (a step launched ahead), the copy out of one may not have run yet when the
+        # next step is loaded. Each waits for its own last copy before it is rewritten.
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(batch, 2 + pages, dtype=torch.long, pin_memory=cuda)
+                      for _ in range(2)]
+        self._copied: list[Any] = [None, None]
+        self._turn = 0
         self.ids = self.buffer[:, 0]
         self.lengths = self.buffer[:, 1]  # tokens already cached = the new token's position
         self.page_table = self.buffer[:, 2:]
@@ -84,9 +91,12 @@ class FixedDecodeStep:
         self.kv_lengths: torch.Tensor | None = None
         self.rows = 0
 
-    def load(self, rows: Sequence[tuple[PageTable, int]]) -> None:
+    def load(self, rows: Sequence[tuple[PageTable, int | None]],
+             ids: torch.Tensor | None = None) -> None:
         """Host data of this step: each row's token, length and pages (padding rows:
-        the scratch page, length 0). Allocates the page a row's new token needs."""
+        the scratch page, length 0). Allocates the page a row's new token needs. With
+        `ids` (a device tensor [n], e.g. the tokens the step before sampled) the tokens
+        come from there and those in `rows` are ignored."""
         if not 0 < len(rows) <= self.batch:
             raise ValueError(f"{len(rows)} rows for a step of {self.batch}")
         scratch = self.pool.scratch_page
@@ -95,10 +105,20 @@ class FixedDecodeStep:
             table.slots(1)  # the page of the new position exists from here on
             if len(table.pages) > self.pages:
                 raise ValueError(f"a row holds {len(table.pages)} pages, step has {self.pages}")
-            row[0], row[1] = int(token), table.length
+            row[0], row[1] = int(token or 0), table.length
             row[2 : 2 + len(table.pages)] = table.pages
-        self._host.copy_(torch.tensor(data, dtype=torch.long))
-        self.buffer.copy_(self._host, non_blocking=True)
+        turn = self._turn
+        self._turn ^= 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        staging = self._host[turn]
+        staging.copy_(torch.tensor(data, dtype=torch.long))
+        self.buffer.copy_(staging, non_blocking=True)
+        if staging.is_pinned():
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        if ids is not None:
+            self.ids[: len(rows)].copy_(ids)
         self.rows = len(rows)
 
     # ---- what CausalLM.forward and the layers call --------------------------------------
@@ -140,7 +160,7 @@ class FixedDecodeStep:
         return hidden  # one token per row: every row is its own last token
 
     def advance(self, counts: Any = None) -> None:
-        """Nothing: the runner commits the tokens on the host after the step."""
+        """Nothing: the generator commits the tokens on the host once it knows them."""
 
 
 class DecodeRunner:
@@ -164,7 +184,7 @@ class DecodeRunner:
         self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle: Any = None
-        self._rope_version = self._version()
+        self._rope_version = self._version() if mode == "graph" else None
 
     @property
     def enabled(self) -> bool:
@@ -185,22 +205,23 @@ class DecodeRunner:
         size = self.pool.page_size
         return all(pages_for(table.length + 1, size) <= self.max_pages for table, _ in rows)
 
-    def run(self, rows: Sequence[tuple[PageTable, int]]) -> torch.Tensor:
-        """One decode step for `rows` [(table, token)]: logits [n, V] (float32). The
-        tokens are committed to their tables (and full pages published)."""
+    def run(self, rows: Sequence[tuple[PageTable, int | None]],
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for `rows` [(table, token)]: logits [n, V] (float32). Each
+        row's token goes to position table.length; the caller commits it to the table
+        once it is known on the host (with `ids`, a device tensor of the tokens, the
+        step can run before that)."""
         size = self.pool.page_size
         needed = max(pages_for(table.length + 1, size) for table, _ in rows)
         key = (bucket(len(rows), self.max_batch), bucket(needed, self.max_pages))
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = FixedDecodeStep(self.pool, *key)
-        step.load(rows)
+        step.load(rows, ids)
         if self.mode == "graph":
             logits = self._replay(key, step)
         else:
             logits = self._forward(step)
-        for table, token in rows:
-            table.commit([token])
         return logits[: len(rows)]
 
     def _forward(self, step: FixedDecodeStep) -> torch.Tensor:

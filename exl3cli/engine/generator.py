@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.batch_sampling import sample_rows
+from exl3cli.engine.batch_sampling import batchable, sample_on_device, sample_rows
 from exl3cli.engine.decode_step import DecodeRunner
 from exl3cli.engine.generator_jobs import (
     ActiveJob,
@@ -52,6 +52,28 @@ class StepReport:
     jobs: int = 0
     finished: int = 0
     job_ids: list[int] = field(default_factory=list)  # the jobs fed in this pass
+
+
+class _Flight:
+    """A decode step on its way: its jobs (in row order), their tokens sampled on the
+    device and being copied to the host, when it started, and its report."""
+
+    def __init__(self, jobs: list[ActiveJob], tokens: torch.Tensor, start: int,
+                 report: StepReport):
+        self.jobs, self.tokens, self.start, self.report = jobs, tokens, start, report
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready: Any = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens, None
+
+    def read(self) -> list[int]:
+        """The tokens on the host (waits for this step only, not for later ones)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class Generator:
@@ -96,6 +118,8 @@ class Generator:
         self._work = threading.Condition(self._lock)
         self._queue: deque[JobHandle] = deque()
         self._active: list[ActiveJob] = []
+        self._flight: _Flight | None = None  # a decode step whose tokens are not read yet
+        self._landed_ns = 0
         self._next_id = 0
         # Called with each step's report (from the stepping thread, under the lock).
         self.step_observers: list[Callable[[StepReport], None]] = []
@@ -158,6 +182,11 @@ class Generator:
         return bool(self._active or self._queue)
 
     @property
+    def prefilling(self) -> bool:
+        """Whether a queued or running job still has prompt tokens to take in."""
+        return bool(self._queue) or any(active.prefilling for active in self._active)
+
+    @property
     def active_jobs(self) -> int:
         return len(self._active)
 
@@ -168,44 +197,145 @@ class Generator:
     # ---- the step ---------------------------------------------------------------------
 
     def step(self) -> StepReport:
-        """Admit what fits, run one forward pass over all active jobs, emit events."""
+        """Admit what fits, run one forward pass over all active jobs, emit events.
+
+        Decode-only steps through the fixed-shape runner keep the GPU busy while the
+        host works: a step's tokens are sampled on the device, and before they are read
+        back the next step is launched with them (when nothing else is due: no job to
+        admit, none taking a prompt, room in every job's budget); the call that reads
+        a step back is the step's report."""
         with self._lock:
+            if self._flight is not None:
+                return self._land(self._flight)
             self._admit()
             report = StepReport()
-            room = self.max_prefill_tokens
-            fed: list[tuple[ActiveJob, list[int]]] = []
-            for active in self._active:  # decoders first: they are never held back
-                if not active.prefilling:
-                    tokens = active.next_tokens(0)
-                    if tokens:
-                        fed.append((active, tokens))
-                        report.decode_tokens += 1
-                        report.draft_tokens += len(tokens) - 1
-            for active in self._active:
-                if active.prefilling and room > 0:
-                    tokens = active.next_tokens(room)
-                    fed.append((active, tokens))
-                    room -= len(tokens)
-                    report.prefill_tokens += len(tokens)
+            fed = self._gather(report)
             if not fed:
                 return report
             report.jobs = len(fed)
             report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
-            logits, rows = self._forward(fed)
+            if self._decode_only(fed):
+                logits = self.decode.run([(active.table, tokens[0]) for active, tokens in fed])
+                for active, tokens in fed:
+                    active.table.commit(tokens)
+                flight = self._launch([active for active, _ in fed], logits, start, report)
+                if flight is not None:
+                    return self._land(flight)
+                rows: list[Any] = list(range(len(fed)))
+            else:
+                logits, rows = self._forward(fed)
             tokens_of = self._sample(fed, logits, rows)
             elapsed = time.perf_counter_ns() - start
             for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
                 events = active.after_forward(tokens, None if i in tokens_of else logits[row],
                                               elapsed, tokens_of.get(i))
-                if events and events[-1].done:
-                    self._retire(active, events)
-                    report.finished += 1
-                elif events:
-                    self._emit(active.handle, events)
+                self._deliver(active, events, report)
             for observer in self.step_observers:
                 observer(report)
             return report
+
+    def _gather(self, report: StepReport) -> list[tuple[ActiveJob, list[int]]]:
+        """The tokens each active job feeds this step: decoders first (they are never
+        held back), then prompt chunks up to max_prefill_tokens."""
+        room = self.max_prefill_tokens
+        fed: list[tuple[ActiveJob, list[int]]] = []
+        for active in self._active:
+            if not active.prefilling:
+                tokens = active.next_tokens(0)
+                if tokens:
+                    fed.append((active, tokens))
+                    report.decode_tokens += 1
+                    report.draft_tokens += len(tokens) - 1
+        for active in self._active:
+            if active.prefilling and room > 0:
+                tokens = active.next_tokens(room)
+                fed.append((active, tokens))
+                room -= len(tokens)
+                report.prefill_tokens += len(tokens)
+        return fed
+
+    def _deliver(self, active: ActiveJob, events: list[GeneratorEvent],
+                 report: StepReport) -> None:
+        if events and events[-1].done:
+            self._retire(active, events)
+            report.finished += 1
+        elif events:
+            self._emit(active.handle, events)
+
+    def _decode_only(self, fed: list[tuple[ActiveJob, list[int]]]) -> bool:
+        """Whether this step can run on the fixed-shape decode runner."""
+        if not self.decode.enabled:
+            return False
+        if any(active.prefilling or len(tokens) != 1 for active, tokens in fed):
+            return False
+        return self.decode.fits([(active.table, tokens[0]) for active, tokens in fed])
+
+    # ---- steps launched before the previous one is read back --------------------------
+
+    def _launch(self, jobs: list[ActiveJob], logits: torch.Tensor, start: int,
+                report: StepReport) -> _Flight | None:
+        """Sample a decode step's rows on the device and start copying the tokens back;
+        None when a row needs its own sampler on the host (constraints, penalties...)."""
+        if any(job.handle.job.constraint is not None for job in jobs):
+            return None
+        tokens = sample_on_device(logits, [job.sampler for job in jobs])
+        if tokens is None:
+            return None
+        return _Flight(jobs, tokens, start, report)
+
+    def _ahead_ok(self, jobs: list[ActiveJob]) -> bool:
+        """Whether the step after `jobs`' current one may start before its tokens are
+        known: the same jobs (every active one), nobody to admit or prefill, no drafts
+        or host-side samplers, room for one more token in every budget."""
+        if not jobs or {id(job) for job in jobs} != {id(job) for job in self._active}:
+            return False
+        if self._queue and len(self._active) < self.max_batch:
+            return False
+        for job in jobs:
+            if job.prefilling or job.drafter is not None or job.handle.job.constraint is not None:
+                return False
+            if job.produced + 2 > job.budget or not batchable(job.sampler):
+                return False
+        return self.decode.fits([(job.table, 0) for job in jobs])
+
+    def _land(self, flight: _Flight) -> StepReport:
+        """Read back `flight`'s tokens (after launching the step that follows it, when
+        it may start now) and hand them to their jobs."""
+        alive = {id(job) for job in self._active}
+        live = [i for i, job in enumerate(flight.jobs) if id(job) in alive]
+        jobs = [flight.jobs[i] for i in live]
+        following = None
+        if self._ahead_ok(jobs):
+            start = time.perf_counter_ns()
+            ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
+                0, torch.tensor(live, device=flight.tokens.device))
+            logits = self.decode.run([(job.table, None) for job in jobs], ids)
+            following = self._launch(jobs, logits, start, StepReport(
+                decode_tokens=len(jobs), jobs=len(jobs),
+                job_ids=[job.handle.id for job in jobs]))
+        tokens = flight.read()
+        now = time.perf_counter_ns()
+        # Steps in flight overlap: each job is charged from the later of its launch and
+        # the previous read-back, so its eval_duration is the wall time it took.
+        elapsed = now - max(flight.start, self._landed_ns)
+        self._landed_ns = now
+        report = flight.report
+        continuing = {id(job) for job in following.jobs} if following is not None else set()
+        for i in live:
+            job = flight.jobs[i]
+            events = job.after_forward([], None, elapsed, tokens[i])
+            self._deliver(job, events, report)
+            if id(job) in continuing and job.pending_token is not None:
+                job.table.commit([job.pending_token])  # already fed to the next step
+                job.pending_token = None
+        alive = {id(job) for job in self._active}
+        if following is not None and not any(id(job) in alive for job in following.jobs):
+            following = None  # every job of it ended: nothing to read back
+        self._flight = following
+        for observer in self.step_observers:
+            observer(report)
+        return report
 
     @staticmethod
     def _sample(fed: list[tuple[ActiveJob, list[int]]], logits: torch.Tensor,
@@ -270,6 +400,7 @@ class Generator:
     def fail_all(self, error: BaseException) -> None:
         """End every queued and running job with `error` (re-raised by their handles)."""
         with self._lock:
+            self._flight = None
             for handle in list(self._queue):
                 handle.error = error
             for active in self._active:

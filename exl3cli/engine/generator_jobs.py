@@ -1,7 +1,7 @@
 """Jobs of the batched generator: what a caller submits, the handle it gets back, and
 the per-job state the generator advances one step at a time.
 
-A job's events have the shape of generate.stream_text's (`TextEvent`: text deltas cut
+A job's events are `TextEvent`s (text_events.py: text deltas cut
 at stop strings, then one `done` event with Ollama's counters) plus
 `prompt_cache_count`, the prompt tokens taken from the prefix cache. In the done
 event `prompt_eval_count` counts the prompt tokens actually evaluated (the rest), as
@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
-from exl3cli.engine.generate import StopStringMatcher, TextEvent
 from exl3cli.engine.paged_cache import PageTable
 from exl3cli.engine.sampling import Sampler, build_sampler
 from exl3cli.engine.speculative import verify
+from exl3cli.engine.text_events import StopStringMatcher, TextEvent
 from exl3cli.engine.tokenizer import Tokenizer
 
 

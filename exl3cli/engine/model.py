@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -12,7 +11,6 @@ from torch import nn
 from exl3cli import cpu_kernels
 from exl3cli.engine.architecture import ArchitectureSpec
 from exl3cli.engine.attention import Attention, AttentionStep
-from exl3cli.engine.cache import DeviceIndexedWrites, KVCache
 from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.linear import GEMV_MAX_ROWS, DenseLinear, Linear
 from exl3cli.engine.mlp import GatedMLP
@@ -172,76 +170,43 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_weight.dtype
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
-        """An empty cache for `batch_size` rows of up to `max_seq_len` positions each."""
-        return KVCache(
-            len(self.layers), batch_size, max_seq_len, self.config.num_kv_heads,
-            self.config.head_dim, self.dtype, self.device,
-        )
-
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: Any = None,
         *,
-        input_lengths: Sequence[int] | None = None,
         last_logits_only: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, V] (float32) for input_ids [B, T].
 
-        With a cache, row b's tokens take positions `cache.lengths[b] ..`, and row b
-        advances by T, or by `input_lengths[b]` when rows are right-padded to a common
-        T (padding positions are written but never attended to, and later overwritten).
-        `last_logits_only` returns [B, 1, V]: each row's last valid token only, which
-        saves the vocabulary projection for the rest of a prompt.
-
-        `cache` may also be a paged step (paged_attention.PagedBatch): input_ids is then
-        [1, N], the new tokens of several sequences back to back, each at its own
-        positions; `last_logits_only` gives [1, num_sequences, V].
+        Without a cache, each row is one whole sequence from position 0. With a cache (a
+        paged step: paged_attention.PagedBatch, or decode_step.FixedDecodeStep),
+        input_ids is [1, N]: the new tokens of several sequences back to back, each at
+        its own positions, attending to its pages; `last_logits_only` then gives
+        [1, num_sequences, V] (without a cache: [B, 1, V], each row's last token).
         """
         batch, steps = input_ids.shape
         input_ids = input_ids.to(self.device)
-        if input_lengths is not None:
-            input_lengths = [int(n) for n in input_lengths]
-            if len(input_lengths) != batch or not all(0 <= n <= steps for n in input_lengths):
-                raise ValueError(f"input_lengths must hold {batch} values in 0..{steps}")
-        paged = getattr(cache, "paged", False)
-        step = self._plan_paged_step(cache) if paged else self._plan_step(batch, steps, cache)
-        if paged:
+        if cache is None:
+            step = self._plan_step(batch, steps)
+        else:
+            step = self._plan_paged_step(cache)
             cache.check_input(input_ids)
         hidden = self._embed(input_ids)
         for layer in self.layers:
             hidden = layer(hidden, step)
         if cache is not None:
-            cache.advance(input_lengths if input_lengths is not None else [steps] * batch)
+            cache.advance()
         if last_logits_only:
-            hidden = cache.select_last(hidden) if paged else self._last_valid(hidden, input_lengths)
+            hidden = cache.select_last(hidden) if cache is not None else hidden[:, -1:]
         hidden = self.final_norm(hidden)
         return self._softcap(self._project(hidden).float())
 
-    @torch.inference_mode()
-    def decode_step(self, input_ids: torch.Tensor, cache: KVCache, span: int) -> torch.Tensor:
-        """One token per row with fixed shapes and no host syncs, so a CUDA graph can
-        capture it: logits [B, V] (float32) for input_ids [B, 1].
-
-        Positions are read from `cache.lengths` on the device, keys are written there,
-        attention covers the first `span` cache positions (masked past each row's
-        length), and `cache.lengths` advances by one on the device only: the caller
-        mirrors that with `cache.mark_advanced`. The rotary table must already cover
-        `span` (see `prepare_decode`)."""
-        step = self._step(cache.lengths[:, None], span, None, DeviceIndexedWrites(cache))
-        hidden = self._embed(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, step)
-        logits = self._softcap(self.lm_head(self.final_norm(hidden)).float())
-        cache.lengths.add_(1)
-        return logits[:, -1]
-
     def prepare_decode(self, max_seq_len: int) -> bool:
-        """Build the rotary table for `max_seq_len` positions ahead of `decode_step`;
-        False when the model cannot run fixed-shape steps (dynamic NTK rope rebuilds
-        its table as the sequence grows)."""
+        """Build the rotary table for `max_seq_len` positions ahead of fixed-shape decode
+        steps (decode_step.py, CUDA graphs hold its pointers); False when the model
+        cannot run them (dynamic NTK rope rebuilds its table as the sequence grows)."""
         if self.rotary.dynamic or (self.local_rotary is not None and self.local_rotary.dynamic):
             return False
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -255,28 +220,16 @@ class CausalLM(nn.Module):
         """Final-norm hidden states [B, T, H] (float32) of input_ids [B, T], without a
         cache (embeddings pool these instead of projecting them to the vocabulary)."""
         batch, steps = input_ids.shape
-        step = self._plan_step(batch, steps, None)
+        step = self._plan_step(batch, steps)
         hidden = self._embed(input_ids.to(self.device))
         for layer in self.layers:
             hidden = layer(hidden, step)
         return self.final_norm(hidden).float()
 
-    def _plan_step(self, batch: int, steps: int, cache: KVCache | None) -> AttentionStep:
-        offsets = torch.arange(steps, device=self.device)
-        if cache is None:
-            start, span = 0, steps
-            positions = offsets.expand(batch, steps)
-        else:
-            if cache.batch_size != batch:
-                raise ValueError(f"cache has {cache.batch_size} rows, input has {batch}")
-            cache.check_room(steps)
-            start = cache.uniform_length()
-            span = max(cache.row_lengths()) + steps
-            if start is not None:
-                positions = (offsets + start).expand(batch, steps)
-            else:
-                positions = cache.lengths[:, None] + offsets
-        return self._step(positions, span, start, cache)
+    def _plan_step(self, batch: int, steps: int) -> AttentionStep:
+        """A whole sequence per row from position 0, no cache."""
+        positions = torch.arange(steps, device=self.device).expand(batch, steps)
+        return self._step(positions, steps, 0, None)
 
     def _plan_paged_step(self, batch: Any) -> AttentionStep:
         positions, span = batch.prepare()
@@ -321,10 +274,3 @@ class CausalLM(nn.Module):
                 logits = cpu_kernels.gemv_rows_cpu(rows.contiguous(), head.weight)
                 return logits.view(*hidden.shape[:-1], logits.shape[-1])
         return head(hidden)
-
-    @staticmethod
-    def _last_valid(hidden: torch.Tensor, input_lengths: list[int] | None) -> torch.Tensor:
-        if input_lengths is None:
-            return hidden[:, -1:]
-        index = torch.tensor([max(n - 1, 0) for n in input_lengths], device=hidden.device)
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), index].unsqueeze(1)

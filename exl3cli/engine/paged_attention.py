@@ -140,7 +140,7 @@ class PagedBatch:
         if pool.cache_type.quantized or not self._decode_rows:
             return False
         keys = pool.keys[0] if pool.keys else None
-        layout = (pool.num_pages * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        layout = (pool.storage_pages * pool.page_size, pool.num_kv_heads, pool.head_dim)
         if not isinstance(keys, torch.Tensor) or tuple(keys.shape) != layout:
             return False
         return keys.is_contiguous() and cpu_kernels.available()

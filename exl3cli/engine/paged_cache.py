@@ -167,6 +167,16 @@ class PagePool:
         else:
             self._free.append(page)
 
+    def unpublish(self, page: int) -> None:
+        """Make a page unfindable by its hash (its contents are about to change)."""
+        page_hash = self._hash_of.pop(page, None)
+        if page_hash is None:
+            return
+        del self._page_of[page_hash]
+        if page in self._evictable:
+            del self._evictable[page]
+            self._free.append(page)
+
     def publish(self, page: int, page_hash: bytes) -> None:
         """Make a full page findable by its chain hash (first page with a hash wins)."""
         if page_hash not in self._page_of and page not in self._hash_of:
@@ -283,6 +293,25 @@ class PageTable:
             page_hash = chain_hash(previous, self.tokens[index * size : (index + 1) * size])
             self.hashes.append(page_hash)
             self.pool.publish(self.pages[index], page_hash)
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from `length` on: pages past it go back to this table's
+        reservation, and a page that is no longer full stops being findable."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a sequence of {self.length} tokens to {length}")
+        size = self.pool.page_size
+        keep = pages_for(length, size)
+        for page in self.pages[length // size :]:
+            self.pool.unpublish(page)
+        for page in self.pages[keep:]:
+            self.pool.release(page)
+        dropped = len(self.pages) - keep
+        if dropped and self.pool.reserve(dropped):
+            self.reserved += dropped
+        self.pages = self.pages[:keep]
+        self.hashes = self.hashes[: length // size]
+        self.tokens = self.tokens[:length]
+        self.reused_tokens = min(self.reused_tokens, length)
 
     def free(self) -> None:
         """Drop every page reference and the unused reservation (idempotent)."""

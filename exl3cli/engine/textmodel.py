@@ -1,4 +1,7 @@
-"""A loaded model with its tokenizer and chat template: messages in, text out."""
+"""A loaded model with its tokenizer and chat template: messages in, text out.
+
+`stream` runs through the batched generator (generator.py) like every other request:
+one engine, one token loop."""
 
 from __future__ import annotations
 
@@ -8,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.engine.chat_template import ChatTemplate
-from exl3cli.engine.generate import TextEvent, stream_text
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
 from exl3cli.engine.sampling import ParamSpec, build_sampler
 from exl3cli.engine.structured import build_constraint
+from exl3cli.engine.text_events import TextEvent
 from exl3cli.engine.tokenizer import Tokenizer
 
 # Ollama's default context when a request does not set num_ctx.
@@ -31,6 +36,8 @@ class TextModel:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.folder = folder
+        self._generator: Generator | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def load(
@@ -78,6 +85,16 @@ class TextModel:
         )
         return self.tokenizer.encode(text)
 
+    def generator(self, num_ctx: int) -> Generator:
+        """This model's generator for `stream`, made on first use and made again for a
+        longer context while it is idle."""
+        with self._lock:
+            current = self._generator
+            if current is None or (current.num_ctx < num_ctx and not current.has_work):
+                current = self._generator = Generator(self.model, self.tokenizer,
+                                                      max_batch=1, num_ctx=num_ctx)
+            return current
+
     def stream(
         self,
         prompt_ids: list[int],
@@ -87,24 +104,26 @@ class TextModel:
         cancel: threading.Event | None = None,
         format: Any = None,
     ) -> Iterator[TextEvent]:
-        """Text deltas for `prompt_ids`, then a done event (see generate.stream_text).
+        """Text deltas for `prompt_ids`, then a done event, from one job of this model's
+        generator (generator_jobs.GeneratorEvent, a TextEvent).
 
         `format` ("json" or a JSON schema) constrains the answer (engine/structured.py).
         Raises InvalidOption for bad sampler options or formats before anything is
-        generated;
-        the sampler's `unknown_options` are not reported here (build one with
+        generated; ContextOverflow when the prompt does not fit (on first iteration).
+        The sampler's `unknown_options` are not reported here (build one with
         build_sampler first to warn about them).
         """
         sampler = build_sampler(options)
         constraint = build_constraint(format, self.tokenizer)
-        return stream_text(
-            self.model,
-            self.tokenizer,
-            prompt_ids,
-            sampler,
-            max_seq_len=self.context_length(options),
-            stop=stop,
-            num_predict=num_predict,
-            cancel=cancel,
-            constraint=constraint,
-        )
+        num_ctx = self.context_length(options)
+        job = GenerationJob(list(prompt_ids), sampler=sampler, stop=list(stop),
+                            num_predict=num_predict, num_ctx=num_ctx, constraint=constraint)
+
+        def events() -> Iterator[TextEvent]:
+            handle = self.generator(num_ctx).submit(job)
+            yield from handle.iter_events(cancel=cancel)
+            final = handle.final
+            if final is not None and final.cancelled:
+                yield final  # a cancelled job still ends with its done event
+
+        return events()

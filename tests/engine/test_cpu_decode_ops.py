@@ -85,7 +85,7 @@ def test_attend_decode_contiguous_cache(shape: tuple[int, ...]) -> None:
     batch, heads, kv_heads, dim, span = shape
     g = _gen(sum(shape))
     q = torch.randn(batch, heads, dim, generator=g)
-    # Views of a longer cache, as KVCache.write returns them.
+    # Views of a longer buffer (strided rows), as a cache layer may hand them over.
     keys = torch.randn(batch, kv_heads, span + 9, dim, generator=g)[:, :, :span]
     values = torch.randn(batch, kv_heads, span + 9, dim, generator=g)[:, :, :span]
     _close(cpu_kernels.attend_decode_cpu(q, keys, values),
@@ -177,14 +177,16 @@ def model_pairs(tmp_path_factory):
     return pairs
 
 
-def _greedy_contiguous(model, prompt: torch.Tensor, steps: int):
-    cache = model.new_cache(1, prompt.shape[1] + steps + 1)
-    logits = model(prompt, cache, last_logits_only=True)[:, -1]
+def _greedy_whole(model, prompt: torch.Tensor, steps: int):
+    """Greedy decoding by whole-sequence forwards (no cache): the fused prompt path."""
+    ids = prompt
+    logits = model(ids, last_logits_only=True)[:, -1]
     tokens, all_logits = [], [logits]
     for _ in range(steps):
         token = logits.argmax(-1, keepdim=True)
         tokens.append(int(token))
-        logits = model(token, cache)[:, -1]
+        ids = torch.cat([ids, token], dim=1)
+        logits = model(ids, last_logits_only=True)[:, -1]
         all_logits.append(logits)
     return tokens, torch.cat(all_logits)
 
@@ -222,7 +224,7 @@ def test_fused_model_decodes_like_the_fallback(model_pairs, monkeypatch, name: s
     monkeypatch.delenv("EXL3_NO_EXT", raising=False)
     prompt = torch.randint(3, 300, (1, 21), generator=_gen(11))
     steps = 24  # past the sliding window and across several 16-slot pages
-    for run in (_greedy_contiguous, _greedy_paged):
+    for run in (_greedy_whole, _greedy_paged):
         fused_tokens, fused_logits = run(fused, prompt, steps)
         plain_tokens, plain_logits = _without_kernels(monkeypatch, run, fallback, prompt, steps)
         assert fused_tokens == plain_tokens, run.__name__
@@ -237,8 +239,8 @@ def test_fused_model_decodes_like_the_fallback(model_pairs, monkeypatch, name: s
 def test_fused_path_is_taken_and_fallback_keeps_pytorch(model_pairs, monkeypatch) -> None:
     fused, fallback, _ = model_pairs["llama_tied"]
     monkeypatch.delenv("EXL3_NO_EXT", raising=False)
-    _greedy_contiguous(fused, torch.tensor([[5, 6, 7]]), 2)
-    _without_kernels(monkeypatch, _greedy_contiguous, fallback, torch.tensor([[5, 6, 7]]), 2)
+    _greedy_paged(fused, torch.tensor([[5, 6, 7]]), 2)
+    _without_kernels(monkeypatch, _greedy_paged, fallback, torch.tensor([[5, 6, 7]]), 2)
     assert all(layer._decode_plan() is not None for layer in fused.layers)
     assert fused._head_gemv is True
     assert all(layer._decode_plan() is None for layer in fallback.layers)

@@ -92,6 +92,8 @@ def test_padding_rows_touch_only_the_scratch_page(text_model):
         tables.append(table)
     snapshot = [keys.clone() for keys in pool.keys]
     logits = runner.run([(table, 9) for table in tables])  # 3 rows: a bucket of 4
+    for table in tables:
+        table.commit([9])
     assert logits.shape == (3, config.vocab_size)
     assert list(runner._steps) == [(4, 1)]
     size = pool.page_size
@@ -103,6 +105,8 @@ def test_padding_rows_touch_only_the_scratch_page(text_model):
     assert [table.length for table in tables] == [4, 3, 256]
     # The same step again: the third table's next token starts its second page.
     runner.run([(table, 10) for table in tables])
+    for table in tables:
+        table.commit([10])
     assert len(tables[2].pages) == 2 and tables[2].length == 257
     assert list(runner._steps) == [(4, 1), (4, 2)]
 
@@ -110,3 +114,38 @@ def test_padding_rows_touch_only_the_scratch_page(text_model):
 def test_bucket_sizes():
     assert [bucket(n, 64) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
     assert bucket(5, 6) == 6 and bucket(6, 6) == 6  # capped at the limit, never below n
+
+
+def test_steps_launched_ahead_stop_where_the_general_path_stops(text_model):
+    """Stop strings, EOS-less budgets and a cancel while a step is in flight: the
+    pipelined decode (each step launched before the previous one's tokens are read)
+    ends every job exactly where the general path does."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 40, 300)]
+    plain = Generator(text_model.model, text_model.tokenizer, decode_mode="off", num_ctx=1024)
+    texts = []
+    for prompt in prompts:
+        handle = plain.submit(GenerationJob(prompt, GREEDY, num_predict=30))
+        texts.append(handle.text())
+    stops = [text[len(text) // 2 : len(text) // 2 + 3] for text in texts]
+    jobs = [GenerationJob(p, GREEDY, num_predict=30, stop=[stop]) for p, stop in zip(
+        prompts, stops, strict=True)]
+    expected = []
+    for job in jobs:
+        handle = plain.submit(job)
+        expected.append((handle.text(), handle.final.done_reason, handle.final.eval_count))
+    ahead = Generator(text_model.model, text_model.tokenizer, decode_mode="static",
+                      num_ctx=1024, max_batch=4)
+    handles = [ahead.submit(job) for job in jobs]
+    doomed = ahead.submit(GenerationJob(prompts[0], GREEDY, num_predict=50))
+    for _ in range(6):
+        ahead.step()
+    assert ahead._flight is not None  # a step is in flight while the host works
+    doomed.cancel()
+    ahead.run_until_done()
+    got = [(h.text(), h.final.done_reason, h.final.eval_count) for h in handles]
+    assert got == expected
+    assert doomed.final.cancelled
+    while ahead._flight is not None:
+        ahead.step()
+    assert ahead.pool.pages_in_use == 0

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from exl3cli.engine.generate import generate_tokens
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
 from exl3cli.engine.loader import load_causal_lm
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config
 from exl3cli.engine.quant.synthetic import quantize_linear_plain, write_synthetic_model
-from exl3cli.engine.sampling import build_sampler
 from exl3cli.engine.tokenizer import Tokenizer
 from exl3cli.engine.weights import WeightReader
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
@@ -207,8 +207,10 @@ def test_synthetic_tiny_loads_and_generates(tmp_path):
     prompt = tokenizer.encode("Hello, trellis!")
     assert tokenizer.decode(prompt).endswith("Hello, trellis!")
     model = load_causal_lm(folder, device="cpu")
-    tokens = list(generate_tokens(model, prompt, build_sampler({"temperature": 0}),
-                                  max_seq_len=64, num_predict=6))
+    generator = Generator(model, tokenizer, max_batch=1, num_ctx=64)
+    handle = generator.submit(GenerationJob(prompt, {"temperature": 0}, num_predict=6))
+    generator.run_until_done()
+    tokens = handle.token_ids
     # Greedy decoding with the cache must agree with full forwards without one.
     ids = list(prompt)
     with torch.no_grad():

@@ -23,7 +23,7 @@ from exl3cli.engine.architecture import (
     load_family_config,
 )
 from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.cuda_graphs import DecodeGraphRunner
+from exl3cli.engine.decode_step import DecodeRunner
 from exl3cli.engine.kv_quant import KVCacheType
 from exl3cli.engine.linear import Exl3Linear
 from exl3cli.engine.loader import load_causal_lm
@@ -32,6 +32,7 @@ from exl3cli.engine.paged_cache import PagePool, PageTable
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config
 from exl3cli.engine.quant.synthetic import quantize_linear_plain
 from exl3cli.engine.weights import WeightReader
+from tests.fixtures.paged import PagedSequences
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
 TOLERANCE = 1e-3
@@ -183,25 +184,25 @@ def test_paged_steps_match_each_sequence_alone(folders, case):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fixed_shape_decode_step_matches_forward(folders, case):
-    """CausalLM.decode_step (what CUDA graphs capture), eager on CPU, right-padded rows
-    of different lengths; the window (6) and the span buckets are both crossed."""
+def test_fixed_shape_decode_step_matches_the_paged_step(folders, case):
+    """decode_step.DecodeRunner (what CUDA graphs capture), eager on CPU, rows of
+    different lengths; the window (6) and the page buckets (8-token pages) are crossed."""
     model = load_causal_lm(folders[case], "cpu")
     prompts = [_ids(9, seed=15)[0].tolist(), _ids(2, seed=16)[0].tolist()]
-    runner = DecodeGraphRunner(model, bucket=8, mode="static")
-    static_cache = runner.cache(2, 32)
-    eager_cache = model.new_cache(2, 32)
-    width = max(len(p) for p in prompts)
-    padded = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-    lengths = [len(p) for p in prompts]
-    logits = model(padded, eager_cache, input_lengths=lengths, last_logits_only=True)[:, -1]
-    model(padded, static_cache, input_lengths=lengths, last_logits_only=True)
+    eager = PagedSequences(model, 2, 32, page_size=8)
+    fixed = PagedSequences(model, 2, 32, page_size=8)
+    runner = DecodeRunner(model, fixed.pool, max_batch=2, num_ctx=32, mode="static")
+    logits = torch.cat(eager.feed(prompts, last_only=True))
+    fixed.feed(prompts)
     for _ in range(12):
-        token = logits.argmax(-1, keepdim=True)
-        static = runner.step(token, static_cache)
-        logits = model(token, eager_cache)[:, -1]
+        tokens = logits.argmax(-1).tolist()
+        static = runner.run(list(zip(fixed.tables, tokens, strict=True)))
+        for table, token in zip(fixed.tables, tokens, strict=True):
+            table.commit([token])
+        logits = torch.cat(eager.feed([[t] for t in tokens]))
         assert (static - logits).abs().max() < TOLERANCE
-    assert static_cache.row_lengths() == eager_cache.row_lengths() == [21, 14]
+    assert fixed.lengths == eager.lengths == [21, 14]
+    assert len(runner._steps) >= 2  # more than one page bucket
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

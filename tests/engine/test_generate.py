@@ -1,46 +1,52 @@
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from exl3cli.engine.generate import StopStringMatcher, stream_text
-from exl3cli.engine.sampling import build_sampler
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
+from exl3cli.engine.text_events import StopStringMatcher
+from exl3cli.engine.textmodel import TextModel
 from exl3cli.engine.tokenizer import Tokenizer
 from exl3cli.errors import ContextOverflow
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 
 
-class _Cache:
-    def __init__(self, max_seq_len):
-        self.max_seq_len = max_seq_len
-        self.length = 0
-
-
 class ScriptedModel(nn.Module):
-    """Test double for CausalLM: at position p the logits point at script[p + 1], so
-    greedy decoding replays the script. Counts forward calls and checks cache room."""
+    """Test double for CausalLM in the generator: for a sequence whose last new token
+    sits at position p the logits point at script[p + 1], so greedy decoding replays the
+    script. Counts forward calls (steps)."""
 
     def __init__(self, script, vocab_size):
         super().__init__()
         self.script = list(script)
         self.vocab_size = vocab_size
+        self.config = SimpleNamespace(max_position_embeddings=4096, num_kv_heads=1, head_dim=32,
+                                      vocab_size=vocab_size)
+        self.layers = []
+        self.dtype, self.device = torch.float32, torch.device("cpu")
         self.calls = 0
 
-    def new_cache(self, batch_size, max_seq_len):
-        return _Cache(max_seq_len)
-
-    def forward(self, input_ids, cache):
-        batch, steps = input_ids.shape
-        assert cache.length + steps <= cache.max_seq_len, "cache overflow"
-        logits = torch.zeros(batch, steps, self.vocab_size)
-        for t in range(steps):
-            position = cache.length + t
-            target = self.script[min(position + 1, len(self.script) - 1)]
-            logits[:, t, target] = 10.0
-        cache.length += steps
+    def forward(self, input_ids, batch, last_logits_only=True):
+        assert last_logits_only and input_ids.shape == (1, batch.total)
+        rows = []
+        for start, count in zip(batch.starts, batch.counts, strict=True):
+            target = self.script[min(start + count, len(self.script) - 1)]
+            row = torch.zeros(self.vocab_size)
+            row[target] = 10.0
+            rows.append(row)
+        batch.advance()
         self.calls += 1
-        return logits
+        return torch.stack(rows)[None]
+
+
+def _stream(tok, model, prompt_ids, max_seq_len=256, **kwargs):
+    """TextModel.stream over the scripted model (the generator, one job)."""
+    text_model = TextModel(model, tok, chat_template=None)
+    options = {"temperature": 0, "num_ctx": max_seq_len}
+    return text_model.stream(prompt_ids, options, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +55,12 @@ def tok(tmp_path_factory):
     return Tokenizer.from_folder(folder)
 
 
-GREEDY = build_sampler({"temperature": 0})
 
 
 def _run(tok, prompt, answer_ids, max_seq_len=256, **kwargs):
     prompt_ids = tok.encode(prompt)
     model = ScriptedModel(prompt_ids + answer_ids, tok.vocab_size)
-    events = list(stream_text(model, tok, prompt_ids, GREEDY, max_seq_len=max_seq_len, **kwargs))
+    events = list(_stream(tok, model, prompt_ids, max_seq_len, **kwargs))
     assert events[-1].done and all(not e.done for e in events[:-1])
     text = "".join(e.text for e in events[:-1])
     return text, events, model
@@ -103,18 +108,16 @@ def test_prompt_longer_than_context_raises(tok):
     prompt_ids = tok.encode("a prompt that is long enough")
     model = ScriptedModel(prompt_ids, tok.vocab_size)
     with pytest.raises(ContextOverflow):
-        list(stream_text(model, tok, prompt_ids, GREEDY, max_seq_len=len(prompt_ids)))
+        list(_stream(tok, model, prompt_ids, max_seq_len=len(prompt_ids)))
 
 
-def test_long_prompt_is_prefilled_in_chunks(tok, monkeypatch):
-    from exl3cli.engine import generate
-
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 4)
+def test_long_prompt_is_prefilled_in_chunks(tok):
     prompt_ids = tok.encode("The quick brown fox jumps over the lazy dog.")
     answer = tok.encode(" Hello") + [_eos(tok)]
     model = ScriptedModel(prompt_ids + answer, tok.vocab_size)
-    events = list(stream_text(model, tok, prompt_ids, GREEDY, max_seq_len=256))
-    assert "".join(e.text for e in events) == " Hello"
+    generator = Generator(model, tok, max_batch=1, num_ctx=256, max_prefill_tokens=4)
+    handle = generator.submit(GenerationJob(prompt_ids, {"temperature": 0}))
+    assert handle.text() == " Hello"
     prefill_calls = -(-len(prompt_ids) // 4)
     assert model.calls == prefill_calls + len(answer) - 1
 
@@ -155,7 +158,7 @@ def test_cancel_stops_generation(tok):
     answer = tok.encode(" one two three four five six seven eight nine ten")
     model = ScriptedModel(prompt_ids + answer, tok.vocab_size)
     events = []
-    for event in stream_text(model, tok, prompt_ids, GREEDY, max_seq_len=256, cancel=cancel):
+    for event in _stream(tok, model, prompt_ids, cancel=cancel):
         events.append(event)
         cancel.set()  # the consumer gives up after the first delta
     assert len(events) == 2 and events[-1].done and events[-1].cancelled

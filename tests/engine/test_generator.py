@@ -3,12 +3,11 @@ import threading
 
 import pytest
 
-from exl3cli.engine.generate import generate_tokens
 from exl3cli.engine.generator import Generator, GeneratorThread
 from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.sampling import build_sampler
 from exl3cli.engine.textmodel import TextModel
 from exl3cli.errors import ContextOverflow, GeneratorBusy
+from tests.fixtures.paged import greedy_reference
 
 GREEDY = {"temperature": 0}
 
@@ -36,13 +35,11 @@ def test_concurrent_jobs_match_jobs_run_alone(text_model):
                           num_predict=rng.randrange(2, 30)) for _ in range(16)]
     alone_runs = [run_alone(text_model, job) for job in jobs]
     alone = [tokens for tokens, _ in alone_runs]
-    # The paged path agrees with the contiguous-cache token loop.
+    # The paged path agrees with whole-sequence forwards without a cache.
     for job, tokens in zip(jobs[:3], alone, strict=False):
-        expected = generate_tokens(text_model.model, list(job.prompt_ids),
-                                   build_sampler(GREEDY), max_seq_len=1280,
-                                   num_predict=job.num_predict,
-                                   eos_ids=text_model.tokenizer.eos_token_ids)
-        assert list(expected) == tokens
+        expected = greedy_reference(text_model.model, job.prompt_ids, job.num_predict,
+                                    text_model.tokenizer.eos_token_ids)
+        assert expected == tokens
 
     generator = new_generator(text_model, max_batch=8, max_prefill_tokens=96)
     before = (generator.pool.pages_in_use, generator.pool.available)
@@ -202,7 +199,6 @@ def test_smollm2_concurrent_jobs_match_jobs_run_alone(tmp_path):
 def test_structured_output_constraints_apply_per_job_in_the_batch(text_model):
     import json
 
-    from exl3cli.engine.generate import stream_text
     from exl3cli.engine.structured import build_constraint
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"},
@@ -228,14 +224,12 @@ def test_structured_output_constraints_apply_per_job_in_the_batch(text_model):
     assert isinstance(json.loads(texts[0]), dict)
     value = json.loads(texts[1])
     assert isinstance(value["n"], int) and isinstance(value["ok"], bool)
-    # Each constrained job gives exactly what the single-sequence loop gives with the
-    # same constraint; the unconstrained job in the batch is not affected.
+    # Each constrained job gives exactly what it gives alone with the same constraint;
+    # the unconstrained job in the batch is not affected.
     for index, fmt in ((0, "json"), (1, schema)):
-        events = list(stream_text(text_model.model, text_model.tokenizer, prompts[index],
-                                  build_sampler(sampled), max_seq_len=1280, num_predict=40,
-                                  constraint=build_constraint(fmt, text_model.tokenizer)))
-        assert [t for e in events for t in e.token_ids] == handles[index].token_ids
-        assert events[-1].done_reason == handles[index].final.done_reason
-        assert events[-1].eval_count == handles[index].final.eval_count
+        tokens, final = run_alone(text_model, constrained(index, fmt))
+        assert tokens == handles[index].token_ids
+        assert final.done_reason == handles[index].final.done_reason
+        assert final.eval_count == handles[index].final.eval_count
     assert handles[2].token_ids == run_alone(text_model, free_job)[0]
     assert generator.pool.pages_in_use == 0

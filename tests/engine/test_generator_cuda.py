@@ -83,15 +83,25 @@ def test_one_step_logits_match_the_general_path(folders):
             generator = Generator(model, tokenizer, decode_mode=mode, num_ctx=1024,
                                   max_batch=3, kv_cache_type=cache)
             seen = []
-            original = generator._forward
+            if mode == "graph":  # decode-only steps go straight to the fixed-shape runner
+                run = generator.decode.run
 
-            def spy(fed, seen=seen, original=original):
-                result = original(fed)
-                if all(len(tokens) == 1 for _, tokens in fed):
-                    seen.append(result[0].float().clone())
-                return result
+                def spy(rows, ids=None, seen=seen, run=run):
+                    logits = run(rows, ids)
+                    seen.append(logits.float().clone())
+                    return logits
 
-            generator._forward = spy
+                generator.decode.run = spy
+            else:
+                forward = generator._forward
+
+                def spy(fed, seen=seen, forward=forward):
+                    result = forward(fed)
+                    if all(len(tokens) == 1 and not a.prefilling for a, tokens in fed):
+                        seen.append(result[0].float().clone())
+                    return result
+
+                generator._forward = spy
             for job in _jobs(model.config.vocab_size, 3, seed=4):
                 job.num_predict = 3
                 generator.submit(job)

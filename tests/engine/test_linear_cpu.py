@@ -13,6 +13,7 @@ from exl3cli import cpu_kernels
 from exl3cli.engine.linear import GEMV_MAX_ROWS, DenseLinear, pack_for_cpu
 from exl3cli.engine.loader import load_causal_lm, resolve_cpu_weights
 from exl3cli.errors import InvalidOption
+from tests.fixtures.paged import PagedSequences
 from tests.fixtures.tiny_model import write_tiny_model
 
 MODES = ("fp32", "bf16", "int8")
@@ -124,11 +125,12 @@ def test_cpu_weights_resolution(monkeypatch) -> None:
 
 
 def _decode_logits(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Logits of ids[:, :prompt_len] as a prompt, then of each later token fed alone."""
-    cache = model.new_cache(1, ids.shape[1])
-    logits = [model(ids[:, :prompt_len], cache)]
-    logits += [model(ids[:, t : t + 1], cache) for t in range(prompt_len, ids.shape[1])]
-    return torch.cat(logits, dim=1)
+    """Logits of ids[:, :prompt_len] as a prompt, then of each later token fed alone
+    (through the paged cache)."""
+    seqs = PagedSequences(model, 1, ids.shape[1])
+    logits = seqs.feed(ids[:, :prompt_len])
+    logits += [seqs.feed(ids[:, t : t + 1])[0] for t in range(prompt_len, ids.shape[1])]
+    return torch.cat(logits)[None]
 
 
 def test_default_cpu_model_is_packed_and_exact(tmp_path) -> None:

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from exl3cli.engine.loader import load_causal_lm
-from exl3cli.errors import ContextOverflow
+from tests.fixtures.paged import PagedSequences
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
 TOLERANCE = 1e-3
@@ -58,15 +58,16 @@ def reference_logits(arch: str, overrides: dict, ids: torch.Tensor) -> torch.Ten
 
 
 def greedy_decode(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(all token ids, logits of every position) decoding with the cache one token a step."""
-    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + steps)
-    logits = [model(prompt, cache)]
+    """(all token ids, logits of every position) decoding over the paged cache one token a
+    step, as the generator does."""
+    seqs = PagedSequences(model, prompt.shape[0], prompt.shape[1] + steps)
+    logits = [torch.stack(seqs.feed(prompt))]
     tokens = [prompt]
     for _ in range(steps):
         next_token = logits[-1][:, -1].argmax(-1, keepdim=True)
         tokens.append(next_token)
-        logits.append(model(next_token, cache))
-    assert cache.row_lengths() == [prompt.shape[1] + steps] * prompt.shape[0]
+        logits.append(torch.stack(seqs.feed(next_token)))
+    assert seqs.lengths == [prompt.shape[1] + steps] * prompt.shape[0]
     return torch.cat(tokens, dim=1)[:, :-1], torch.cat(logits, dim=1)[:, :-1]
 
 
@@ -135,43 +136,39 @@ def test_batched_prefill_of_different_lengths_matches_single_rows(tmp_path):
     gen = torch.Generator().manual_seed(5)
     long_prompt = torch.randint(3, 300, (1, 11), generator=gen)
     short_prompt = torch.randint(3, 300, (1, 6), generator=gen)
-    padded = torch.zeros(2, 11, dtype=torch.long)
-    padded[0] = long_prompt[0]
-    padded[1, :6] = short_prompt[0]
 
-    cache = model.new_cache(2, 32)
-    batched = model(padded, cache, input_lengths=[11, 6])
-    assert cache.row_lengths() == [11, 6]
+    seqs = PagedSequences(model, 2, 32)
+    batched = seqs.feed([long_prompt[0], short_prompt[0]])
+    assert seqs.lengths == [11, 6]
     assert (batched[0] - model(long_prompt)[0]).abs().max() < TOLERANCE
-    assert (batched[1, :6] - model(short_prompt)[0]).abs().max() < TOLERANCE
+    assert (batched[1] - model(short_prompt)[0]).abs().max() < TOLERANCE
 
     # Decode 5 steps with both rows at different positions; compare with each row alone.
     rows = [long_prompt, short_prompt]
-    last = torch.stack([batched[0, 10], batched[1, 5]])  # each row's last valid token
+    last = torch.stack([batched[0][-1], batched[1][-1]])
     for _ in range(5):
         next_tokens = last.argmax(-1, keepdim=True)
         rows = [torch.cat([rows[b], next_tokens[b : b + 1]], dim=1) for b in range(2)]
-        last = model(next_tokens, cache)[:, -1]
+        last = torch.cat(seqs.feed(next_tokens))
         for b in range(2):
             assert (last[b] - model(rows[b])[0, -1]).abs().max() < TOLERANCE
-    assert cache.row_lengths() == [16, 11]
+    assert seqs.lengths == [16, 11]
 
 
-def test_last_logits_only_picks_each_rows_last_valid_token(tmp_path):
+def test_last_logits_only_picks_each_sequences_last_token(tmp_path):
     model = load_causal_lm(write_tiny_model(tmp_path, "llama"), device="cpu")
     ids = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(6))
     full = model(ids)
-    last = model(ids, model.new_cache(2, 8), input_lengths=[8, 3], last_logits_only=True)
-    assert last.shape == (2, 1, 300)
-    assert (last[0, 0] - full[0, 7]).abs().max() < TOLERANCE
-    assert (last[1, 0] - full[1, 2]).abs().max() < TOLERANCE
+    assert (model(ids, last_logits_only=True)[:, 0] - full[:, 7]).abs().max() < TOLERANCE
+    last = PagedSequences(model, 2, 8).feed([ids[0], ids[1, :3]], last_only=True)
+    assert [row.shape for row in last] == [(1, 300), (1, 300)]
+    assert (last[0][0] - full[0, 7]).abs().max() < TOLERANCE
+    assert (last[1][0] - full[1, 2]).abs().max() < TOLERANCE
 
 
 def test_chunked_prefill_matches_one_shot(tmp_path):
     model = load_causal_lm(write_tiny_model(tmp_path, "mistral", sliding_window=4), "cpu")
     ids = torch.randint(3, 300, (2, 15), generator=torch.Generator().manual_seed(7))
-    cache = model.new_cache(2, 15)
-    chunks = [model(ids[:, a:b], cache) for a, b in ((0, 5), (5, 12), (12, 15))]
+    seqs = PagedSequences(model, 2, 15)
+    chunks = [torch.stack(seqs.feed(ids[:, a:b])) for a, b in ((0, 5), (5, 12), (12, 15))]
     assert (torch.cat(chunks, dim=1) - model(ids)).abs().max() < TOLERANCE
-    with pytest.raises(ContextOverflow):
-        model(ids[:, :1], cache)
