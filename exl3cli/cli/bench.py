@@ -41,7 +41,8 @@ import click
 @click.option("--gen-tokens", default=128, show_default=True, type=click.IntRange(1),
               help="Speed mode: tokens generated per measurement.")
 @click.option("--batch", "batches", default="1,16", show_default=True,
-              help="Speed mode: batch sizes for generation, comma-separated.")
+              help="Speed mode: concurrent jobs of the generator (the path run and serve "
+                   "take), comma-separated.")
 @click.option("--synthetic", metavar="SHAPE", default=None,
               help="Speed mode: write a synthetic EXL3 model of this shape (llama3-8b, "
                    "llama3.2-1b, smollm2-135m, tiny) to a temporary folder first.")
@@ -52,7 +53,8 @@ import click
 @click.option("--device", default=None, help="Speed mode: cuda or cpu (default: cuda if any).")
 @click.option("--memory-context", default=8192, show_default=True, type=click.IntRange(0),
               help="Speed mode: cache size of the peak-memory run (0 skips it).")
-@click.option("--no-graphs", is_flag=True, help="Speed mode: decode without CUDA graphs.")
+@click.option("--no-graphs", is_flag=True,
+              help="Speed mode: the generator's fixed-shape decode steps without CUDA graphs.")
 @click.option("--ppl", "ppl_text", metavar="FILE", default=None,
               help="Quality mode: perplexity of MODEL over 2048-token windows of FILE "
                    "(e.g. wikitext-2 test.txt).")
