@@ -18,6 +18,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include "exl3_convert.cuh"
 #include "exl3_ops.h"
 
 namespace exl3 {
@@ -30,17 +31,6 @@ constexpr int kPerWarp = kChunk / kWarps;  // positions a warp loads at once
 constexpr int kMaxGroupDim = 2048;  // G * D held in shared memory
 constexpr unsigned kFull = 0xffffffffu;
 
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(float v) { return v; }
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
 
 // Sylvester Hadamard entry (i, j) of the 32x32 matrix divided by sqrt(32).
 __device__ __forceinline__ float hadamard32(int i, int j) {

@@ -81,7 +81,8 @@ def _build() -> ModuleType:
     return build_extension(
         "exl3_kernels", [CSRC / s for s in _SOURCES],
         f"{torch.__version__}|{torch.version.cuda}",
-        hashed=[CSRC / h for h in ("exl3_ops.h", "exl3_trellis.cuh", "gemm_impl.cuh")],
+        hashed=[CSRC / h for h in ("exl3_ops.h", "exl3_trellis.cuh", "gemm_impl.cuh",
+                                    "exl3_convert.cuh")],
         cuda_cflags=["-O3", "-lineinfo", *flags])
 
 
