@@ -12,6 +12,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -50,6 +51,8 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
     name = f"{prefix}_{digest.hexdigest()[:16]}"
     build_dir = kernel_cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir)
+    (build_dir / OWNER_FILE).write_text(str(os.getpid()))
     os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
     extra = {"extra_cuda_cflags": list(cuda_cflags)} if cuda_cflags is not None else {}
     return cpp_extension.load(
@@ -60,6 +63,43 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
         verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
         **extra,
     )
+
+
+# torch's build lock is a file that a killed build never removes: every later build
+# would wait on it forever. Who holds it is written beside it; a lock whose owner is
+# gone, or older than any build takes, is removed.
+OWNER_FILE = "exl3-build-owner"
+STALE_LOCK_SECONDS = 30 * 60
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the build lock in `build_dir` when no live process holds it (a killed
+    build left it); True when one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    try:
+        owner = int((build_dir / OWNER_FILE).read_text().strip())
+    except (OSError, ValueError):
+        owner = None
+    if age < max_age and (owner is None or _alive(owner)):
+        return False
+    lock.unlink(missing_ok=True)
+    print(f"exl3: removed a stale kernel build lock in {build_dir} (a build was killed)",
+          file=sys.stderr)
+    return True
 
 
 class LazyExtension:
