@@ -163,8 +163,8 @@ def _run_jobs(generator: Any, prompts: list[list[int]], gen_tokens: int
     from exl3cli.engine.generator_jobs import GenerationJob
 
     device = torch.device(generator.model.device)
-    for ids in prompts:
-        generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen_tokens,
+    for ids in prompts:  # the prompt step samples the first token: gen_tokens steps follow
+        generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen_tokens + 1,
                                        ignore_eos=True))
     _sync(device)
     start = time.perf_counter()
@@ -181,7 +181,7 @@ def _run_jobs(generator: Any, prompts: list[list[int]], gen_tokens: int
 
 def _measure_pair(generators: _Generators, gen: torch.Generator, batch: int, length: int,
                   gen_tokens: int) -> tuple[dict, dict]:
-    generator = generators.get(batch, length + gen_tokens + 8, batch * length)
+    generator = generators.get(batch, length + gen_tokens + 9, batch * length)
     vocab = generators.model.config.vocab_size
     runs = [_run_jobs(generator, _random_prompts(gen, vocab, batch, length), gen_tokens)
             for _ in range(2)]  # the first run: allocator, cuBLAS heuristics, graphs

@@ -31,7 +31,7 @@ def test_synthetic_json_report_has_every_field():
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["model"] == "synthetic tiny 3.5 bpw (head 6)"
-    assert report["device"] == "cpu" and report["decode_mode"] == "eager"
+    assert report["device"] == "cpu" and report["decode_mode"] == "off"  # the general step
     assert report["copy_bandwidth_Bps"] > 0 and report["load_seconds"] > 0
     assert [(r["batch"], r["tokens"]) for r in report["prompt"]] == [
         (1, 8), (1, 20), (3, 8), (3, 20)]
