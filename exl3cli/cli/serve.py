@@ -24,7 +24,8 @@ def serve() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     host = parse_host()
-    app = create_app(host=host)
+    # Streams get the grace period to finish; a second is left to send their last line.
+    app = create_app(host=host, shutdown_grace=SHUTDOWN_SECONDS - 1)
 
     def announce(*_args: Any, **_kwargs: Any) -> None:
         click.echo(f"exl3 {__version__} listening on {host.url}", err=True)

@@ -14,19 +14,23 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli import __version__
-from exl3cli.errors import Exl3Error
+from exl3cli.client.request_options import parse_keep_alive
+from exl3cli.errors import Exl3Error, ServerBusy
+from exl3cli.server.limits import Limits, request_limits
 from exl3cli.server.model_manager import ModelManager, StreamJob
 from exl3cli.server.validation import (
     BOOL,
-    INT,
     LIST,
     NUM,
     OBJ,
     STR,
     BadRequest,
     check_fields,
+    check_images,
     check_list_of,
     check_options,
+    check_token_list,
+    check_tools,
     read_json,
 )
 from exl3cli.store.modelfile import Modelfile, parse_modelfile
@@ -65,34 +69,50 @@ def check_model(body: dict[str, Any]) -> None:
         raise BadRequest("model is required")
 
 
+def check_keep_alive(body: dict[str, Any]) -> None:
+    if body.get("keep_alive") is not None:
+        parse_keep_alive(body["keep_alive"])  # InvalidOption (400) when meaningless
+
+
 def check_generate(body: dict[str, Any]) -> None:
     check_fields(body, GENERATE_FIELDS)
     check_model(body)
     check_options(body.get("options"))
-    check_list_of(body, "context", (INT,))
+    check_keep_alive(body)
+    check_token_list(body, "context")
     check_list_of(body, "images", (STR,))
+    check_images(body.get("images"))
 
 
-def check_chat(body: dict[str, Any]) -> None:
+def check_chat(body: dict[str, Any], limits: Limits | None = None) -> None:
     check_fields(body, CHAT_FIELDS)
     check_model(body)
     check_options(body.get("options"))
+    check_keep_alive(body)
     check_list_of(body, "messages", (OBJ,))
-    check_list_of(body, "tools", (OBJ,))
+    limit = (limits or Limits()).max_messages
+    if len(body.get("messages") or []) > limit:
+        raise BadRequest(f"too many messages: {len(body['messages'])} (at most {limit}; "
+                         "the server's EXL3_MAX_MESSAGES)")
+    check_tools(body.get("tools"))
     for index, message in enumerate(body.get("messages") or []):
         check_fields(message, MESSAGE_FIELDS, required=("role",), where=f"messages[{index}].")
         check_list_of(message, "images", (STR,))
+        check_images(message.get("images"), where=f"messages[{index}].images")
 
 
 async def run_inference(request: web.Request, kind: str,
                         body: dict[str, Any]) -> web.StreamResponse:
     """Queue the job; answer one object (stream: false) or NDJSON lines."""
     manager = request.app[MANAGER]
-    job = await manager.inference(kind, body, client_gone=lambda: client_gone(request))
+    job = await manager.inference(kind, body, client_gone=lambda: client_gone(request),
+                                  client=request.remote or "")
     watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, job))
     try:
         if body.get("stream") is False:
             items = [item async for item in job]
+            if job.stopped_by_shutdown:
+                raise ServerBusy("the server shut down before the answer was complete")
             return web.json_response(items[-1] if items else {})
         return await write_ndjson(request, job)
     finally:
@@ -108,6 +128,10 @@ async def write_ndjson(request: web.Request, job: StreamJob) -> web.StreamRespon
     try:
         async for item in job:
             await response.write(json.dumps(item).encode() + b"\n")
+        if job.stopped_by_shutdown:
+            await response.write(json.dumps(
+                {"error": "the server shut down before the answer was complete"}
+            ).encode() + b"\n")
     except ConnectionError:
         return response  # the client left; closing the job cancels the engine
     except Exception as error:
@@ -151,7 +175,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    check_chat(body)
+    check_chat(body, request_limits(request))
     return await run_inference(request, "chat", body)
 
 

@@ -20,8 +20,9 @@ from aiohttp import web
 
 from exl3cli.client.inference import known_option_names
 from exl3cli.errors import Exl3Error, ModelNotFound
+from exl3cli.server.limits import request_limits
 from exl3cli.server.model_manager import StreamJob
-from exl3cli.server.ollama_routes import MANAGER, client_gone, watch_disconnect
+from exl3cli.server.ollama_routes import MANAGER, check_keep_alive, client_gone, watch_disconnect
 from exl3cli.server.validation import (
     BOOL,
     INT,
@@ -33,6 +34,7 @@ from exl3cli.server.validation import (
     check_fields,
     check_list_of,
     check_options,
+    check_tools,
     openai_error_body,
     read_json,
 )
@@ -104,6 +106,7 @@ def _common(body: dict[str, Any], fields: dict[str, tuple[str, ...]]) -> dict[st
     if fmt is not None:
         req["format"] = fmt
     if body.get("keep_alive") is not None:
+        check_keep_alive(body)
         req["keep_alive"] = body["keep_alive"]
     return req
 
@@ -127,7 +130,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     """The /api/chat body for a /v1/chat/completions body."""
     req = _common(body, CHAT_FIELDS)
     check_list_of(body, "messages", (OBJ,))
-    check_list_of(body, "tools", (OBJ,))
+    check_tools(body.get("tools"))
     if not body.get("messages"):
         raise BadRequest("messages is required")
     messages = []
@@ -256,7 +259,8 @@ class _Shape:
 async def _run(request: web.Request, kind: str, req: dict[str, Any],
                body: dict[str, Any]) -> web.StreamResponse:
     manager = request.app[MANAGER]
-    job = await manager.inference(kind, req, client_gone=lambda: client_gone(request))
+    job = await manager.inference(kind, req, client_gone=lambda: client_gone(request),
+                                  client=request.remote or "")
     watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, job))
     shape = _Shape(kind == "chat", req["model"])
     try:
@@ -317,6 +321,9 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
                 await send(_with_usage(shape.chunk(text, thinking, first, None),
                                        include_usage))
                 first = False
+        if job.stopped_by_shutdown:
+            await send(openai_error_body(
+                Exl3Error("the server shut down before the answer was complete"), 503))
         await send("[DONE]")
     except ConnectionError:
         return response
@@ -340,6 +347,10 @@ def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    limit = request_limits(request).max_messages
+    if isinstance(body.get("messages"), list) and len(body["messages"]) > limit:
+        raise BadRequest(f"too many messages: {len(body['messages'])} (at most {limit}; "
+                         "the server's EXL3_MAX_MESSAGES)")
     return await _run(request, "chat", chat_request(body), body)
 
 
