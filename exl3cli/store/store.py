@@ -7,6 +7,12 @@ Layout under the root (`EXL3_MODELS`, default `~/.exl3/models`):
                                                  names: a Hugging Face folder the engine loads
 Every write goes to a temporary file in the target's directory, is fsynced and then
 renamed into place, so a crash never leaves a half-written manifest or blob.
+
+Writers (create, pull, cp, uploads) hold a shared lock on `<root>/.lock` while they add
+blobs and write the manifest that uses them; garbage collection holds it exclusively,
+so `rm` never deletes a blob a create has just added. Temporary files that a killed
+process left (`.tmp-*`, `.convert-*`) are removed whenever no writer holds the lock:
+when a store is opened and at each collection.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +34,16 @@ from typing import Any
 from exl3cli.errors import Exl3Error, ModelNotFound
 from exl3cli.store.names import ModelName
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process lock (single-process use only)
+    fcntl = None  # type: ignore[assignment]
+
 MANIFEST_SCHEMA = 1
+LEFTOVER_PREFIXES = (".tmp-", ".convert-")
+# Uploaded blobs (POST /api/blobs) stay this long unreferenced before a collection may
+# delete them, so that the /api/create naming them can come.
+UPLOAD_GRACE_SECONDS = 3600.0
 _CHUNK = 1 << 20
 # mkstemp makes 0600 files; store files are meant to be readable like any download.
 _FILE_MODE = 0o644
@@ -152,6 +169,72 @@ class ModelStore:
         self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
         self.folders_dir = self.root / "folders"
+        self.uploads_dir = self.root / "uploads"
+        self._held = threading.local()  # how many store locks this thread holds
+        if self.root.is_dir():
+            self.remove_leftovers()
+
+    # -- locking -------------------------------------------------------------------
+    @contextmanager
+    def _lock(self, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+        """Hold the store lock (shared: writers; exclusive: collection). Yields False
+        when `wait` is off and another holder keeps it."""
+        if fcntl is None:
+            yield True
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, _FILE_MODE)
+        except OSError:  # a read-only store: nobody writes, nothing to guard
+            yield True
+            return
+        depth = getattr(self._held, "depth", 0)
+        try:
+            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            try:
+                fcntl.flock(fd, mode | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            self._held.depth = depth + 1
+            try:
+                yield True
+            finally:
+                self._held.depth = depth
+        finally:
+            os.close(fd)  # releases the lock
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold off garbage collection while blobs are added and a manifest written."""
+        with self._lock(exclusive=False):
+            yield
+
+    def remove_leftovers(self) -> int:
+        """Delete the temporary files and folders of killed writers, if no writer runs
+        now (else nothing: they may be its files). Returns how many were removed."""
+        removed = 0
+        with self._lock(exclusive=True, wait=False) as alone:
+            if not alone:
+                return 0
+            places = [self.root, self.blobs_dir, self.folders_dir, self.manifests_dir,
+                      self.uploads_dir]
+            if self.manifests_dir.is_dir():
+                places += [p for p in self.manifests_dir.rglob("*") if p.is_dir()]
+            for place in places:
+                try:
+                    entries = list(place.iterdir())
+                except OSError:
+                    continue
+                for entry in entries:
+                    if not entry.name.startswith(LEFTOVER_PREFIXES):
+                        continue
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+                    removed += 1
+        return removed
 
     # -- blobs ---------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
@@ -190,18 +273,78 @@ class ModelStore:
     @contextmanager
     def staging_blobs(self) -> Iterator[None]:
         """Blobs added inside the block are deleted again if it fails, unless a manifest
-        uses them: a failed create or import leaves the store as it was."""
+        uses them: a failed create or import leaves the store as it was. The block holds
+        the writers' lock, so a collection cannot take its blobs meanwhile."""
         before = set(os.listdir(self.blobs_dir)) if self.blobs_dir.is_dir() else set()
         try:
-            yield
+            with self.writing():
+                yield
         except BaseException:
             added = set(os.listdir(self.blobs_dir)) - before if self.blobs_dir.is_dir() else set()
             if added:
-                used = {self.blob_path(d).name for _n, m in self._iter_manifests()
-                        for d in m.files.values()}
-                for blob in added - used:
-                    (self.blobs_dir / blob).unlink(missing_ok=True)
+                # Exclusive (another create may share these blobs and not have written
+                # its manifest yet); skipped when this thread still holds a lock.
+                with self._lock(exclusive=True, wait=not self._holding()) as alone:
+                    if alone:
+                        used = self._used_blobs()
+                        for blob in added - used:
+                            (self.blobs_dir / blob).unlink(missing_ok=True)
             raise
+
+    def _holding(self) -> bool:
+        return getattr(self._held, "depth", 0) > 0
+
+    # -- uploads (POST /api/blobs) -------------------------------------------------
+    def add_blob_from_stream(self, chunks: Iterator[bytes], expected: str) -> str:
+        """Store an uploaded blob whose digest must be `expected` (sha256:<hex>);
+        Exl3Error if the content does not match. It is kept for UPLOAD_GRACE_SECONDS
+        even while no manifest uses it."""
+        expected_path = self.blob_path(expected)
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        with self.writing():
+            hasher = hashlib.sha256()
+            fd, tmp = tempfile.mkstemp(dir=self.blobs_dir, prefix=".tmp-")
+            try:
+                os.chmod(tmp, _FILE_MODE)
+                with os.fdopen(fd, "wb") as dst:
+                    for chunk in chunks:
+                        hasher.update(chunk)
+                        dst.write(chunk)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                digest = f"sha256:{hasher.hexdigest()}"
+                if digest != expected:
+                    raise Exl3Error(f"digest mismatch: the body's digest is {digest}")
+                self.pin_upload(expected)
+                if expected_path.is_file():
+                    Path(tmp).unlink()
+                else:
+                    os.replace(tmp, expected_path)
+                    _fsync_dir(self.blobs_dir)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        return expected
+
+    def pin_upload(self, digest: str) -> None:
+        """Keep blob `digest` from collection for a while (an upload awaiting create)."""
+        atomic_write_bytes(self.uploads_dir / self.blob_path(digest).name, b"")
+
+    def _pinned_uploads(self) -> set[str]:
+        """Blob file names still within their upload grace; stale pins are dropped."""
+        if not self.uploads_dir.is_dir():
+            return set()
+        pinned, now = set(), time.time()
+        for pin in self.uploads_dir.iterdir():
+            try:
+                fresh = now - pin.stat().st_mtime < UPLOAD_GRACE_SECONDS
+            except OSError:
+                continue
+            if fresh:
+                pinned.add(pin.name)
+            elif not pin.name.startswith(LEFTOVER_PREFIXES):
+                pin.unlink(missing_ok=True)
+        return pinned
 
     def add_folder_files(self, folder: str | os.PathLike[str]) -> dict[str, str]:
         """Add every regular file under `folder` as a blob: {relative path: digest}."""
@@ -308,9 +451,10 @@ class ModelStore:
 
     def copy(self, source: str | ModelName, destination: str | ModelName) -> None:
         """Give a model a second name; no file is copied."""
-        manifest = self.read_manifest(source)
         destination = ModelName.coerce(destination)
-        self.write_manifest(destination, manifest)
+        self.read_manifest(source)  # ModelNotFound before anything is written
+        with self.writing():
+            self.write_manifest(destination, self.read_manifest(source))
 
     def remove(self, name: str | ModelName) -> None:
         """Delete a name, then the blobs and folders no other name still uses."""
@@ -322,21 +466,30 @@ class ModelStore:
         self._prune_empty_dirs(path.parent)
         self.collect_garbage()
 
-    def collect_garbage(self) -> None:
-        """Remove blobs and linked folders that no manifest references."""
-        used_blobs: set[str] = set()
-        used_folders: set[str] = set()
-        for _name, manifest in self._iter_manifests():
-            used_blobs.update(self.blob_path(d).name for d in manifest.files.values())
-            used_folders.add(_folder_key(manifest.files))
-        if self.folders_dir.is_dir():
-            for folder in self.folders_dir.iterdir():
-                if folder.name not in used_folders:
-                    shutil.rmtree(folder, ignore_errors=True)
-        if self.blobs_dir.is_dir():
-            for blob in self.blobs_dir.iterdir():
-                if blob.name.startswith("sha256-") and blob.name not in used_blobs:
-                    blob.unlink(missing_ok=True)
+    def _used_blobs(self) -> set[str]:
+        used = {self.blob_path(d).name for _n, m in self._iter_manifests()
+                for d in m.files.values()}
+        return used | self._pinned_uploads()
+
+    def collect_garbage(self, wait: bool = True) -> bool:
+        """Remove blobs and linked folders that no manifest references (and leftovers
+        of killed writers). Waits for running writers first; with `wait` off, or when
+        this thread itself holds the lock, does nothing if one runs. True if it ran."""
+        with self._lock(exclusive=True, wait=wait and not self._holding()) as alone:
+            if not alone:
+                return False
+            used_blobs = self._used_blobs()
+            used_folders = {_folder_key(m.files) for _n, m in self._iter_manifests()}
+            if self.folders_dir.is_dir():
+                for folder in self.folders_dir.iterdir():
+                    if folder.name not in used_folders:
+                        shutil.rmtree(folder, ignore_errors=True)
+            if self.blobs_dir.is_dir():
+                for blob in self.blobs_dir.iterdir():
+                    if blob.name.startswith("sha256-") and blob.name not in used_blobs:
+                        blob.unlink(missing_ok=True)
+        self.remove_leftovers()
+        return True
 
     def _prune_empty_dirs(self, directory: Path) -> None:
         while directory != self.manifests_dir and self.manifests_dir in directory.parents:
@@ -353,6 +506,10 @@ class ModelStore:
         folder = self.folders_dir / _folder_key(manifest.files)
         if folder.is_dir():
             return folder
+        with self.writing():
+            return self._make_folder(manifest, folder)
+
+    def _make_folder(self, manifest: Manifest, folder: Path) -> Path:
         self.folders_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=self.folders_dir, prefix=".tmp-"))
         try:
