@@ -286,13 +286,13 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
                      include_usage: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    await response.prepare(request)
 
     async def send(payload: Any) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 
     try:
+        await response.prepare(request)
         first = True
         called = 0
         async for item in job:
@@ -334,7 +334,10 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
             await send(openai_error_body(error, getattr(error, "http_status", 500)))
         except ConnectionError:
             return response
-    await response.write_eof()
+    try:
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client left after the last chunk
     return response
 
 

@@ -162,8 +162,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if error.status == 405:
             response.headers["Allow"] = error.headers.get("Allow", "")
         return response
-    except (ConnectionError, TimeoutError):
-        raise  # the client is gone; nothing to answer
+    except ConnectionError as error:  # the client left: one line, no traceback
+        log.info("client went away during %s %s (%s)", request.method, request.path,
+                 type(error).__name__)
+        return web.Response(status=499, reason="Client Closed Request")  # nobody reads it
+    except TimeoutError:
+        raise
     except Exception as error:  # a bug: answer, log, and keep serving
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(request, Exl3Error(f"internal error: {error}"), 500)

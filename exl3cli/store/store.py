@@ -330,6 +330,32 @@ class ModelStore:
         """Keep blob `digest` from collection for a while (an upload awaiting create)."""
         atomic_write_bytes(self.uploads_dir / self.blob_path(digest).name, b"")
 
+    def local_token(self) -> str:
+        """A secret only this user's processes can read (`<root>/.local-token`, mode
+        0600): the CLI shows it to the daemon to prove that it runs on this machine as
+        this user, which lets `create` name server paths. Made on first use."""
+        path = self.root / ".local-token"
+        try:
+            token = path.read_text(encoding="ascii").strip()
+            if len(token) >= 32:
+                return token
+        except (OSError, UnicodeDecodeError):
+            pass
+        import secrets
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as handle:  # mkstemp: mode 0600
+                handle.write(secrets.token_hex(32))
+            try:
+                os.link(tmp, path)  # first writer wins; a racing one reads the winner's
+            except FileExistsError:
+                pass
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return path.read_text(encoding="ascii").strip()
+
     def _pinned_uploads(self) -> set[str]:
         """Blob file names still within their upload grace; stale pins are dropped."""
         if not self.uploads_dir.is_dir():

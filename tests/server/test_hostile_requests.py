@@ -232,3 +232,74 @@ def test_allowed_origins_come_from_exl3_origins(tmp_path):
         status, _ = call(daemon.url, "OPTIONS", "/api/chat", headers={
             "Origin": "https://chat.example.org", "Access-Control-Request-Method": "POST"})
         assert status == 204
+
+
+def open_stream(url: str, path: str, body: dict) -> tuple[http.client.HTTPConnection, object]:
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=180)
+    connection.request("POST", path, body=json.dumps(body).encode())
+    response = connection.getresponse()
+    assert response.status == 200
+    return connection, response
+
+
+def test_a_client_that_leaves_is_one_log_line_not_a_traceback(tmp_path, caplog):
+    """Item 7: a disconnect logged a traceback (mid-stream, and while queued)."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO)
+    with Daemon(make_tiny_store(tmp_path), num_parallel=1) as daemon:
+        def stats() -> dict:
+            return json.loads(call(daemon.url, "GET", "/api/stats")[1])
+
+        busy, busy_response = open_stream(daemon.url, "/api/generate", {
+            "model": "tiny", "prompt": "go", "options": {"num_predict": 300}})
+        busy_response.readline()
+        parts = urlsplit(daemon.url)
+        queued = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        queued.request("POST", "/api/chat", body=json.dumps({
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}]}).encode())
+        deadline = time.monotonic() + 60
+        while stats()["queued"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        queued.sock.close()  # gone while queued
+        queued.close()
+        busy.sock.close()  # gone mid-stream
+        busy.close()
+        for path, body in (("/api/chat", {"messages": [{"role": "user", "content": "go"}]}),
+                           ("/v1/chat/completions", {"stream": True, "messages": [
+                               {"role": "user", "content": "go"}]})):
+            connection, response = open_stream(daemon.url, path, {
+                "model": "tiny", "options": {"num_predict": 300}, "max_tokens": 300, **body})
+            response.readline()
+            connection.sock.close()
+            connection.close()
+        while stats()["active"] or stats()["queued"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+    noisy = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not noisy, [r.getMessage() for r in noisy]
+
+
+def test_shutdown_gives_streams_their_grace_then_a_final_line(tmp_path):
+    """Item 7: SIGTERM cut running streams with no final line."""
+    store = make_tiny_store(tmp_path)
+    daemon = Daemon(store, shutdown_grace=0.2).__enter__()
+    try:
+        connection, response = open_stream(daemon.url, "/api/generate", {
+            "model": "tiny", "prompt": "go", "options": {"num_predict": 100_000,
+                                                        "num_ctx": 1024}})
+        first = json.loads(response.readline())
+        assert first["done"] is False
+        stopper = threading.Thread(target=daemon.stop)
+        stopper.start()
+        rest = lines(response.read())
+        stopper.join(60)
+        assert rest[-1] == {"error": "the server shut down before the answer was complete"}
+        assert all(item.get("done") is False for item in rest[:-1])
+        connection.close()
+    finally:
+        daemon.stop()
