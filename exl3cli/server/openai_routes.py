@@ -85,7 +85,8 @@ def _format(body: dict[str, Any]) -> Any:
     if kind == "json_object":
         return "json"
     if kind == "json_schema":
-        schema = (spec.get("json_schema") or {}).get("schema")
+        wrapper = spec.get("json_schema")
+        schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
         if not isinstance(schema, dict):
             raise BadRequest("response_format.json_schema.schema must be an object")
         return schema
@@ -137,7 +138,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     for index, message in enumerate(body["messages"]):
         where = f"messages[{index}]"
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{where}.role must be one of {', '.join(_ROLES)}")
         converted: dict[str, Any] = {"role": _ROLES[role],
                                      "content": _message_text(message.get("content"), where)}
