@@ -23,7 +23,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,17 +32,14 @@ from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound
 from exl3cli.store.names import ModelName
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: no cross-process lock (single-process use only)
-    fcntl = None  # type: ignore[assignment]
+from exl3cli.store.store_lock import (
+    hold_store_lock,
+    read_local_token,
+    remove_leftover_files,
+)
 
 MANIFEST_SCHEMA = 1
-LEFTOVER_PREFIXES = (".tmp-", ".convert-")
-# Uploaded blobs (POST /api/blobs) stay this long unreferenced before a collection may
-# delete them, so that the /api/create naming them can come.
-UPLOAD_GRACE_SECONDS = 3600.0
+
 _CHUNK = 1 << 20
 # mkstemp makes 0600 files; store files are meant to be readable like any download.
 _FILE_MODE = 0o644
@@ -174,35 +170,11 @@ class ModelStore:
         if self.root.is_dir():
             self.remove_leftovers()
 
-    # -- locking -------------------------------------------------------------------
-    @contextmanager
-    def _lock(self, exclusive: bool, wait: bool = True) -> Iterator[bool]:
-        """Hold the store lock (shared: writers; exclusive: collection). Yields False
-        when `wait` is off and another holder keeps it."""
-        if fcntl is None:
-            yield True
-            return
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, _FILE_MODE)
-        except OSError:  # a read-only store: nobody writes, nothing to guard
-            yield True
-            return
-        depth = getattr(self._held, "depth", 0)
-        try:
-            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-            try:
-                fcntl.flock(fd, mode | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            self._held.depth = depth + 1
-            try:
-                yield True
-            finally:
-                self._held.depth = depth
-        finally:
-            os.close(fd)  # releases the lock
+    # -- locking (store/store_lock.py) --------------------------------------------
+    def _lock(self, exclusive: bool, wait: bool = True) -> Any:
+        """Hold the store lock (shared: writers; exclusive: collection); the context
+        yields False when `wait` is off and another holder keeps it."""
+        return hold_store_lock(self.root, self._held, exclusive, wait)
 
     @contextmanager
     def writing(self) -> Iterator[None]:
@@ -213,7 +185,6 @@ class ModelStore:
     def remove_leftovers(self) -> int:
         """Delete the temporary files and folders of killed writers, if no writer runs
         now (else nothing: they may be its files). Returns how many were removed."""
-        removed = 0
         with self._lock(exclusive=True, wait=False) as alone:
             if not alone:
                 return 0
@@ -221,20 +192,11 @@ class ModelStore:
                       self.uploads_dir]
             if self.manifests_dir.is_dir():
                 places += [p for p in self.manifests_dir.rglob("*") if p.is_dir()]
-            for place in places:
-                try:
-                    entries = list(place.iterdir())
-                except OSError:
-                    continue
-                for entry in entries:
-                    if not entry.name.startswith(LEFTOVER_PREFIXES):
-                        continue
-                    if entry.is_dir() and not entry.is_symlink():
-                        shutil.rmtree(entry, ignore_errors=True)
-                    else:
-                        entry.unlink(missing_ok=True)
-                    removed += 1
-        return removed
+            return remove_leftover_files(places)
+
+    def local_token(self) -> str:
+        """The secret that proves a client is this user's local CLI (store_lock.py)."""
+        return read_local_token(self.root)
 
     # -- blobs ---------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
@@ -294,83 +256,18 @@ class ModelStore:
     def _holding(self) -> bool:
         return getattr(self._held, "depth", 0) > 0
 
-    # -- uploads (POST /api/blobs) -------------------------------------------------
+    # -- uploads (POST /api/blobs; store/uploads.py) -------------------------------
     def add_blob_from_stream(self, chunks: Iterator[bytes], expected: str) -> str:
-        """Store an uploaded blob whose digest must be `expected` (sha256:<hex>);
-        Exl3Error if the content does not match. It is kept for UPLOAD_GRACE_SECONDS
-        even while no manifest uses it."""
-        expected_path = self.blob_path(expected)
-        self.blobs_dir.mkdir(parents=True, exist_ok=True)
-        with self.writing():
-            hasher = hashlib.sha256()
-            fd, tmp = tempfile.mkstemp(dir=self.blobs_dir, prefix=".tmp-")
-            try:
-                os.chmod(tmp, _FILE_MODE)
-                with os.fdopen(fd, "wb") as dst:
-                    for chunk in chunks:
-                        hasher.update(chunk)
-                        dst.write(chunk)
-                    dst.flush()
-                    os.fsync(dst.fileno())
-                digest = f"sha256:{hasher.hexdigest()}"
-                if digest != expected:
-                    raise Exl3Error(f"digest mismatch: the body's digest is {digest}")
-                self.pin_upload(expected)
-                if expected_path.is_file():
-                    Path(tmp).unlink()
-                else:
-                    os.replace(tmp, expected_path)
-                    _fsync_dir(self.blobs_dir)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        return expected
+        """Store an uploaded blob whose digest must be `expected` (sha256:<hex>); it is
+        kept for UPLOAD_GRACE_SECONDS even while no manifest uses it."""
+        from exl3cli.store.uploads import add_uploaded_blob
 
-    def pin_upload(self, digest: str) -> None:
-        """Keep blob `digest` from collection for a while (an upload awaiting create)."""
-        atomic_write_bytes(self.uploads_dir / self.blob_path(digest).name, b"")
-
-    def local_token(self) -> str:
-        """A secret only this user's processes can read (`<root>/.local-token`, mode
-        0600): the CLI shows it to the daemon to prove that it runs on this machine as
-        this user, which lets `create` name server paths. Made on first use."""
-        path = self.root / ".local-token"
-        try:
-            token = path.read_text(encoding="ascii").strip()
-            if len(token) >= 32:
-                return token
-        except (OSError, UnicodeDecodeError):
-            pass
-        import secrets
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w", encoding="ascii") as handle:  # mkstemp: mode 0600
-                handle.write(secrets.token_hex(32))
-            try:
-                os.link(tmp, path)  # first writer wins; a racing one reads the winner's
-            except FileExistsError:
-                pass
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return path.read_text(encoding="ascii").strip()
+        return add_uploaded_blob(self, chunks, expected)
 
     def _pinned_uploads(self) -> set[str]:
-        """Blob file names still within their upload grace; stale pins are dropped."""
-        if not self.uploads_dir.is_dir():
-            return set()
-        pinned, now = set(), time.time()
-        for pin in self.uploads_dir.iterdir():
-            try:
-                fresh = now - pin.stat().st_mtime < UPLOAD_GRACE_SECONDS
-            except OSError:
-                continue
-            if fresh:
-                pinned.add(pin.name)
-            elif not pin.name.startswith(LEFTOVER_PREFIXES):
-                pin.unlink(missing_ok=True)
-        return pinned
+        from exl3cli.store.uploads import pinned_uploads
+
+        return pinned_uploads(self.uploads_dir)
 
     def add_folder_files(self, folder: str | os.PathLike[str]) -> dict[str, str]:
         """Add every regular file under `folder` as a blob: {relative path: digest}."""
