@@ -303,3 +303,22 @@ def test_shutdown_gives_streams_their_grace_then_a_final_line(tmp_path):
         connection.close()
     finally:
         daemon.stop()
+
+
+def test_one_client_address_is_bounded_by_exl3_max_client_jobs(tmp_path):
+    from exl3cli.server.limits import Limits
+
+    with Daemon(make_tiny_store(tmp_path), num_parallel=4,
+                limits=Limits(max_client_jobs=1)) as daemon:
+        connection, response = open_stream(daemon.url, "/api/generate", {
+            "model": "tiny", "prompt": "go", "options": {"num_predict": 200}})
+        response.readline()
+        status, raw = call(daemon.url, "POST", "/api/generate", {
+            "model": "tiny", "prompt": "x", "options": {"num_predict": 1}})
+        assert status == 503 and "EXL3_MAX_CLIENT_JOBS" in error_of(raw)
+        rest = lines(response.read())
+        connection.close()
+        assert rest[-1]["done"] is True
+        status, raw = call(daemon.url, "POST", "/api/generate", {
+            "model": "tiny", "prompt": "x", "stream": False, "options": {"num_predict": 1}})
+        assert status == 200, raw
