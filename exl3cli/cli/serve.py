@@ -13,7 +13,28 @@ from exl3cli.errors import Exl3Error, InvalidModelName
 SHUTDOWN_SECONDS = 10  # how long running streams get to finish after SIGTERM
 
 
-@click.command("serve")
+def _serve_help() -> str:
+    from exl3cli.server.limits import LIMIT_VARIABLES
+
+    rows = [("EXL3_HOST", "where to listen (default 127.0.0.1:11435)"),
+            ("EXL3_MODELS", "the model store (default ~/.exl3/models)"),
+            ("EXL3_API_KEY", "require Authorization: Bearer <key>"),
+            ("EXL3_ORIGINS", "browser origins allowed besides the local ones "
+                             "(comma-separated, * wildcards); others get 403"),
+            ("EXL3_KEEP_ALIVE", "how long an idle model stays loaded (default 5m)"),
+            ("EXL3_NUM_PARALLEL", "jobs one model runs at once (default 4)"),
+            ("EXL3_MAX_QUEUE", "jobs that may wait per model weights (default 512; then 503)"),
+            *LIMIT_VARIABLES,
+            ("EXL3_TEMPLATE_TIMEOUT", "seconds a chat template may render (default 5)"),
+            ("EXL3_TEMPLATE_MAX_BYTES", "characters a chat template may produce "
+                                        "(default 32 MiB)")]
+    lines = "\n".join(f"  {name}: {meaning}" for name, meaning in rows)
+    return ("Start the daemon (Ollama and OpenAI APIs) on EXL3_HOST.\n\n"
+            f"\b\nEnvironment:\n{lines}\n\nOn SIGTERM running streams get "
+            f"{SHUTDOWN_SECONDS} s to finish.")
+
+
+@click.command("serve", help=_serve_help())
 def serve() -> None:
     """Start the daemon (Ollama and OpenAI APIs) on EXL3_HOST."""
     from aiohttp import web
@@ -24,7 +45,8 @@ def serve() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     host = parse_host()
-    app = create_app(host=host)
+    # Streams get the grace period to finish; a second is left to send their last line.
+    app = create_app(host=host, shutdown_grace=SHUTDOWN_SECONDS - 1)
 
     def announce(*_args: Any, **_kwargs: Any) -> None:
         click.echo(f"exl3 {__version__} listening on {host.url}", err=True)

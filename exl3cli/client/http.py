@@ -19,6 +19,17 @@ from exl3cli.client.base import Body
 from exl3cli.errors import Exl3Error, ModelNotFound, ServerBusy
 
 PROBE_TIMEOUT = 0.3
+LOCAL_TOKEN_HEADER = "X-Exl3-Local-Token"
+
+
+def _local_token() -> str:
+    """The store's local token (exl3cli/store/store.py), or "" when unreadable."""
+    try:
+        from exl3cli.store.store import ModelStore
+
+        return ModelStore().local_token()
+    except (OSError, Exl3Error):
+        return ""
 
 
 def _error_for(status: int, message: str) -> Exl3Error:
@@ -51,9 +62,11 @@ class HttpClient:
         self.timeout = timeout
 
     # -- transport --------------------------------------------------------------------
-    def _open(self, method: str, path: str, body: Body | None = None) -> Any:
+    def _open(self, method: str, path: str, body: Body | None = None,
+              headers: dict[str, str] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, method=method)
+        request = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                         headers={k: v for k, v in (headers or {}).items() if v})
         request.add_header("Accept", "application/json")
         if data is not None:
             request.add_header("Content-Type", "application/json")
@@ -74,11 +87,13 @@ class HttpClient:
             raw = response.read()
         return json.loads(raw) if raw.strip() else {}
 
-    def _stream(self, path: str, body: Body) -> Iterator[Body]:
+    def _stream(self, path: str, body: Body,
+                headers: dict[str, str] | None = None) -> Iterator[Body]:
         """POST with stream: true; the request is sent (and errors raised) now, the
         NDJSON lines are read as the iterator is consumed. Closing it early closes
         the connection, which makes the daemon cancel the job."""
-        response = self._open("POST", path, dict(body, stream=body.get("stream", True)))
+        response = self._open("POST", path, dict(body, stream=body.get("stream", True)),
+                              headers)
         return self._lines(response)
 
     @staticmethod
@@ -107,7 +122,70 @@ class HttpClient:
 
     def create(self, req: Body) -> Iterator[Body]:
         # Relative FROM paths are relative to where the command runs, not the daemon.
-        return self._stream("/api/create", {"base_dir": os.getcwd(), **req})
+        # The daemon reads paths only for a client that shows the store's local token
+        # (this user on this machine, same store); otherwise the FROM folder or GGUF
+        # file is uploaded (/api/blobs) and named in `files`, as Ollama's CLI does.
+        body = {"base_dir": os.getcwd(), **req}
+        try:
+            return self._stream("/api/create", body,
+                                headers={LOCAL_TOKEN_HEADER: _local_token()})
+        except Exl3Error as error:
+            if "not read for HTTP clients" not in str(error):
+                raise
+        files = self._upload_from(body)
+        if files is None:
+            raise Exl3Error("the daemon does not read paths for this client, and FROM "
+                            "is not a local folder or GGUF file to upload")
+        return self._stream("/api/create", dict(body, files=files))
+
+    def _upload_from(self, body: Body) -> dict[str, str] | None:
+        """Upload the files of the Modelfile's FROM path; {name: digest}, or None."""
+        from pathlib import Path
+
+        from exl3cli.client.local import _from_path
+        from exl3cli.store.modelfile import parse_modelfile
+
+        text = body.get("modelfile")
+        if not isinstance(text, str):
+            return None
+        path = _from_path(parse_modelfile(text).from_, Path(body["base_dir"]))
+        if path is None or not path.exists():
+            return None
+        if path.is_file():
+            paths = {path.name: path}
+        else:
+            paths = {p.relative_to(path).as_posix(): p for p in sorted(path.rglob("*"))
+                     if p.is_file() and not any(part.startswith(".")
+                                                for part in p.relative_to(path).parts)}
+        return {name: self.upload_blob(file) for name, file in paths.items()}
+
+    def upload_blob(self, path: Any) -> str:
+        """POST /api/blobs/<digest> with the file's bytes unless the daemon has them."""
+        import hashlib
+
+        hasher = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                hasher.update(chunk)
+        digest = f"sha256:{hasher.hexdigest()}"
+        try:
+            self._open("HEAD", f"/api/blobs/{digest}").close()
+            return digest
+        except ModelNotFound:
+            pass
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            request = urllib.request.Request(
+                f"{self.base_url}/api/blobs/{digest}", data=handle, method="POST",
+                headers={"Content-Length": str(size), "Content-Type": "application/octet-stream",
+                         **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
+            try:
+                urllib.request.urlopen(request, timeout=self.timeout).close()
+            except urllib.error.HTTPError as error:
+                raw = error.read()
+                error.close()
+                raise _error_for(error.code, _message_of(raw, f"HTTP {error.code}")) from None
+        return digest
 
     def pull(self, req: Body) -> Iterator[Body]:
         return self._stream("/api/pull", req)

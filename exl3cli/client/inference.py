@@ -32,7 +32,7 @@ from exl3cli.client.request_options import (  # noqa: F401  (re-exported)
     now_iso,
     parse_keep_alive,
 )
-from exl3cli.errors import ContextOverflow
+from exl3cli.errors import ContextOverflow, InvalidOption
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class LoadedModel:
             self.generator_thread = None
 
 
-def _weights_key(manifest: dict[str, Any]) -> str:
+def weights_key(manifest: dict[str, Any]) -> str:
+    """One id for a set of weight files: every name and alias of them shares it."""
     files = manifest.get("files") or {}
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
@@ -161,14 +162,14 @@ class InferenceRunner:
         """Drop a loaded model now (`exl3 stop`, keep_alive 0); False if not loaded."""
         manifest = self.store.read_manifest(name)
         with self._lock:
-            return self._drop(_weights_key(manifest))
+            return self._drop(weights_key(manifest))
 
     def generator_for(self, name: str) -> Any:
         """The Generator of the loaded model `name` (None if not loaded or not built
         yet): for stats, tests and benchmarks."""
         manifest = self.store.read_manifest(name)
         with self._lock:
-            loaded = self._loaded.get(_weights_key(manifest))
+            loaded = self._loaded.get(weights_key(manifest))
             return None if loaded is None else loaded.generator
 
     def close(self) -> None:
@@ -199,7 +200,7 @@ class InferenceRunner:
         if not isinstance(cancel, threading.Event):
             cancel = threading.Event()
         try:
-            handle = self._submit(job, loaded, manifest, options, cache_type)
+            handle = self._submit(job, loaded, manifest, options, cache_type, cancel)
         except BaseException:
             self._release(loaded, keep_alive)
             raise
@@ -207,21 +208,24 @@ class InferenceRunner:
                              started, load_ns)
 
     def _submit(self, job: Any, loaded: LoadedModel, manifest: dict[str, Any],
-                options: dict[str, Any], cache_type: Any) -> Any:
+                options: dict[str, Any], cache_type: Any,
+                cancel: threading.Event | None = None) -> Any:
         """Build the prompt (dropping old chat turns that do not fit) and the
         GenerationJob, and submit it to the model's generator."""
+        from exl3cli.client.inference_jobs import fit_prompt
         from exl3cli.engine.generator_jobs import GenerationJob
         from exl3cli.engine.sampling import build_sampler
         from exl3cli.engine.structured import build_constraint
+        from exl3cli.engine.token_ids import check_token_ids
 
         text_model = loaded.text_model
-        prompt_ids = job.prompt_ids(text_model, manifest)
         num_ctx = text_model.context_length(options)
         truncate = bool(options.get("truncate"))
-        drop = 0
-        while len(prompt_ids) >= num_ctx and drop < job.droppable(manifest):
-            drop += 1
-            prompt_ids = job.prompt_ids(text_model, manifest, drop=drop)
+        job.max_tokens = None if truncate else num_ctx
+        prompt_ids = fit_prompt(job, text_model, manifest, num_ctx, cancel)
+        if not prompt_ids:
+            raise InvalidOption("the prompt is empty once rendered (check the template)")
+        prompt_ids = check_token_ids(prompt_ids, text_model.model.config.vocab_size)
         if len(prompt_ids) >= num_ctx and not truncate:
             raise ContextOverflow(
                 f"the prompt is {len(prompt_ids)} tokens, which does not fit the context "
@@ -352,7 +356,7 @@ class InferenceRunner:
         return iter([final])
 
     def _acquire(self, name: str, manifest: dict[str, Any]) -> LoadedModel:
-        key = _weights_key(manifest)
+        key = weights_key(manifest)
         with self._lock:
             self._expire()
             loaded = self._loaded.get(key)

@@ -11,7 +11,7 @@ from typing import Any
 
 from exl3cli.client.request_options import now_iso
 from exl3cli.client.tool_calls import ToolCallParser
-from exl3cli.errors import InvalidOption
+from exl3cli.errors import ContextOverflow, InvalidOption
 
 _THINK_OPEN = "<think>"
 _THINK_CLOSE = "</think>"
@@ -96,11 +96,15 @@ class _Job:
             raise InvalidOption("model is required")
         self.req = req
         self.model = model
+        self.max_tokens: int | None = None  # set by the runner: the context to fit
         self.streaming = req.get("stream", True) is not False
         self.think = _think_enabled(req.get("think"))
         fmt = req.get("format")
         if fmt not in (None, "", "json") and not isinstance(fmt, dict):
             raise InvalidOption(f"invalid format: {fmt!r} (use \"json\" or a JSON schema)")
+        messages = req.get("messages") if isinstance(req.get("messages"), list) else []
+        if req.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
+            raise InvalidOption("the model cannot read images (text-only models only)")
 
     def thinking_splitter(self) -> ThinkingSplitter:
         return ThinkingSplitter(self.think)
@@ -138,20 +142,54 @@ class _Job:
         raise NotImplementedError
 
 
+class PromptTooLong(ContextOverflow):
+    """A prompt whose text alone proves it cannot fit: it was not tokenized."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the prompt is at least {at_least} tokens, which does not fit the "
+                         f"context window of {limit} tokens (raise num_ctx)")
+        self.at_least = at_least
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one vocabulary entry spells (byte-level pieces spell one
+    character per byte), so a text of n characters holds at least n / this tokens."""
+    cached = getattr(tokenizer, "_exl3_longest_token", None)
+    if cached is None:
+        backend = getattr(tokenizer, "backend", None)
+        vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else {}
+        cached = max((len(piece) for piece in vocab), default=0) or 64
+        try:
+            tokenizer._exl3_longest_token = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def encode_prompt(tokenizer: Any, text: str, max_tokens: int | None) -> list[int]:
+    """Token ids of `text`; PromptTooLong, without tokenizing, when its length alone
+    shows that it has `max_tokens` tokens or more (a 20 MB body is refused at once)."""
+    if max_tokens is not None:
+        at_least = len(text) // (2 * longest_token_chars(tokenizer))  # 2: normalizer slack
+        if at_least >= max_tokens:
+            raise PromptTooLong(at_least, max_tokens)
+    return list(tokenizer.encode(text))
+
+
 def render_prompt_ids(text_model: Any, messages: list[dict], tools: Any,
-                      template: str | None, think: bool | None) -> list[int]:
+                      template: str | None, think: bool | None,
+                      max_tokens: int | None = None) -> list[int]:
     """Token ids of `messages` rendered with the model's chat template, or with
     `template` (a Modelfile/request TEMPLATE) in its place. `think` reaches the template
-    as `enable_thinking`, the switch thinking models' templates read."""
-    if not template and think is None:
-        return list(text_model.chat_prompt(messages, tools=tools))
+    as `enable_thinking`, the switch thinking models' templates read. With `max_tokens`
+    a text too long to fit is refused before tokenizing (PromptTooLong)."""
     from exl3cli.engine.chat_template import ChatTemplate
 
     chat_template = (ChatTemplate.from_folder(text_model.folder, template=template)
                      if template else text_model.chat_template)
     extra = {} if think is None else {"enable_thinking": think}
     text = chat_template.render(messages, add_generation_prompt=True, tools=tools, **extra)
-    return list(text_model.tokenizer.encode(text))
+    return encode_prompt(text_model.tokenizer, text, max_tokens)
 
 
 def _message_list(value: Any) -> list[dict]:
@@ -202,15 +240,18 @@ class GenerateJob(_Job):
         return 0
 
     def is_load_only(self) -> bool:
-        return not self.req.get("prompt") and not self.req.get("images")
+        return not self.req.get("prompt")
 
     def prompt_ids(self, text_model: Any, manifest: dict[str, Any]) -> list[int]:
+        from exl3cli.engine.token_ids import check_token_ids
+
         prompt = self.req.get("prompt") or ""
         if not isinstance(prompt, str):
             raise InvalidOption("prompt must be a string")
         if self.req.get("raw"):
-            return list(text_model.tokenizer.encode(prompt))
-        context = self.req.get("context") or []
+            return encode_prompt(text_model.tokenizer, prompt, self.max_tokens)
+        context = check_token_ids(self.req.get("context") or [],
+                                  text_model.model.config.vocab_size, "context token")
         messages: list[dict] = []
         system = self.req.get("system") or manifest.get("system")
         if system:
@@ -219,8 +260,10 @@ class GenerateJob(_Job):
             messages.extend(_message_list(manifest.get("messages")))
         messages.append({"role": "user", "content": prompt})
         template = self.req.get("template") or manifest.get("template")
-        ids = render_prompt_ids(text_model, messages, None, template, _explicit_think(self.req))
-        return [int(t) for t in context] + ids
+        limit = None if self.max_tokens is None else max(1, self.max_tokens - len(context))
+        ids = render_prompt_ids(text_model, messages, None, template,
+                                _explicit_think(self.req), limit)
+        return context + ids
 
     def chunk(self, text: str, kind: str) -> dict[str, Any]:
         body = self._base()
@@ -261,7 +304,7 @@ class ChatJob(_Job):
         messages = _drop_oldest(messages, drop)
         template = self.req.get("template") or manifest.get("template")
         return render_prompt_ids(text_model, messages, self.req.get("tools"), template,
-                                 _explicit_think(self.req))
+                                 _explicit_think(self.req), self.max_tokens)
 
     def tool_parser(self) -> ToolCallParser:
         return ToolCallParser(self.req.get("tools"))
@@ -282,3 +325,38 @@ class ChatJob(_Job):
         if thinking:
             message["thinking"] = thinking
         return {"message": message}
+
+
+def fit_prompt(job: Any, text_model: Any, manifest: dict[str, Any], num_ctx: int,
+               cancel: Any = None) -> list[int]:
+    """The job's prompt ids, dropping the fewest old chat turns that make it fit in
+    `num_ctx` (a binary search: about log2(turns) renders, not one per dropped turn).
+    `cancel` (a threading.Event) is checked between renders. When nothing makes it
+    fit, the shortest prompt is returned (or PromptTooLong raised) for the caller."""
+    def render(drop: int) -> list[int] | None:
+        if cancel is not None and cancel.is_set():
+            raise ContextOverflow("request cancelled while its prompt was built")
+        try:
+            return job.prompt_ids(text_model, manifest, drop=drop) if drop else \
+                job.prompt_ids(text_model, manifest)
+        except PromptTooLong:
+            if drop >= most:
+                raise
+            return None  # certainly too long; dropping more may help
+
+    most = job.droppable(manifest)
+    ids = render(0)
+    if ids is not None and len(ids) < num_ctx or most == 0:
+        return ids if ids is not None else render(most)
+    shortest = render(most)
+    if shortest is None or len(shortest) >= num_ctx:
+        return shortest
+    low, high, best = 1, most - 1, shortest  # invariant: dropping high + 1 fits
+    while low <= high:
+        middle = (low + high) // 2
+        candidate = render(middle)
+        if candidate is not None and len(candidate) < num_ctx:
+            best, high = candidate, middle - 1
+        else:
+            low = middle + 1
+    return best

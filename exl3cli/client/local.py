@@ -74,18 +74,28 @@ class LocalClient:
         self.store.remove(ModelName.parse(_model_field(req)))
         return {}
 
-    def create(self, req: Body) -> Iterator[Body]:
-        """Build a model from Modelfile text; nothing is stored unless all of it works."""
+    def create(self, req: Body, allow_paths: bool = True) -> Iterator[Body]:
+        """Build a model from Modelfile text; nothing is stored unless all of it works.
+        With `files` ({name: digest} of stored blobs, e.g. uploaded through
+        /api/blobs) those are the model and FROM is not read. Without `allow_paths`
+        (an HTTP client that is not the local CLI) FROM, ADAPTER and DRAFT must not be
+        paths: the daemon does not read its own files for a remote client."""
         name = ModelName.parse(_model_field(req))
         text = req.get("modelfile")
         if not isinstance(text, str):
             raise Exl3Error("create needs the text of a Modelfile")
-        yield {"status": "parsing modelfile"}
         modelfile = parse_modelfile(text)
+        files = req.get("files")
+        if not allow_paths:
+            _refuse_paths(modelfile, check_from=not files)  # before any line: a 400
+        yield {"status": "parsing modelfile"}
         base_dir = Path(req.get("base_dir") or os.getcwd())
         with self.store.staging_blobs():
-            base = yield from self._resolve_from(modelfile, base_dir)
-            manifest = apply_modelfile(base, modelfile, base_dir)
+            if files:
+                base = yield from self._from_files(files)
+            else:
+                base = yield from self._resolve_from(modelfile, base_dir, allow_paths)
+            manifest = apply_modelfile(base, modelfile, base_dir, resolve_paths=allow_paths)
             yield {"status": "writing manifest"}
             self.store.write_manifest(name, manifest)
         yield {"status": "success"}
@@ -112,10 +122,10 @@ class LocalClient:
         return self._inference().chat(req)
 
     # -- create helpers ---------------------------------------------------------------
-    def _resolve_from(self, modelfile: Modelfile, base_dir: Path):
+    def _resolve_from(self, modelfile: Modelfile, base_dir: Path, allow_paths: bool = True):
         """The manifest FROM names (not yet stored under the new name); yields status."""
         value, line = modelfile.from_, modelfile.from_line
-        path = _from_path(value, base_dir)
+        path = _from_path(value, base_dir) if allow_paths else None
         if path is not None:
             if path.is_dir():
                 if not (path / "config.json").is_file():
@@ -139,6 +149,29 @@ class LocalClient:
         yield {"status": "using existing layers"}
         return self.store.read_manifest(base_name)
 
+    def _from_files(self, files: Any) -> Iterator[Body]:
+        """The manifest of stored blobs named by file: an HF folder (config.json and
+        weights) or one GGUF file, which is converted."""
+        from exl3cli.store.store import _check_relpath
+
+        if not isinstance(files, dict) or not files:
+            raise Exl3Error("files must map file names to blob digests")
+        for relpath, digest in files.items():
+            _check_relpath(relpath)
+            if not isinstance(digest, str) or not self.store.has_blob(digest):
+                raise Exl3Error(f"files: blob {digest} of '{relpath}' is not in the store; "
+                                "upload it first (POST /api/blobs/<digest>)")
+        ggufs = [p for p in files if p.lower().endswith(".gguf")]
+        if len(files) == 1 and ggufs:
+            yield {"status": f"converting {ggufs[0]}"}
+            return Manifest(files=self._import_gguf(self.store.blob_path(files[ggufs[0]])),
+                            source={"type": "gguf", "upload": ggufs[0]})
+        if "config.json" not in files:
+            raise Exl3Error("files: give a model folder's files (with config.json) "
+                            "or a single .gguf file")
+        yield {"status": "using uploaded files"}
+        return Manifest(files=dict(files), source={"type": "upload"})
+
     def _import_gguf(self, path: Path) -> dict[str, str]:
         from exl3cli.gguf.convert import gguf_to_hf_folder
 
@@ -146,6 +179,30 @@ class LocalClient:
         with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".convert-") as work:
             folder = gguf_to_hf_folder(path, Path(work) / "model")
             return self.store.add_folder_files(folder)
+
+
+def _looks_like_path(value: str) -> bool:
+    return (value.startswith(("/", "./", "../", "~", ".\\", "\\")) or value in (".", "..")
+            or value.lower().endswith(".gguf") or "\\" in value)
+
+
+def _refuse_paths(modelfile: Modelfile, check_from: bool = True) -> None:
+    """ModelfileError for a path in FROM/ADAPTER/DRAFT: one message whatever the path,
+    so a remote client learns nothing about the server's files."""
+    values = [("FROM", modelfile.from_)] if check_from else []
+    values += [("ADAPTER", modelfile.adapter), ("DRAFT", modelfile.draft)]
+    for instruction, value in values:
+        if value and _looks_like_path(value):
+            raise ModelfileError(modelfile.from_line if instruction == "FROM" else 0,
+                                 f"{instruction} paths are not read for HTTP clients; name "
+                                 "a model, or upload files (POST /api/blobs/<digest>) and "
+                                 "list them in `files`")
+        if instruction != "FROM" and value:
+            try:
+                ModelName.parse(value)
+            except InvalidModelName:
+                if value not in ("ngram",):
+                    raise ModelfileError(0, f"{instruction} {value}: not a model name") from None
 
 
 def _model_field(req: Body) -> str:
@@ -167,7 +224,7 @@ def _from_path(value: str, base_dir: Path) -> Path | None:
     return None
 
 
-def _resolve_reference(value: str | None, base_dir: Path) -> str | None:
+def _resolve_path_reference(value: str | None, base_dir: Path) -> str | None:
     """ADAPTER/DRAFT values: relative paths become absolute so they survive a move."""
     if value is None:
         return None
@@ -175,10 +232,17 @@ def _resolve_reference(value: str | None, base_dir: Path) -> str | None:
     return str(path) if path is not None else value
 
 
-def apply_modelfile(base: Manifest, modelfile: Modelfile, base_dir: Path) -> Manifest:
+def apply_modelfile(base: Manifest, modelfile: Modelfile, base_dir: Path,
+                    resolve_paths: bool = True) -> Manifest:
     """The FROM model's manifest with the Modelfile's settings laid over it (Ollama's
     rules: a PARAMETER replaces the one of the same name, MESSAGEs and LICENSEs replace
-    the whole list, TEMPLATE/SYSTEM/ADAPTER/DRAFT replace when given)."""
+    the whole list, TEMPLATE/SYSTEM/ADAPTER/DRAFT replace when given). Without
+    `resolve_paths` ADAPTER/DRAFT values are kept as written (names, not paths)."""
+    if not resolve_paths:
+        def _resolve_reference(value: str | None, _base: Path) -> str | None:
+            return value
+    else:
+        _resolve_reference = _resolve_path_reference
     parameters = dict(base.parameters)
     parameters.update(modelfile.parameters)
     return replace(

@@ -41,7 +41,14 @@ def parse_keep_alive(value: Any) -> float | None:
             seconds = float(text)
         except ValueError:
             seconds = _parse_duration_text(text)
-    return None if seconds < 0 else seconds
+    if seconds != seconds:
+        raise InvalidOption(f"invalid keep_alive: {value!r}")
+    if seconds < 0:
+        return None
+    if seconds > MAX_KEEP_ALIVE_SECONDS:
+        raise InvalidOption(f"keep_alive {value!r} is too long (at most 100 years; "
+                            "a negative value keeps the model loaded forever)")
+    return seconds
 
 
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
@@ -56,6 +63,37 @@ def _parse_duration_text(text: str) -> float:
     if not parts or "".join(number + unit for number, unit in parts) != body:
         raise InvalidOption(f"invalid duration: {text!r} (use e.g. 30s, 5m, 1h, 0, -1)")
     return sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+
+
+# Values a sampler or limit can mean, inclusive; None leaves that side open. A value
+# outside is refused (400) rather than producing an empty or garbled answer.
+OPTION_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "num_ctx": (1, None), "num_predict": (-2, None), "num_keep": (-1, None),
+    "temperature": (0, None), "top_k": (0, None), "top_p": (0, 1), "min_p": (0, 1),
+    "typical_p": (0, 1), "repeat_penalty": (0, None), "repeat_last_n": (-1, None),
+    "dry_multiplier": (0, None), "dry_base": (0, None), "dry_allowed_length": (0, None),
+    "xtc_probability": (0, 1), "xtc_threshold": (0, 1), "draft_num_predict": (0, None),
+    "num_gpu": (-1, None),
+}
+# Past this keep_alive (about 100 years) a duration means nothing; -1 says "forever".
+MAX_KEEP_ALIVE_SECONDS = 100 * 365 * 24 * 3600.0
+
+
+def check_option_value(name: str, value: Any, where: str = "") -> None:
+    """InvalidOption when a known numeric option lies outside what it can mean."""
+    low, high = OPTION_RANGES.get(name, (None, None))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if value != value:  # NaN
+        raise InvalidOption(f"option {where}{name} must be a number")
+    if (low is not None and value < low) or (high is not None and value > high):
+        if high is None:
+            wanted = f"at least {low:g}"
+        elif low is None:
+            wanted = f"at most {high:g}"
+        else:
+            wanted = f"between {low:g} and {high:g}"
+        raise InvalidOption(f"option {where}{name} must be {wanted}, got {value!r}")
 
 
 def known_option_names() -> set[str]:
@@ -81,6 +119,7 @@ def merge_options(parameters: dict[str, Any] | None,
             continue
         if value is None:
             continue
+        check_option_value(name, value)
         merged[name] = value
     if isinstance(merged.get("stop"), str):
         merged["stop"] = [merged["stop"]]

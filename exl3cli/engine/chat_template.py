@@ -8,6 +8,9 @@ the `{% generation %}` marker), so templates written for Hugging Face render the
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -61,8 +64,72 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       separators=separators, sort_keys=sort_keys)
 
 
+DEFAULT_TEMPLATE_TIMEOUT = 5.0  # seconds one render may take
+DEFAULT_TEMPLATE_MAX_BYTES = 32 * 1024 * 1024  # characters one render may produce
+
+
+def template_limits() -> tuple[float, int]:
+    """(seconds, characters) a render may take: EXL3_TEMPLATE_TIMEOUT and
+    EXL3_TEMPLATE_MAX_BYTES, else the defaults."""
+    def read(name: str, default: float) -> float:
+        text = os.environ.get(name, "").strip()
+        try:
+            return float(text) if text else default
+        except ValueError:
+            raise ChatTemplateError(f"{name} must be a number, got {text!r}") from None
+    return (read("EXL3_TEMPLATE_TIMEOUT", DEFAULT_TEMPLATE_TIMEOUT),
+            int(read("EXL3_TEMPLATE_MAX_BYTES", DEFAULT_TEMPLATE_MAX_BYTES)))
+
+
+class _RenderBudget(threading.local):
+    """The running render's deadline and size limit (one render per thread at a time)."""
+
+    deadline: float = float("inf")
+    max_chars: int = DEFAULT_TEMPLATE_MAX_BYTES
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateError("chat template took too long to render "
+                                    "(EXL3_TEMPLATE_TIMEOUT)")
+
+    def check_size(self, size: int) -> None:
+        if size > self.max_chars:
+            raise ChatTemplateError(f"chat template rendered more than {self.max_chars} "
+                                    "characters (EXL3_TEMPLATE_MAX_BYTES)")
+
+
+_BUDGET = _RenderBudget()
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, plus a clock checked at every call and attribute read, and `*`/`**`
+    that refuse to build huge strings, lists or numbers: a template (a request may send
+    its own) cannot pin a worker or fill memory."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _BUDGET.check_time()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _BUDGET.check_time()
+        return super().getattr(obj, attribute)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _BUDGET.check_time()
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024 \
+                and isinstance(left, (int, float)) and abs(left) > 1:
+            raise ChatTemplateError("chat template: exponent too large")
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                    _BUDGET.check_size(len(seq) * count)
+        return super().call_binop(context, operator, left, right)
+
+
 def _new_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[loopcontrols, _GenerationMarker],
@@ -158,11 +225,23 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
             "tools": tools,
         }
+        timeout, max_chars = template_limits()
+        _BUDGET.deadline, _BUDGET.max_chars = time.monotonic() + timeout, max_chars
         try:
-            return self._template.render(**variables)
+            pieces: list[str] = []
+            size = 0
+            for piece in self._template.generate(**variables):
+                pieces.append(piece)
+                size += len(piece)
+                _BUDGET.check_size(size)
+                _BUDGET.check_time()
+            return "".join(pieces)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError,
+                ZeroDivisionError, RecursionError, MemoryError) as exc:
             raise ChatTemplateError(f"chat template failed: {exc!r}") from exc
+        finally:
+            _BUDGET.deadline = float("inf")

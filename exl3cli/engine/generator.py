@@ -36,6 +36,7 @@ from exl3cli.engine.kv_quant import KVCacheType, resolve_kv_cache_type
 from exl3cli.engine.paged_attention import PagedBatch
 from exl3cli.engine.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
 from exl3cli.engine.speculative import VerifyingBatch
+from exl3cli.engine.token_ids import check_token_ids
 from exl3cli.engine.tokenizer import Tokenizer
 from exl3cli.errors import ContextOverflow, GeneratorBusy
 
@@ -149,7 +150,8 @@ class Generator:
         return room if job.num_predict < 0 else min(job.num_predict, room)
 
     def _fit_prompt(self, job: GenerationJob) -> list[int]:
-        prompt = [int(t) for t in job.prompt_ids]
+        # Ids past the vocabulary would fail the shared batch: refuse them here, alone.
+        prompt = check_token_ids(job.prompt_ids, self.model.config.vocab_size, "prompt token")
         if not prompt:
             raise ValueError("a generation job needs at least one prompt token")
         context = self._context_of(job)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from exl3cli.client.inference import InferenceRunner
+from exl3cli.client.inference import InferenceRunner, weights_key
 from exl3cli.client.local import LocalClient
 from exl3cli.errors import Exl3Error, ServerBusy
 from exl3cli.store.names import ModelName
@@ -54,9 +54,11 @@ class ModelStats:
 
 @dataclass
 class _Slot:
-    """The bounded queue of one model: `num_parallel` run, `max_queue` wait."""
+    """The bounded queue of one model's weights (every name and alias of the same files
+    shares it): `num_parallel` run, `max_queue` wait. `name` is the name last used."""
 
     semaphore: asyncio.Semaphore
+    name: str = ""
     stats: ModelStats = field(default_factory=ModelStats)
 
 
@@ -82,6 +84,7 @@ class StreamJob:
         self._future = loop.run_in_executor(executor, self._work)
         self._pending: list[dict] = []
         self.finished_normally = False
+        self.stopped_by_shutdown = False  # cancelled because the server shut down
         self.outcome = "running"  # then "completed", "cancelled" or "failed"
 
     def _put(self, item: Any) -> None:
@@ -107,7 +110,7 @@ class StreamJob:
             if self.cancel.is_set() and not ended:
                 outcome = "cancelled"  # stopped before the job's natural end
         except BaseException as error:  # delivered to the loop, raised there
-            outcome = "failed"
+            outcome = "cancelled" if self.cancel.is_set() else "failed"
             self._put(_Failure(error))
         finally:
             close = getattr(iterator, "close", None)
@@ -172,7 +175,7 @@ class ModelManager:
 
     def __init__(self, store: Any, num_parallel: int | None = None,
                  max_queue: int | None = None, runner: InferenceRunner | None = None,
-                 max_loaded: int | None = None):
+                 max_loaded: int | None = None, max_client_jobs: int = 0):
         self.store = store
         self.num_parallel = num_parallel or _env_int("EXL3_NUM_PARALLEL",
                                                      DEFAULT_NUM_PARALLEL, 1)
@@ -187,7 +190,9 @@ class ModelManager:
         self.local = LocalClient(store)  # store operations: list, show, pull, create, ...
         self.executor = ThreadPoolExecutor(max_workers=self.num_parallel * 2 + 8,
                                            thread_name_prefix="exl3-job")
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, _Slot] = {}  # by weights key (client/inference.py)
+        self._per_client: dict[str, int] = {}
+        self.max_client_jobs = max_client_jobs
         self._jobs: dict[int, StreamJob] = {}
         self._ids = itertools.count()
         self._closing = False
@@ -198,10 +203,16 @@ class ModelManager:
     async def start(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
-    async def shutdown(self) -> None:
-        """Refuse new jobs and cancel running ones (their streams end promptly)."""
+    async def shutdown(self, grace: float = 0.0) -> None:
+        """Refuse new jobs; give running ones up to `grace` seconds to finish, then
+        cancel them (their streams end with a final error line, see the routes)."""
         self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._jobs and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         for job in list(self._jobs.values()):
+            job.stopped_by_shutdown = True
             job.cancel.set()
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -232,24 +243,34 @@ class ModelManager:
         return StreamJob(asyncio.get_running_loop(), self.executor, factory, on_finish)
 
     async def inference(self, kind: str, req: dict[str, Any],
-                        client_gone: Callable[[], bool] = lambda: False) -> StreamJob:
+                        client_gone: Callable[[], bool] = lambda: False,
+                        client: str = "") -> StreamJob:
         """Queue a generate/chat request for its model; returns the started job once it
-        has produced its first object. Raises ServerBusy when the queue is full, or the
+        has produced its first object. Raises ServerBusy when the queue is full (per
+        model weights, or per `client` address past EXL3_MAX_CLIENT_JOBS), or the
         request's own error (unknown model, prompt too long) before anything is sent."""
         if self._closing:
             raise ServerBusy("server is shutting down")
-        slot = self._slot(str(req.get("model") or ""))
+        slot = await self._slot(str(req.get("model") or req.get("name") or ""))
         stats = slot.stats
         if stats.active + stats.queued >= self.num_parallel + self.max_queue:
             raise ServerBusy("server busy, please try again (maximum pending requests "
                              "exceeded)")
+        if self.max_client_jobs and self._per_client.get(client, 0) >= self.max_client_jobs:
+            raise ServerBusy(f"too many requests from this client at once (at most "
+                             f"{self.max_client_jobs}: EXL3_MAX_CLIENT_JOBS)")
+        self._per_client[client] = self._per_client.get(client, 0) + 1
         stats.queued += 1
         try:
             await slot.semaphore.acquire()
+        except BaseException:
+            self._client_done(client)
+            raise
         finally:
             stats.queued -= 1
         if self._closing or client_gone():
             slot.semaphore.release()
+            self._client_done(client)
             raise ServerBusy("server is shutting down") if self._closing else \
                 ConnectionResetError("client went away while queued")
         stats.active += 1
@@ -266,6 +287,7 @@ class ModelManager:
             key = outcome if outcome in ("completed", "cancelled") else "failed"
             setattr(stats, key, getattr(stats, key) + 1)
             slot.semaphore.release()
+            self._client_done(client)
 
         job = self._jobs[job_id] = self.stream(factory, on_finish=finished)
         try:
@@ -275,19 +297,29 @@ class ModelManager:
             raise
         return job
 
-    def _slot(self, model: str) -> _Slot:
-        try:
-            key = str(ModelName.parse(model))
-        except Exl3Error:
-            key = model
+    def _client_done(self, client: str) -> None:
+        left = self._per_client.get(client, 0) - 1
+        if left > 0:
+            self._per_client[client] = left
+        else:
+            self._per_client.pop(client, None)
+
+    async def _slot(self, model: str) -> _Slot:
+        """The queue of the weights `model` names. An unknown or malformed name raises
+        here (404/400) and leaves no entry behind."""
+        name = ModelName.parse(model)
+        manifest = await self.blocking(self.store.read_manifest, name)
+        key = weights_key(manifest)
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slots[key] = _Slot(asyncio.Semaphore(self.num_parallel))
+        slot.name = str(name)
         return slot
 
     def stats(self) -> dict[str, Any]:
-        """Per-model job counters and totals, for GET /api/stats."""
-        models = {name: vars(slot.stats).copy() for name, slot in self._slots.items()}
+        """Per-model job counters and totals, for GET /api/stats (one entry per set of
+        weights, under the name last used for it)."""
+        models = {slot.name: vars(slot.stats).copy() for slot in self._slots.values()}
         totals = {key: sum(m[key] for m in models.values())
                   for key in ("active", "queued", "completed", "cancelled", "failed")}
         return {"models": models, **totals, "num_parallel": self.num_parallel,

@@ -5,8 +5,10 @@ return, so these handlers only validate, schedule and stream."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,19 +16,24 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli import __version__
-from exl3cli.errors import Exl3Error
+from exl3cli.client.http import LOCAL_TOKEN_HEADER
+from exl3cli.client.request_options import parse_keep_alive
+from exl3cli.errors import Exl3Error, ServerBusy
+from exl3cli.server.limits import Limits, request_limits
 from exl3cli.server.model_manager import ModelManager, StreamJob
 from exl3cli.server.validation import (
     BOOL,
-    INT,
     LIST,
     NUM,
     OBJ,
     STR,
     BadRequest,
     check_fields,
+    check_images,
     check_list_of,
     check_options,
+    check_token_list,
+    check_tools,
     read_json,
 )
 from exl3cli.store.modelfile import Modelfile, parse_modelfile
@@ -65,34 +72,50 @@ def check_model(body: dict[str, Any]) -> None:
         raise BadRequest("model is required")
 
 
+def check_keep_alive(body: dict[str, Any]) -> None:
+    if body.get("keep_alive") is not None:
+        parse_keep_alive(body["keep_alive"])  # InvalidOption (400) when meaningless
+
+
 def check_generate(body: dict[str, Any]) -> None:
     check_fields(body, GENERATE_FIELDS)
     check_model(body)
     check_options(body.get("options"))
-    check_list_of(body, "context", (INT,))
+    check_keep_alive(body)
+    check_token_list(body, "context")
     check_list_of(body, "images", (STR,))
+    check_images(body.get("images"))
 
 
-def check_chat(body: dict[str, Any]) -> None:
+def check_chat(body: dict[str, Any], limits: Limits | None = None) -> None:
     check_fields(body, CHAT_FIELDS)
     check_model(body)
     check_options(body.get("options"))
+    check_keep_alive(body)
     check_list_of(body, "messages", (OBJ,))
-    check_list_of(body, "tools", (OBJ,))
+    limit = (limits or Limits()).max_messages
+    if len(body.get("messages") or []) > limit:
+        raise BadRequest(f"too many messages: {len(body['messages'])} (at most {limit}; "
+                         "the server's EXL3_MAX_MESSAGES)")
+    check_tools(body.get("tools"))
     for index, message in enumerate(body.get("messages") or []):
         check_fields(message, MESSAGE_FIELDS, required=("role",), where=f"messages[{index}].")
         check_list_of(message, "images", (STR,))
+        check_images(message.get("images"), where=f"messages[{index}].images")
 
 
 async def run_inference(request: web.Request, kind: str,
                         body: dict[str, Any]) -> web.StreamResponse:
     """Queue the job; answer one object (stream: false) or NDJSON lines."""
     manager = request.app[MANAGER]
-    job = await manager.inference(kind, body, client_gone=lambda: client_gone(request))
+    job = await manager.inference(kind, body, client_gone=lambda: client_gone(request),
+                                  client=request.remote or "")
     watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, job))
     try:
         if body.get("stream") is False:
             items = [item async for item in job]
+            if job.stopped_by_shutdown:
+                raise ServerBusy("the server shut down before the answer was complete")
             return web.json_response(items[-1] if items else {})
         return await write_ndjson(request, job)
     finally:
@@ -104,10 +127,14 @@ async def write_ndjson(request: web.Request, job: StreamJob) -> web.StreamRespon
     """Stream a job's objects one per line; a failure mid-stream ends it with an
     {"error": ...} line (the status is already sent)."""
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
     try:
+        await response.prepare(request)
         async for item in job:
             await response.write(json.dumps(item).encode() + b"\n")
+        if job.stopped_by_shutdown:
+            await response.write(json.dumps(
+                {"error": "the server shut down before the answer was complete"}
+            ).encode() + b"\n")
     except ConnectionError:
         return response  # the client left; closing the job cancels the engine
     except Exception as error:
@@ -117,7 +144,10 @@ async def write_ndjson(request: web.Request, job: StreamJob) -> web.StreamRespon
             await response.write(json.dumps({"error": str(error)}).encode() + b"\n")
         except ConnectionError:
             return response
-    await response.write_eof()
+    try:
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client left after the last line
     return response
 
 
@@ -151,7 +181,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    check_chat(body)
+    check_chat(body, request_limits(request))
     return await run_inference(request, "chat", body)
 
 
@@ -227,16 +257,22 @@ def create_request(body: dict[str, Any]) -> dict[str, Any]:
     req: dict[str, Any] = {"model": model}
     if body.get("base_dir"):
         req["base_dir"] = body["base_dir"]
-    for unsupported in ("files", "adapters", "quantize"):
+    for unsupported in ("adapters", "quantize"):
         if body.get(unsupported):
-            raise BadRequest(f"create: '{unsupported}' is not supported; name the model "
-                             "folder or GGUF file in 'from' (or FROM in a Modelfile)")
+            raise BadRequest(f"create: '{unsupported}' is not supported; name a model in "
+                             "'from', or upload the model's files and list them in 'files'")
+    if body.get("files"):
+        files = body["files"]
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            raise BadRequest("files must map file names to blob digests (sha256:<hex>)")
+        req["files"] = dict(files)
     if body.get("modelfile"):
         parse_modelfile(body["modelfile"])  # a bad Modelfile is a 400, before streaming
         req["modelfile"] = body["modelfile"]
         return req
-    if not body.get("from"):
-        raise BadRequest("create needs 'from' (a model name or path) or a 'modelfile'")
+    if not body.get("from") and not req.get("files"):
+        raise BadRequest("create needs 'from' (a model name), 'files' (uploaded blobs) "
+                         "or a 'modelfile'")
     check_options(body.get("parameters"), where="parameters.")
     check_list_of(body, "messages", (OBJ,))
     messages = []
@@ -249,10 +285,18 @@ def create_request(body: dict[str, Any]) -> dict[str, Any]:
     check_list_of({"license": licenses}, "license", (STR,))
     parameters = {k: v for k, v in (body.get("parameters") or {}).items() if v is not None}
     req["modelfile"] = Modelfile(
-        from_=body["from"], parameters=parameters, template=body.get("template"),
+        from_=body.get("from") or "files", parameters=parameters, template=body.get("template"),
         system=body.get("system"), license=licenses, messages=messages,
     ).to_text()
     return req
+
+
+def is_local_cli(request: web.Request, store: Any) -> bool:
+    """Whether the request shows the store's local token (client/http.py): only then
+    does create read server paths (FROM a folder or GGUF file, base_dir)."""
+    given = request.headers.get(LOCAL_TOKEN_HEADER, "")
+    return bool(given) and hmac.compare_digest(given.encode(),
+                                               store.local_token().encode())
 
 
 @routes.post("/api/create")
@@ -260,7 +304,72 @@ async def create(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = create_request(body)
     manager = request.app[MANAGER]
-    return await run_store_stream(request, body, lambda cancel: manager.local.create(req))
+    local = await manager.blocking(is_local_cli, request, manager.store)
+    if not local:
+        req.pop("base_dir", None)
+    return await run_store_stream(
+        request, body, lambda cancel: manager.local.create(req, allow_paths=local))
+
+
+def blob_digest(request: web.Request) -> str:
+    """The digest in /api/blobs/{digest} (`sha256:<hex>`, or `sha256-<hex>`)."""
+    digest = request.match_info["digest"].replace("sha256-", "sha256:", 1)
+    try:
+        request.app[MANAGER].store.blob_path(digest)
+    except Exl3Error:
+        raise BadRequest(f"invalid blob digest {request.match_info['digest']!r} "
+                         "(expected sha256:<64 hex digits>)") from None
+    return digest
+
+
+@routes.head("/api/blobs/{digest}")
+async def blob_exists(request: web.Request) -> web.Response:
+    digest = blob_digest(request)
+    store = request.app[MANAGER].store
+    return web.Response(status=200 if await request.app[MANAGER].blocking(
+        store.has_blob, digest) else 404)
+
+
+@routes.post("/api/blobs/{digest}")
+async def blob_upload(request: web.Request) -> web.Response:
+    """Store the body as the blob `digest` (Ollama's upload for /api/create `files`);
+    400 when the body's digest differs. The body is streamed to disk, never held."""
+    digest = blob_digest(request)
+    manager = request.app[MANAGER]
+    chunks: queue.Queue = queue.Queue(maxsize=8)
+    end = object()
+
+    def pull_chunks() -> Iterator[bytes]:
+        while (chunk := chunks.get()) is not end:
+            yield chunk
+
+    stopped = threading.Event()
+
+    def write() -> str:
+        try:
+            return manager.store.add_blob_from_stream(pull_chunks(), digest)
+        finally:
+            stopped.set()
+
+    def feed(chunk: object) -> None:
+        while not stopped.is_set():  # a writer that failed reads no more
+            try:
+                chunks.put(chunk, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    writer = asyncio.ensure_future(manager.blocking(write))
+    loop = asyncio.get_running_loop()
+    try:
+        async for chunk in request.content.iter_chunked(1 << 20):
+            if stopped.is_set():
+                break  # it failed; its error is raised below
+            await loop.run_in_executor(None, feed, chunk)
+    finally:
+        await loop.run_in_executor(None, feed, end)
+    await writer
+    return web.Response(status=201)
 
 
 async def run_store_stream(request: web.Request, body: dict[str, Any],

@@ -20,8 +20,9 @@ from aiohttp import web
 
 from exl3cli.client.inference import known_option_names
 from exl3cli.errors import Exl3Error, ModelNotFound
+from exl3cli.server.limits import request_limits
 from exl3cli.server.model_manager import StreamJob
-from exl3cli.server.ollama_routes import MANAGER, client_gone, watch_disconnect
+from exl3cli.server.ollama_routes import MANAGER, check_keep_alive, client_gone, watch_disconnect
 from exl3cli.server.validation import (
     BOOL,
     INT,
@@ -33,6 +34,7 @@ from exl3cli.server.validation import (
     check_fields,
     check_list_of,
     check_options,
+    check_tools,
     openai_error_body,
     read_json,
 )
@@ -83,7 +85,8 @@ def _format(body: dict[str, Any]) -> Any:
     if kind == "json_object":
         return "json"
     if kind == "json_schema":
-        schema = (spec.get("json_schema") or {}).get("schema")
+        wrapper = spec.get("json_schema")
+        schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
         if not isinstance(schema, dict):
             raise BadRequest("response_format.json_schema.schema must be an object")
         return schema
@@ -104,6 +107,7 @@ def _common(body: dict[str, Any], fields: dict[str, tuple[str, ...]]) -> dict[st
     if fmt is not None:
         req["format"] = fmt
     if body.get("keep_alive") is not None:
+        check_keep_alive(body)
         req["keep_alive"] = body["keep_alive"]
     return req
 
@@ -127,14 +131,14 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     """The /api/chat body for a /v1/chat/completions body."""
     req = _common(body, CHAT_FIELDS)
     check_list_of(body, "messages", (OBJ,))
-    check_list_of(body, "tools", (OBJ,))
+    check_tools(body.get("tools"))
     if not body.get("messages"):
         raise BadRequest("messages is required")
     messages = []
     for index, message in enumerate(body["messages"]):
         where = f"messages[{index}]"
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{where}.role must be one of {', '.join(_ROLES)}")
         converted: dict[str, Any] = {"role": _ROLES[role],
                                      "content": _message_text(message.get("content"), where)}
@@ -256,7 +260,8 @@ class _Shape:
 async def _run(request: web.Request, kind: str, req: dict[str, Any],
                body: dict[str, Any]) -> web.StreamResponse:
     manager = request.app[MANAGER]
-    job = await manager.inference(kind, req, client_gone=lambda: client_gone(request))
+    job = await manager.inference(kind, req, client_gone=lambda: client_gone(request),
+                                  client=request.remote or "")
     watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, job))
     shape = _Shape(kind == "chat", req["model"])
     try:
@@ -282,13 +287,13 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
                      include_usage: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    await response.prepare(request)
 
     async def send(payload: Any) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 
     try:
+        await response.prepare(request)
         first = True
         called = 0
         async for item in job:
@@ -317,6 +322,9 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
                 await send(_with_usage(shape.chunk(text, thinking, first, None),
                                        include_usage))
                 first = False
+        if job.stopped_by_shutdown:
+            await send(openai_error_body(
+                Exl3Error("the server shut down before the answer was complete"), 503))
         await send("[DONE]")
     except ConnectionError:
         return response
@@ -327,7 +335,10 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
             await send(openai_error_body(error, getattr(error, "http_status", 500)))
         except ConnectionError:
             return response
-    await response.write_eof()
+    try:
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client left after the last chunk
     return response
 
 
@@ -340,6 +351,10 @@ def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
+    limit = request_limits(request).max_messages
+    if isinstance(body.get("messages"), list) and len(body["messages"]) > limit:
+        raise BadRequest(f"too many messages: {len(body['messages'])} (at most {limit}; "
+                         "the server's EXL3_MAX_MESSAGES)")
     return await _run(request, "chat", chat_request(body), body)
 
 

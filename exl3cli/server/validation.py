@@ -6,12 +6,15 @@ names the offending field instead of a 500 from deep inside the engine.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 from typing import Any
 
 from aiohttp import web
 
+from exl3cli.client.request_options import check_option_value
 from exl3cli.errors import Exl3Error, ModelNotFound
 from exl3cli.store.modelfile import PARAMETER_TYPES
 
@@ -77,7 +80,27 @@ async def read_json(request: web.Request, allow_empty: bool = False) -> dict[str
         raise BadRequest(f"invalid JSON in request body: {error}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {json_type(body)}")
+    check_text(body)
     return body
+
+
+def check_text(value: Any) -> None:
+    """Every string in a decoded body (keys too) is valid Unicode: JSON lets a client
+    send a lone surrogate such as "\\ud800", which no tokenizer can encode."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise BadRequest("request body holds text that is not valid Unicode "
+                                 f"(a lone surrogate at character {error.start})") from None
 
 
 def check_fields(body: dict[str, Any], schema: dict[str, tuple[str, ...]],
@@ -132,6 +155,58 @@ def check_options(options: Any, where: str = "options.") -> None:
             raise BadRequest(f"{where}{name} is out of range")
         if isinstance(value, list) and not all(isinstance(s, str) for s in value):
             raise BadRequest(f"{where}{name} must be a list of strings")
+        check_option_value(name, value, where)
+
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def check_token_list(body: dict[str, Any], name: str) -> None:
+    """`body[name]` (e.g. generate's `context`), when set, is a list of token ids: the
+    model's vocabulary is checked later, once the model is known."""
+    for index, item in enumerate(body.get(name) or []):
+        if not _matches(item, (INT,)) or not 0 <= item <= MAX_TOKEN_ID:
+            raise BadRequest(f"{name}[{index}] must be a token id (a non-negative integer), "
+                             f"got {item!r}")
+
+
+def check_tools(tools: Any, where: str = "tools") -> None:
+    """Tools in the shape Ollama and OpenAI both use:
+    [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise BadRequest(f"{where} must be a list of tools")
+    for index, tool in enumerate(tools):
+        at = f"{where}[{index}]"
+        if not isinstance(tool, dict):
+            raise BadRequest(f"{at} must be an object")
+        if tool.get("type", "function") != "function":
+            raise BadRequest(f"{at}.type must be \"function\"")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise BadRequest(f"{at}.function must be an object with a name")
+        if not isinstance(function.get("name"), str) or not function["name"].strip():
+            raise BadRequest(f"{at}.function.name must be a non-empty string")
+        if function.get("description") is not None \
+                and not isinstance(function["description"], str):
+            raise BadRequest(f"{at}.function.description must be a string")
+        if function.get("parameters") is not None \
+                and not isinstance(function["parameters"], dict):
+            raise BadRequest(f"{at}.function.parameters must be a JSON schema object")
+
+
+def check_images(images: Any, where: str = "images") -> None:
+    """Images must be base64 text; and no model this server runs reads images, so a
+    request that carries any is refused rather than answered as if they were seen."""
+    if not images:
+        return
+    for index, image in enumerate(images):
+        try:
+            base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            raise BadRequest(f"{where}[{index}] is not valid base64") from None
+    raise BadRequest(f"{where}: the model cannot read images (text-only models only)")
 
 
 def ollama_error(error: Exception) -> web.Response:

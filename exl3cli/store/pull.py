@@ -120,6 +120,12 @@ class _ReportedDigests:
 
 def _store_fetched(store: ModelStore, model: ModelName, ref: str, fetched: FetchedModel,
                    report: _ReportedDigests) -> Manifest:
+    with store.writing():  # no collection between adding the blobs and the manifest
+        return _store_fetched_locked(store, model, ref, fetched, report)
+
+
+def _store_fetched_locked(store: ModelStore, model: ModelName, ref: str,
+                          fetched: FetchedModel, report: _ReportedDigests) -> Manifest:
     files = store.add_folder_files(fetched.folder)
     for digest in files.values():
         if digest in report.digests:
@@ -130,7 +136,7 @@ def _store_fetched(store: ModelStore, model: ModelName, ref: str, fetched: Fetch
     report({"status": "verifying sha256 digest"})
     for relpath, expected in fetched.expected_digests.items():
         if files.get(relpath) != expected:
-            store.collect_garbage()  # drop the blobs no manifest uses
+            store.collect_garbage(wait=False)  # drop the blobs no manifest uses
             raise PullError(f"digest mismatch for {relpath}: expected {expected}, "
                             f"got {files.get(relpath, 'no file')}")
     report({"status": "writing manifest"})

@@ -7,6 +7,12 @@ Layout under the root (`EXL3_MODELS`, default `~/.exl3/models`):
                                                  names: a Hugging Face folder the engine loads
 Every write goes to a temporary file in the target's directory, is fsynced and then
 renamed into place, so a crash never leaves a half-written manifest or blob.
+
+Writers (create, pull, cp, uploads) hold a shared lock on `<root>/.lock` while they add
+blobs and write the manifest that uses them; garbage collection holds it exclusively,
+so `rm` never deletes a blob a create has just added. Temporary files that a killed
+process left (`.tmp-*`, `.convert-*`) are removed whenever no writer holds the lock:
+when a store is opened and at each collection.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,8 +32,14 @@ from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound
 from exl3cli.store.names import ModelName
+from exl3cli.store.store_lock import (
+    hold_store_lock,
+    read_local_token,
+    remove_leftover_files,
+)
 
 MANIFEST_SCHEMA = 1
+
 _CHUNK = 1 << 20
 # mkstemp makes 0600 files; store files are meant to be readable like any download.
 _FILE_MODE = 0o644
@@ -152,6 +165,38 @@ class ModelStore:
         self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
         self.folders_dir = self.root / "folders"
+        self.uploads_dir = self.root / "uploads"
+        self._held = threading.local()  # how many store locks this thread holds
+        if self.root.is_dir():
+            self.remove_leftovers()
+
+    # -- locking (store/store_lock.py) --------------------------------------------
+    def _lock(self, exclusive: bool, wait: bool = True) -> Any:
+        """Hold the store lock (shared: writers; exclusive: collection); the context
+        yields False when `wait` is off and another holder keeps it."""
+        return hold_store_lock(self.root, self._held, exclusive, wait)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold off garbage collection while blobs are added and a manifest written."""
+        with self._lock(exclusive=False):
+            yield
+
+    def remove_leftovers(self) -> int:
+        """Delete the temporary files and folders of killed writers, if no writer runs
+        now (else nothing: they may be its files). Returns how many were removed."""
+        with self._lock(exclusive=True, wait=False) as alone:
+            if not alone:
+                return 0
+            places = [self.root, self.blobs_dir, self.folders_dir, self.manifests_dir,
+                      self.uploads_dir]
+            if self.manifests_dir.is_dir():
+                places += [p for p in self.manifests_dir.rglob("*") if p.is_dir()]
+            return remove_leftover_files(places)
+
+    def local_token(self) -> str:
+        """The secret that proves a client is this user's local CLI (store_lock.py)."""
+        return read_local_token(self.root)
 
     # -- blobs ---------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
@@ -190,18 +235,39 @@ class ModelStore:
     @contextmanager
     def staging_blobs(self) -> Iterator[None]:
         """Blobs added inside the block are deleted again if it fails, unless a manifest
-        uses them: a failed create or import leaves the store as it was."""
+        uses them: a failed create or import leaves the store as it was. The block holds
+        the writers' lock, so a collection cannot take its blobs meanwhile."""
         before = set(os.listdir(self.blobs_dir)) if self.blobs_dir.is_dir() else set()
         try:
-            yield
+            with self.writing():
+                yield
         except BaseException:
             added = set(os.listdir(self.blobs_dir)) - before if self.blobs_dir.is_dir() else set()
             if added:
-                used = {self.blob_path(d).name for _n, m in self._iter_manifests()
-                        for d in m.files.values()}
-                for blob in added - used:
-                    (self.blobs_dir / blob).unlink(missing_ok=True)
+                # Exclusive (another create may share these blobs and not have written
+                # its manifest yet); skipped when this thread still holds a lock.
+                with self._lock(exclusive=True, wait=not self._holding()) as alone:
+                    if alone:
+                        used = self._used_blobs()
+                        for blob in added - used:
+                            (self.blobs_dir / blob).unlink(missing_ok=True)
             raise
+
+    def _holding(self) -> bool:
+        return getattr(self._held, "depth", 0) > 0
+
+    # -- uploads (POST /api/blobs; store/uploads.py) -------------------------------
+    def add_blob_from_stream(self, chunks: Iterator[bytes], expected: str) -> str:
+        """Store an uploaded blob whose digest must be `expected` (sha256:<hex>); it is
+        kept for UPLOAD_GRACE_SECONDS even while no manifest uses it."""
+        from exl3cli.store.uploads import add_uploaded_blob
+
+        return add_uploaded_blob(self, chunks, expected)
+
+    def _pinned_uploads(self) -> set[str]:
+        from exl3cli.store.uploads import pinned_uploads
+
+        return pinned_uploads(self.uploads_dir)
 
     def add_folder_files(self, folder: str | os.PathLike[str]) -> dict[str, str]:
         """Add every regular file under `folder` as a blob: {relative path: digest}."""
@@ -308,9 +374,10 @@ class ModelStore:
 
     def copy(self, source: str | ModelName, destination: str | ModelName) -> None:
         """Give a model a second name; no file is copied."""
-        manifest = self.read_manifest(source)
         destination = ModelName.coerce(destination)
-        self.write_manifest(destination, manifest)
+        self.read_manifest(source)  # ModelNotFound before anything is written
+        with self.writing():
+            self.write_manifest(destination, self.read_manifest(source))
 
     def remove(self, name: str | ModelName) -> None:
         """Delete a name, then the blobs and folders no other name still uses."""
@@ -322,21 +389,30 @@ class ModelStore:
         self._prune_empty_dirs(path.parent)
         self.collect_garbage()
 
-    def collect_garbage(self) -> None:
-        """Remove blobs and linked folders that no manifest references."""
-        used_blobs: set[str] = set()
-        used_folders: set[str] = set()
-        for _name, manifest in self._iter_manifests():
-            used_blobs.update(self.blob_path(d).name for d in manifest.files.values())
-            used_folders.add(_folder_key(manifest.files))
-        if self.folders_dir.is_dir():
-            for folder in self.folders_dir.iterdir():
-                if folder.name not in used_folders:
-                    shutil.rmtree(folder, ignore_errors=True)
-        if self.blobs_dir.is_dir():
-            for blob in self.blobs_dir.iterdir():
-                if blob.name.startswith("sha256-") and blob.name not in used_blobs:
-                    blob.unlink(missing_ok=True)
+    def _used_blobs(self) -> set[str]:
+        used = {self.blob_path(d).name for _n, m in self._iter_manifests()
+                for d in m.files.values()}
+        return used | self._pinned_uploads()
+
+    def collect_garbage(self, wait: bool = True) -> bool:
+        """Remove blobs and linked folders that no manifest references (and leftovers
+        of killed writers). Waits for running writers first; with `wait` off, or when
+        this thread itself holds the lock, does nothing if one runs. True if it ran."""
+        with self._lock(exclusive=True, wait=wait and not self._holding()) as alone:
+            if not alone:
+                return False
+            used_blobs = self._used_blobs()
+            used_folders = {_folder_key(m.files) for _n, m in self._iter_manifests()}
+            if self.folders_dir.is_dir():
+                for folder in self.folders_dir.iterdir():
+                    if folder.name not in used_folders:
+                        shutil.rmtree(folder, ignore_errors=True)
+            if self.blobs_dir.is_dir():
+                for blob in self.blobs_dir.iterdir():
+                    if blob.name.startswith("sha256-") and blob.name not in used_blobs:
+                        blob.unlink(missing_ok=True)
+        self.remove_leftovers()
+        return True
 
     def _prune_empty_dirs(self, directory: Path) -> None:
         while directory != self.manifests_dir and self.manifests_dir in directory.parents:
@@ -353,6 +429,10 @@ class ModelStore:
         folder = self.folders_dir / _folder_key(manifest.files)
         if folder.is_dir():
             return folder
+        with self.writing():
+            return self._make_folder(manifest, folder)
+
+    def _make_folder(self, manifest: Manifest, folder: Path) -> Path:
         self.folders_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=self.folders_dir, prefix=".tmp-"))
         try:

@@ -60,14 +60,9 @@ def test_serve_answers_then_exits_0_on_sigterm_mid_stream(store):
                               "options": {"num_predict": 200}})
         assert next(stream)["done"] is False
         process.send_signal(signal.SIGTERM)
-        rest = []
-        try:
-            for item in stream:
-                rest.append(item)
-        except Exception:  # the connection may be cut instead of ended
-            pass
+        rest = list(stream)  # the grace period lets it finish: no cut, no error line
         assert process.wait(30) == 0
-        assert len(rest) < 199  # the job was cancelled, not run to its end
+        assert rest and rest[-1]["done"] is True
         assert f"listening on http://127.0.0.1:{port}" in process.stderr.read().decode()
     finally:
         if process.poll() is None:
