@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from exl3cli.engine.architecture import ArchitectureSpec, TensorNames
+from exl3cli.engine.architecture import ArchitectureSpec, MoESpec, TensorNames
 from exl3cli.plugins import hookimpl
 
 # Llama 2, Llama 3, 3.1 and 3.2 (RoPE scaling comes from config.json), SmolLM2.
@@ -46,6 +46,41 @@ GEMMA3 = ArchitectureSpec(
 )
 
 
+# Mixtral: Mistral attention, every layer a mixture of `num_local_experts` SwiGLU
+# experts (w1 gate, w3 up, w2 down), top-k of the softmax, renormalised.
+MIXTRAL = ArchitectureSpec(
+    name="MixtralForCausalLM", sliding_window="all",
+    moe=MoESpec(
+        router="model.layers.{i}.block_sparse_moe.gate",
+        gate_proj="model.layers.{i}.block_sparse_moe.experts.{e}.w1",
+        up_proj="model.layers.{i}.block_sparse_moe.experts.{e}.w3",
+        down_proj="model.layers.{i}.block_sparse_moe.experts.{e}.w2",
+        expert_size_key="intermediate_size",
+        normalize_key=None,
+    ),
+)
+
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention; experts plus a shared
+# expert scaled by sigmoid(shared_expert_gate); top-k weights renormalised only with
+# norm_topk_prob; `decoder_sparse_step` / `mlp_only_layers` keep some layers dense.
+QWEN2_MOE = ArchitectureSpec(
+    name="Qwen2MoeForCausalLM", qkv_bias=True, sliding_window="from_layer",
+    moe=MoESpec(
+        shared_gate_proj="model.layers.{i}.mlp.shared_expert.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_expert.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_expert.down_proj",
+        shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate",
+        shared_size_key="shared_expert_intermediate_size",
+        normalize=False, sparse_layers="qwen",
+    ),
+)
+
+# Qwen3-MoE (Qwen3-30B-A3B, -235B-A22B): Qwen3 attention, experts without a shared one.
+QWEN3_MOE = ArchitectureSpec(
+    name="Qwen3MoeForCausalLM", qk_norm="rms", sliding_window="from_layer",
+    moe=MoESpec(normalize=False, sparse_layers="qwen"),
+)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
@@ -79,5 +114,6 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
-    specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL)
+    specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
+             QWEN2_MOE, QWEN3_MOE)
     return {spec.name: spec for spec in specs}

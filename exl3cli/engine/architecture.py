@@ -45,6 +45,74 @@ class TensorNames:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A family's mixture-of-experts MLP: where its tensors are and which config.json
+    keys hold its numbers. `{i}` is the layer index, `{e}` the expert index.
+
+    scoring: "softmax" (probabilities over all experts, then top-k: Mixtral, Qwen),
+    "sigmoid" (independent scores; the choice adds `score_bias`, the weights do not:
+    DeepSeek-V3, GLM-4.5) or "topk_softmax" (top-k of the logits, softmax over those:
+    gpt-oss). normalize: the chosen weights are divided by their sum; `normalize_key`
+    in config.json overrides it when present. Grouped top-k (`n_group`, `topk_group`)
+    and `routed_scaling_factor` are read from config.json when the family has them.
+
+    sparse_layers: "all", "qwen" (`decoder_sparse_step` and `mlp_only_layers`) or
+    "first_k_dense" (`first_k_dense_replace` dense layers first); other layers get the
+    dense MLP of TensorNames at `intermediate_size`.
+    """
+
+    router: str = "model.layers.{i}.mlp.gate"
+    gate_proj: str = "model.layers.{i}.mlp.experts.{e}.gate_proj"
+    up_proj: str = "model.layers.{i}.mlp.experts.{e}.up_proj"
+    down_proj: str = "model.layers.{i}.mlp.experts.{e}.down_proj"
+    score_bias: str | None = None
+    shared_gate_proj: str | None = None
+    shared_up_proj: str | None = None
+    shared_down_proj: str | None = None
+    shared_expert_gate: str | None = None  # sigmoid(x . w) scales the shared expert
+    # config.json names of the expert count (transformers 5 writes num_local_experts
+    # for Qwen too; DeepSeek-style configs say n_routed_experts): the first present.
+    experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
+    expert_size_key: str = "moe_intermediate_size"
+    # config.json key of the shared expert's width, or "<key>*<count key>" (DeepSeek).
+    shared_size_key: str | None = None
+    scoring: str = "softmax"
+    normalize: bool = True
+    normalize_key: str | None = "norm_topk_prob"
+    sparse_layers: str = "all"
+
+    def is_sparse(self, config: ModelConfig, i: int) -> bool:
+        """Whether layer `i` runs the experts (else the dense MLP)."""
+        raw = config.raw
+        if self.sparse_layers == "all":
+            return True
+        if self.sparse_layers == "qwen":
+            if i in (raw.get("mlp_only_layers") or []):
+                return False
+            step = int(raw.get("decoder_sparse_step") or 1)
+            return self.num_experts(config) > 0 and (i + 1) % step == 0
+        if self.sparse_layers == "first_k_dense":
+            return i >= int(raw.get("first_k_dense_replace") or 0)
+        raise ValueError(f"unknown sparse_layers policy {self.sparse_layers!r}")
+
+    def num_experts(self, config: ModelConfig) -> int:
+        """Routed experts per sparse layer (0 when config.json names none)."""
+        for key in self.experts_keys:
+            if config.raw.get(key):
+                return int(config.raw[key])
+        return 0
+
+    def shared_size(self, config: ModelConfig) -> int:
+        """Width of the shared expert (0: none)."""
+        if self.shared_size_key is None:
+            return 0
+        size = 1
+        for key in self.shared_size_key.split("*"):
+            size *= int(config.raw.get(key) or 0)
+        return size
+
+
+@dataclass(frozen=True)
 class ArchitectureSpec:
     """How one Hugging Face `architectures` name maps onto the engine's blocks.
 
@@ -60,6 +128,8 @@ class ArchitectureSpec:
     (embeddings times sqrt(hidden_size)), sandwich_norm (attention and MLP outputs are
     normed before their residual add). The attention scale (`query_pre_attn_scalar`),
     soft-caps and a separate rope for sliding layers come from config.json.
+
+    moe: the family's mixture-of-experts MLP (MoESpec), None for dense families.
 
     config_defaults: transformers' values for config.json keys a family's checkpoints
     may leave out (engine/config.py fills them in). alt_tensors: a second naming of the
@@ -79,6 +149,7 @@ class ArchitectureSpec:
     sliding_pattern: int = 0
     tensors: TensorNames = field(default_factory=TensorNames)
     alt_tensors: TensorNames | None = None
+    moe: MoESpec | None = None
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def tensor_names(self, has: Callable[[str], bool]) -> TensorNames:

@@ -28,6 +28,7 @@ from exl3cli.engine.linear import (
 )
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
+from exl3cli.engine.moe import MoEMLP, build_moe_mlp
 from exl3cli.engine.norm import RMSNorm
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
@@ -132,17 +133,22 @@ def build_decoder_layer(
         # Only when the config gives sliding layers a rope of their own (Gemma 3).
         local_rope=config.sliding_rope_theta is not None and sliding,
     )
-    gate_up = linear(
-        [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
-        [(hidden, inter), (hidden, inter)], spec.mlp_bias,
-    )
-    down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
     act = config.hidden_act or spec.activation
+    mlp: GatedMLP | MoEMLP
+    if spec.moe is not None and spec.moe.is_sparse(config, i):
+        mlp = build_moe_mlp(config, spec.moe, i, tensor, linear, act, spec.mlp_bias)
+    else:
+        gate_up = linear(
+            [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
+            [(hidden, inter), (hidden, inter)], spec.mlp_bias,
+        )
+        down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
+        mlp = GatedMLP(gate_up, down, act)
     sandwich = ((norm(names.attention_out_norm.format(i=i)),
                  norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
     return DecoderLayer(
         norm(names.input_norm.format(i=i)), attention,
-        norm(names.post_attention_norm.format(i=i)), GatedMLP(gate_up, down, act), *sandwich,
+        norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
     )
 
 

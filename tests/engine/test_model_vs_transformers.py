@@ -48,6 +48,15 @@ CASES = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     ),
+    # Mixture of experts (4 experts, top 2; see also test_moe.py).
+    "mixtral": ("mixtral", {}),
+    "mixtral_sliding_window": ("mixtral", {"sliding_window": 6}),
+    "qwen2_moe": ("qwen2_moe", {}),  # shared expert and its sigmoid gate, no renorm
+    "qwen2_moe_dense_layer_renormalised": (
+        "qwen2_moe", {"mlp_only_layers": [1], "norm_topk_prob": True},
+    ),
+    "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),
+    "qwen3_moe_sparse_step": ("qwen3_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 3}),
 }
 
 
