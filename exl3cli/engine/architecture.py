@@ -62,6 +62,7 @@ class MoESpec:
     """
 
     router: str = "model.layers.{i}.mlp.gate"
+    router_bias: bool = False
     gate_proj: str = "model.layers.{i}.mlp.experts.{e}.gate_proj"
     up_proj: str = "model.layers.{i}.mlp.experts.{e}.up_proj"
     down_proj: str = "model.layers.{i}.mlp.experts.{e}.down_proj"

@@ -87,7 +87,7 @@ class Router(nn.Module):
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
         best = group_scores.topk(self.topk_group, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return grouped.masked_fill(~keep[:, :, None], 0.0).view(rows, -1)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(rows, -1)
 
 
 class MoEMLP(nn.Module):
@@ -163,7 +163,7 @@ def build_moe_mlp(config: ModelConfig, moe: MoESpec, i: int,
     if moe.normalize_key is not None and raw.get(moe.normalize_key) is not None:
         normalize = bool(raw[moe.normalize_key])
     router = Router(
-        linear([moe.router.format(i=i)], [(hidden, num_experts)], False),
+        linear([moe.router.format(i=i)], [(hidden, num_experts)], moe.router_bias),
         int(raw.get("num_experts_per_tok") or 0), moe.scoring, normalize,
         tensor(moe.score_bias.format(i=i)) if moe.score_bias else None,
         int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1),
