@@ -49,3 +49,18 @@ def test_sliding_window_policies():
     # An explicit layer_types list wins over the policy.
     explicit = config(sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2)
     assert qwen.layer_types(explicit)[0] == SLIDING_ATTENTION
+
+
+def test_moe_families_and_their_sparse_layers():
+    for name in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        assert get_architecture(name).moe is not None
+    assert get_architecture("LlamaForCausalLM").moe is None
+    qwen = get_architecture("Qwen3MoeForCausalLM").moe
+    cfg = config(num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [qwen.is_sparse(cfg, i) for i in range(4)] == [False, True, False, False]
+    # transformers 5 writes Qwen's expert count as num_local_experts.
+    assert qwen.num_experts(config(num_local_experts=6)) == 6
+    assert not qwen.is_sparse(config(), 0)  # no experts at all: dense
+    shared = get_architecture("Qwen2MoeForCausalLM").moe
+    assert shared.shared_size(config(shared_expert_intermediate_size=48)) == 48
+    assert get_architecture("MixtralForCausalLM").moe.shared_size(config()) == 0

@@ -29,6 +29,9 @@ CASES = {
     "llama_tied_embeddings": ("llama", {"tie_word_embeddings": True}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 6, "num_hidden_layers": 3}),
     "qwen2": ("qwen2", {}),
+    # Qwen2.5's 128k configs: YaRN with a small original context so positions reach it.
+    "qwen2_yarn": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 16}}),
     "qwen2_sliding_window": (
         "qwen2",
         {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
