@@ -81,12 +81,24 @@ QWEN3_MOE = ArchitectureSpec(
     moe=MoESpec(normalize=False, sparse_layers="qwen"),
 )
 
+# Phi-3 / Phi-3.5 (mini, medium): Llama blocks with q/k/v and gate/up stored fused
+# (qkv_proj, gate_up_proj) in Hugging Face checkpoints; a sliding window on every
+# layer; LongRoPE (rope_scaling "longrope") in the 128k variants.
+PHI3 = ArchitectureSpec(
+    name="Phi3ForCausalLM", sliding_window="all",
+    tensors=TensorNames(
+        o_proj="model.layers.{i}.self_attn.o_proj",
+        qkv_fused="model.layers.{i}.self_attn.qkv_proj",
+        gate_up_fused="model.layers.{i}.mlp.gate_up_proj",
+    ),
+)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
     values = {f.name: getattr(names, f.name) for f in fields(names)}
     moved = {key: model + value.removeprefix("model.") for key, value in values.items()
-             if value.startswith("model.")}
+             if value and value.startswith("model.")}
     return TensorNames(**{**values, **moved, "lm_head": lm_head})
 
 
@@ -115,5 +127,5 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
-             QWEN2_MOE, QWEN3_MOE)
+             QWEN2_MOE, QWEN3_MOE, PHI3)
     return {spec.name: spec for spec in specs}

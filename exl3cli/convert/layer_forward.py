@@ -29,7 +29,7 @@ from exl3cli.errors import ConversionError, UnsupportedArchitecture
 
 
 def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[str]:
-    """What this raw-weight runner cannot reproduce (Gemma 2/3): running such a model
+    """What this raw-weight runner cannot reproduce (Gemma 2/3, mixtures of experts): running such a model
     through it would calibrate every layer on wrong activations, so the converter
     runs those families through ``engine_layer.EngineLayerForward`` instead."""
     checks = {
@@ -40,6 +40,7 @@ def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[st
         "attention soft-capping": config.attn_logit_softcapping is not None,
         "final logit soft-capping": config.final_logit_softcapping is not None,
         "a separate rope for sliding layers": config.sliding_rope_theta is not None,
+        "mixture of experts": spec.moe is not None,
     }
     return [name for name, present in checks.items() if present]
 

@@ -9,7 +9,7 @@ specs are provided by the `exl3_plugins.architectures` plugin through the
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,10 @@ class TensorNames:
     gate_proj: str = "model.layers.{i}.mlp.gate_proj"
     up_proj: str = "model.layers.{i}.mlp.up_proj"
     down_proj: str = "model.layers.{i}.mlp.down_proj"
+    # Checkpoints that store q/k/v or gate/up as one matrix (Phi-3); EXL3 folders split
+    # them back into the modules above, so these apply only where they are present.
+    qkv_fused: str | None = None
+    gate_up_fused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,11 +158,16 @@ class ArchitectureSpec:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def tensor_names(self, has: Callable[[str], bool]) -> TensorNames:
-        """`tensors`, or `alt_tensors` when only its embedding is in the checkpoint."""
+        """`tensors`, or `alt_tensors` when only its embedding is in the checkpoint;
+        fused q/k/v and gate/up names only when layer 0 has them (a Hugging Face
+        Phi-3 checkpoint, not an EXL3 folder)."""
+        names = self.tensors
         alt = self.alt_tensors
-        if alt is not None and not has(self.tensors.embed) and has(alt.embed):
-            return alt
-        return self.tensors
+        if alt is not None and not has(names.embed) and has(alt.embed):
+            names = alt
+        unfused = {key: None for key in ("qkv_fused", "gate_up_fused")
+                   if getattr(names, key) and not has(getattr(names, key).format(i=0) + ".weight")}
+        return replace(names, **unfused) if unfused else names
 
     def layer_types(self, config: ModelConfig) -> list[str]:
         """Attention kind of every layer: FULL_ATTENTION or SLIDING_ATTENTION."""

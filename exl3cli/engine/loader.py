@@ -110,10 +110,14 @@ def build_decoder_layer(
 
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    qkv = linear(
-        [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
-        [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
-    )
+    if names.qkv_fused:  # one stored [q | k | v] matrix
+        qkv = linear([names.qkv_fused.format(i=i)], [(hidden, q_size + 2 * kv_size)],
+                     spec.qkv_bias)
+    else:
+        qkv = linear(
+            [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
+            [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
+        )
     o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
     qk_norm = None
     if spec.qk_norm == "rms":
@@ -138,9 +142,12 @@ def build_decoder_layer(
     if spec.moe is not None and spec.moe.is_sparse(config, i):
         mlp = build_moe_mlp(config, spec.moe, i, tensor, linear, act, spec.mlp_bias)
     else:
-        gate_up = linear(
-            [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
-            [(hidden, inter), (hidden, inter)], spec.mlp_bias,
+        gate_up = (
+            linear([names.gate_up_fused.format(i=i)], [(hidden, 2 * inter)], spec.mlp_bias)
+            if names.gate_up_fused else linear(
+                [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
+                [(hidden, inter), (hidden, inter)], spec.mlp_bias,
+            )
         )
         down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
         mlp = GatedMLP(gate_up, down, act)
@@ -182,6 +189,10 @@ def build_causal_lm(
     layer_types = spec.layer_types(config)
     if len(layer_types) != config.num_layers:
         raise ModelLoadError("config.json layer_types does not match num_hidden_layers")
+    if config.partial_rotary_factor != 1.0:
+        raise UnsupportedArchitecture(
+            f"{config.architecture}: partial rotary embeddings (partial_rotary_factor "
+            f"{config.partial_rotary_factor}) are not supported")
     if config.raw.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
                                       "config) is not supported")

@@ -64,3 +64,30 @@ def test_moe_families_and_their_sparse_layers():
     shared = get_architecture("Qwen2MoeForCausalLM").moe
     assert shared.shared_size(config(shared_expert_intermediate_size=48)) == 48
     assert get_architecture("MixtralForCausalLM").moe.shared_size(config()) == 0
+
+
+def test_fused_projection_names_apply_only_where_the_checkpoint_has_them():
+    phi3 = get_architecture("Phi3ForCausalLM")
+    fused = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"}
+    names = phi3.tensor_names(fused.__contains__)  # a Hugging Face Phi-3 checkpoint
+    assert names.qkv_fused == "model.layers.{i}.self_attn.qkv_proj"
+    assert names.gate_up_fused == "model.layers.{i}.mlp.gate_up_proj"
+    # An EXL3 folder stores q/k/v and gate/up split (EXL3-FORMAT.md section 2).
+    split = phi3.tensor_names({"model.layers.0.self_attn.q_proj.trellis"}.__contains__)
+    assert split.qkv_fused is None and split.gate_up_fused is None
+    assert split.q_proj == "model.layers.{i}.self_attn.q_proj"
+
+
+def test_partial_rotary_factor_is_refused_not_ignored(tmp_path):
+    import json
+
+    from exl3cli.engine.loader import load_causal_lm
+    from tests.fixtures.tiny_model import write_tiny_model
+
+    folder = write_tiny_model(tmp_path, "phi3", num_hidden_layers=1)
+    data = json.loads((folder / "config.json").read_text())
+    data["partial_rotary_factor"] = 0.75  # Phi-4-mini (4.x style, and 5.x style below)
+    data.get("rope_parameters", {})["partial_rotary_factor"] = 0.75
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(UnsupportedArchitecture, match="partial_rotary_factor 0.75"):
+        load_causal_lm(folder, device="cpu")

@@ -23,6 +23,10 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 16,
 }
 
+# head_dim 16: 8 factors each (LongRoPE scales every frequency by its own factor).
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.0, 3.0, 4.0],
+                 "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0]}
+
 CASES = {
     "llama": ("llama", {}),
     "llama3_rope_scaling": ("llama", {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0}),
@@ -60,6 +64,12 @@ CASES = {
     ),
     "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),
     "qwen3_moe_sparse_step": ("qwen3_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 3}),
+    # Phi-3: fused qkv_proj / gate_up_proj; LongRoPE short factors (the test's sequences
+    # stay within original_max_position_embeddings) and long ones (they pass it at 8).
+    "phi3": ("phi3", {"sliding_window": 6}),
+    "phi3_longrope_short": ("phi3", {"rope_scaling": PHI3_LONGROPE}),
+    "phi3_longrope_long": ("phi3", {"rope_scaling": PHI3_LONGROPE,
+                                    "original_max_position_embeddings": 8}),
 }
 
 
