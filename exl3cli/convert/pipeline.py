@@ -305,7 +305,9 @@ def convert_model(
     _prepare_work_dir(work_dir, job, resume)
 
     shapes = _group_shapes(conv)
-    bits = allocate_bits(shapes, options.bits)
+    # Mixtures of experts: attention (a few % of the weights, read by every token) gets
+    # two more bits when the experts can pay for it cheaply (allocation.py).
+    bits = allocate_bits(shapes, options.bits, attention_bonus=2 if conv.spec.moe else 0)
     tokenizer = Tokenizer.from_folder(src)
     text = read_calibration_text(options.calib_path)
     tokens = calibration_tokens(tokenizer, text, options.rows, options.cols).to(conv.device)
