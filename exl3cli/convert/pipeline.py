@@ -116,6 +116,9 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
+        if self.names.qkv_fused or self.names.gate_up_fused:
+            raise ConversionError(f"{self.config.architecture}: converting checkpoints with "
+                                  "fused qkv_proj / gate_up_proj is not supported yet")
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Families the raw-weight runner cannot reproduce (Gemma) run through the
         # engine's blocks; the others keep the raw runner (and their exact outputs).
