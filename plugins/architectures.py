@@ -93,6 +93,37 @@ PHI3 = ArchitectureSpec(
     ),
 )
 
+# ERNIE 4.5 (0.3B): Llama blocks with GPT-J-style interleaved rope pairs.
+ERNIE4_5 = ArchitectureSpec(name="Ernie4_5ForCausalLM", rope_interleaved=True)
+
+# ERNIE 4.5 MoE (21B-A3B, 300B-A47B): ERNIE 4.5 attention; experts chosen by softmax
+# probability plus a per-expert correction bias (weights without it), renormalised;
+# shared experts as wide as moe_num_shared_experts experts; MoE from
+# moe_layer_start_index on, every moe_layer_interval-th layer.
+ERNIE4_5_MOE = ArchitectureSpec(
+    name="Ernie4_5_MoeForCausalLM", rope_interleaved=True,
+    moe=MoESpec(
+        score_bias="model.layers.{i}.mlp.moe_statics.e_score_correction_bias",
+        shared_gate_proj="model.layers.{i}.mlp.shared_experts.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_experts.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_experts.down_proj",
+        shared_size_key="moe_intermediate_size*moe_num_shared_experts",
+        normalize_key=None, sparse_layers="interval",
+    ),
+)
+
+# GLM-4 (GLM-4-9B-0414, GLM-Z1): interleaved rope over half of each head, bias on
+# q/k/v, gate/up stored fused, and the attention and MLP outputs normed before their
+# residual adds (post_self_attn_layernorm, post_mlp_layernorm).
+GLM4 = ArchitectureSpec(
+    name="Glm4ForCausalLM", qkv_bias=True, rope_interleaved=True, sandwich_norm=True,
+    tensors=TensorNames(
+        attention_out_norm="model.layers.{i}.post_self_attn_layernorm.weight",
+        mlp_out_norm="model.layers.{i}.post_mlp_layernorm.weight",
+        gate_up_fused="model.layers.{i}.mlp.gate_up_proj",
+    ),
+)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
@@ -127,5 +158,5 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
-             QWEN2_MOE, QWEN3_MOE, PHI3)
+             QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4)
     return {spec.name: spec for spec in specs}

@@ -48,6 +48,13 @@ class TensorNames:
     gate_up_fused: str | None = None
 
 
+def _first_int(raw: Mapping[str, Any], keys: tuple[str, ...]) -> int:
+    for key in keys:
+        if raw.get(key):
+            return int(raw[key])
+    return 0
+
+
 @dataclass(frozen=True)
 class MoESpec:
     """A family's mixture-of-experts MLP: where its tensors are and which config.json
@@ -61,7 +68,9 @@ class MoESpec:
     and `routed_scaling_factor` are read from config.json when the family has them.
 
     sparse_layers: "all", "qwen" (`decoder_sparse_step` and `mlp_only_layers`) or
-    "first_k_dense" (`first_k_dense_replace` dense layers first); other layers get the
+    "first_k_dense" (`first_k_dense_replace` dense layers first) or "interval" (ERNIE
+    4.5: `moe_layer_start_index`..`moe_layer_end_index`, every `moe_layer_interval`-th
+    layer); other layers get the
     dense MLP of TensorNames at `intermediate_size`.
     """
 
@@ -76,8 +85,11 @@ class MoESpec:
     shared_down_proj: str | None = None
     shared_expert_gate: str | None = None  # sigmoid(x . w) scales the shared expert
     # config.json names of the expert count (transformers 5 writes num_local_experts
-    # for Qwen too; DeepSeek-style configs say n_routed_experts): the first present.
-    experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
+    # for Qwen too; DeepSeek-style configs say n_routed_experts, ERNIE moe_num_experts)
+    # and of the experts per token: the first present.
+    experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts",
+                                     "moe_num_experts")
+    top_k_keys: tuple[str, ...] = ("num_experts_per_tok", "moe_k")
     expert_size_key: str = "moe_intermediate_size"
     # config.json key of the shared expert's width, or "<key>*<count key>" (DeepSeek).
     shared_size_key: str | None = None
@@ -98,14 +110,21 @@ class MoESpec:
             return self.num_experts(config) > 0 and (i + 1) % step == 0
         if self.sparse_layers == "first_k_dense":
             return i >= int(raw.get("first_k_dense_replace") or 0)
+        if self.sparse_layers == "interval":  # ERNIE 4.5
+            start = int(raw.get("moe_layer_start_index") or 0)
+            end = int(raw.get("moe_layer_end_index", -1))
+            end = config.num_layers - 1 if end == -1 else end
+            every = int(raw.get("moe_layer_interval") or 1)
+            return start <= i <= end and (i + 1) % every == 0
         raise ValueError(f"unknown sparse_layers policy {self.sparse_layers!r}")
 
     def num_experts(self, config: ModelConfig) -> int:
         """Routed experts per sparse layer (0 when config.json names none)."""
-        for key in self.experts_keys:
-            if config.raw.get(key):
-                return int(config.raw[key])
-        return 0
+        return _first_int(config.raw, self.experts_keys)
+
+    def top_k(self, config: ModelConfig) -> int:
+        """Experts each token is routed to (0 when config.json names none)."""
+        return _first_int(config.raw, self.top_k_keys)
 
     def shared_size(self, config: ModelConfig) -> int:
         """Width of the shared expert (0: none)."""
@@ -152,6 +171,9 @@ class ArchitectureSpec:
     embed_scale: bool = False
     sandwich_norm: bool = False
     sliding_pattern: int = 0
+    # Rope pairs dimensions (2j, 2j + 1) (GPT-J style: ERNIE 4.5, GLM) instead of
+    # (j, j + d/2); the loader reorders q and k to the engine's layout.
+    rope_interleaved: bool = False
     tensors: TensorNames = field(default_factory=TensorNames)
     alt_tensors: TensorNames | None = None
     moe: MoESpec | None = None

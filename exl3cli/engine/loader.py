@@ -25,11 +25,13 @@ from exl3cli.engine.linear import (
     fuse_linears,
     load_linear,
     pack_for_cpu,
+    permute_outputs,
 )
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.moe import MoEMLP, build_moe_mlp
 from exl3cli.engine.norm import RMSNorm
+from exl3cli.engine.rope import rope_permutation, rotary_dim
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
 
@@ -119,6 +121,9 @@ def build_decoder_layer(
             [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
         )
     o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
+    head_order = _head_order(config, spec)
+    if head_order is not None:
+        qkv = permute_outputs(qkv, _qkv_order(config, head_order))
     qk_norm = None
     if spec.qk_norm == "rms":
         # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
@@ -126,6 +131,8 @@ def build_decoder_layer(
             tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),
             tensor(names.k_norm.format(i=i)).expand(config.num_kv_heads, -1),
         ])
+        if head_order is not None:
+            weight = weight[:, head_order.to(weight.device)].contiguous()
         qk_norm = RMSNorm(weight, config.rms_norm_eps, unit_offset=offset)
     sliding = layer_type == SLIDING_ATTENTION
     scale = (None if config.query_pre_attn_scalar is None
@@ -159,6 +166,22 @@ def build_decoder_layer(
     )
 
 
+def _head_order(config: ModelConfig, spec: ArchitectureSpec) -> torch.Tensor | None:
+    """How q/k head dimensions are reordered for the engine's rope (rope.py), or None
+    when the checkpoint's order is already the engine's."""
+    rotary = rotary_dim(config.head_dim, config.rope_scaling)
+    if rotary == config.head_dim and not spec.rope_interleaved:
+        return None
+    return rope_permutation(config.head_dim, rotary, spec.rope_interleaved)
+
+
+def _qkv_order(config: ModelConfig, head_order: torch.Tensor) -> torch.Tensor:
+    """`head_order` applied to every q and k head of the fused [q | k | v] output."""
+    dim, rotated = config.head_dim, config.num_heads + config.num_kv_heads
+    heads = (torch.arange(rotated)[:, None] * dim + head_order[None]).reshape(-1)
+    return torch.cat([heads, torch.arange(rotated * dim, (rotated + config.num_kv_heads) * dim)])
+
+
 def build_causal_lm(
     config: ModelConfig,
     spec: ArchitectureSpec,
@@ -189,10 +212,6 @@ def build_causal_lm(
     layer_types = spec.layer_types(config)
     if len(layer_types) != config.num_layers:
         raise ModelLoadError("config.json layer_types does not match num_hidden_layers")
-    if config.partial_rotary_factor != 1.0:
-        raise UnsupportedArchitecture(
-            f"{config.architecture}: partial rotary embeddings (partial_rotary_factor "
-            f"{config.partial_rotary_factor}) are not supported")
     if config.raw.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
                                       "config) is not supported")

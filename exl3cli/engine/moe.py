@@ -164,7 +164,7 @@ def build_moe_mlp(config: ModelConfig, moe: MoESpec, i: int,
         normalize = bool(raw[moe.normalize_key])
     router = Router(
         linear([moe.router.format(i=i)], [(hidden, num_experts)], moe.router_bias),
-        int(raw.get("num_experts_per_tok") or 0), moe.scoring, normalize,
+        moe.top_k(config), moe.scoring, normalize,
         tensor(moe.score_bias.format(i=i)) if moe.score_bias else None,
         int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1),
         float(raw.get("routed_scaling_factor") or 1.0),

@@ -7,6 +7,12 @@ cos/sin scaled by an attention factor) and longrope (Phi-3 / Phi-4: per-frequenc
 factors, the long set once the sequence passes original_max_position_embeddings).
 cos/sin tables are cached and indexed by position, so a decode step costs one gather
 instead of recomputing frequencies.
+
+`partial_rotary_factor` in the scaling dict (config.py puts it there when it is not 1):
+only that fraction of head_dim rotates; the table's other frequencies are 0 (cos 1,
+sin 0), and the loader orders q/k head dimensions so the rotated pairs come first in
+each half (`rope_permutation`), which also maps GPT-J-style interleaved pairs (ERNIE
+4.5, GLM) onto this module's (i, i + d/2) pairs.
 """
 
 from __future__ import annotations
@@ -127,6 +133,26 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tens
     return torch.where(medium, blended, scaled)
 
 
+def rotary_dim(head_dim: int, scaling: dict[str, Any]) -> int:
+    """How many dimensions of a head rotate (all but with partial_rotary_factor)."""
+    dim = int(head_dim * float(scaling.get("partial_rotary_factor", 1.0)))
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise UnsupportedArchitecture(f"rotary dimension {dim} of head_dim {head_dim}")
+    return dim
+
+
+def rope_permutation(head_dim: int, rotary: int, interleaved: bool) -> torch.Tensor:
+    """Source index of each dimension of a head in the engine's layout: rotated pair j
+    (frequency j) at (j, head_dim/2 + j), then the dimensions that do not rotate.
+    Checkpoint pairs are (j, rotary/2 + j) (Llama style) or (2j, 2j + 1) (interleaved)."""
+    half = rotary // 2
+    j = torch.arange(half)
+    first, second = (2 * j, 2 * j + 1) if interleaved else (j, half + j)
+    passing = torch.arange(rotary, head_dim)
+    keep = passing[: len(passing) // 2], passing[len(passing) // 2 :]
+    return torch.cat([first, keep[0], second, keep[1]])
+
+
 class RotaryEmbedding:
     """cos/sin lookup by position; tables grow on demand (host-side lengths, no sync)."""
 
@@ -155,7 +181,9 @@ class RotaryEmbedding:
         self.version = 0  # bumped on every rebuild: captured graphs hold the old tables
 
     def _build(self, length: int, seq_len: int | None) -> None:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, seq_len)
+        rotary = rotary_dim(self.head_dim, self.scaling)
+        inv_freq = rope_inv_freq(rotary, self.theta, self.scaling, seq_len)
+        inv_freq = torch.nn.functional.pad(inv_freq, (0, (self.head_dim - rotary) // 2))
         positions = torch.arange(length, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)

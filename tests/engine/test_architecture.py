@@ -78,16 +78,11 @@ def test_fused_projection_names_apply_only_where_the_checkpoint_has_them():
     assert split.q_proj == "model.layers.{i}.self_attn.q_proj"
 
 
-def test_partial_rotary_factor_is_refused_not_ignored(tmp_path):
-    import json
+def test_rope_permutation_layouts():
+    from exl3cli.engine.rope import rope_permutation
 
-    from exl3cli.engine.loader import load_causal_lm
-    from tests.fixtures.tiny_model import write_tiny_model
-
-    folder = write_tiny_model(tmp_path, "phi3", num_hidden_layers=1)
-    data = json.loads((folder / "config.json").read_text())
-    data["partial_rotary_factor"] = 0.75  # Phi-4-mini (4.x style, and 5.x style below)
-    data.get("rope_parameters", {})["partial_rotary_factor"] = 0.75
-    (folder / "config.json").write_text(json.dumps(data))
-    with pytest.raises(UnsupportedArchitecture, match="partial_rotary_factor 0.75"):
-        load_causal_lm(folder, device="cpu")
+    # Llama-style pairs over 4 of 8 dimensions: (0, 2), (1, 3) rotate; 4..7 pass.
+    assert rope_permutation(8, 4, False).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    # Interleaved pairs (0, 1), (2, 3), ... over the whole head.
+    assert rope_permutation(8, 8, True).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert rope_permutation(8, 8, False).tolist() == list(range(8))

@@ -70,6 +70,12 @@ CASES = {
     "phi3_longrope_short": ("phi3", {"rope_scaling": PHI3_LONGROPE}),
     "phi3_longrope_long": ("phi3", {"rope_scaling": PHI3_LONGROPE,
                                     "original_max_position_embeddings": 8}),
+    "phi3_partial_rotary": ("phi3", {"partial_rotary_factor": 0.5}),  # Phi-4-mini's kind
+    # Interleaved rope pairs; ERNIE 4.5 MoE adds the expert-choice bias, shared experts
+    # and a dense first layer; GLM-4 rotates half of each head, sandwich norms.
+    "ernie4_5": ("ernie4_5", {}),
+    "ernie4_5_moe": ("ernie4_5_moe", {}),
+    "glm4": ("glm4", {}),
 }
 
 
