@@ -41,6 +41,8 @@ def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[st
         "final logit soft-capping": config.final_logit_softcapping is not None,
         "a separate rope for sliding layers": config.sliding_rope_theta is not None,
         "mixture of experts": spec.moe is not None,
+        "interleaved rope pairs": spec.rope_interleaved,
+        "partial rotary embeddings": config.partial_rotary_factor != 1.0,
     }
     return [name for name, present in checks.items() if present]
 

@@ -180,9 +180,13 @@ def _quantize_folder(src: Path, out: Path, k_bits: int) -> Path:
     ("qwen3_moe", "model.layers.0.mlp.experts.3.gate_proj"),
     ("mixtral", "model.layers.0.block_sparse_moe.experts.3.w1"),
     ("qwen2_moe", "model.layers.0.mlp.shared_expert.down_proj"),
+    # Interleaved rope: q and k of the trellis layers are reordered by a gather.
+    ("ernie4_5_moe", "model.layers.0.mlp.shared_experts.up_proj"),
 ])
 def test_exl3_moe_folder_loads_and_tracks_the_original(tmp_path, arch, expert):
     overrides = {"num_hidden_layers": 1, "vocab_size": 128}
+    if arch == "ernie4_5_moe":
+        overrides["moe_layer_start_index"] = 0
     folder = _quantize_folder(write_tiny_model(tmp_path / "src", arch, **overrides),
                               tmp_path / "exl3", k_bits=7)
     assert WeightReader(folder).has(expert + ".trellis")
