@@ -124,6 +124,22 @@ GLM4 = ArchitectureSpec(
     ),
 )
 
+# GLM-4.5 / 4.6 (Glm4MoeForCausalLM): Llama-style rope over part of each head, q/k/v
+# bias when the checkpoint has it, q/k norms with use_qk_norm; DeepSeek-V3's router
+# (sigmoid scores, a choice bias, grouped top-k, routed_scaling_factor), shared experts
+# and first_k_dense_replace dense layers.
+GLM4_MOE = ArchitectureSpec(
+    name="Glm4MoeForCausalLM", qk_norm="rms", qk_norm_key="use_qk_norm",
+    moe=MoESpec(
+        score_bias="model.layers.{i}.mlp.gate.e_score_correction_bias",
+        shared_gate_proj="model.layers.{i}.mlp.shared_experts.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_experts.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_experts.down_proj",
+        shared_size_key="moe_intermediate_size*n_shared_experts",
+        scoring="sigmoid", sparse_layers="first_k_dense",
+    ),
+)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
@@ -158,5 +174,6 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
-             QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4)
+             QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
+             GLM4_MOE)
     return {spec.name: spec for spec in specs}

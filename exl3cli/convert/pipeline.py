@@ -170,7 +170,7 @@ class _Converter:
         names = [t.input_norm.format(i=i), t.post_attention_norm.format(i=i)]
         if self.spec.sandwich_norm:
             names += [t.attention_out_norm.format(i=i), t.mlp_out_norm.format(i=i)]
-        if self.spec.qk_norm:
+        if self.spec.uses_qk_norm(self.config):
             names += [t.q_norm.format(i=i), t.k_norm.format(i=i)]
         return names
 
@@ -201,7 +201,7 @@ class _Converter:
             return [dense[m] for m in mods[name]]
 
         qk_norms = None
-        if self.spec.qk_norm:
+        if self.spec.uses_qk_norm(self.config):
             qk_norms = (self.tensor(t.q_norm.format(i=i)), self.tensor(t.k_norm.format(i=i)))
         x = r.rms_norm(hidden, self.tensor(t.input_norm.format(i=i)))
         qkv = group("qkv", x)

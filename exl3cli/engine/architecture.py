@@ -165,6 +165,7 @@ class ArchitectureSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: str | None = None  # None or "rms" (per-head RMSNorm on q and k, Qwen3)
+    qk_norm_key: str | None = None  # config.json flag that switches qk_norm on (GLM-4.5)
     sliding_window: str = "none"
     activation: str = "silu"
     norm_unit_offset: bool = False
@@ -190,6 +191,12 @@ class ArchitectureSpec:
         unfused = {key: None for key in ("qkv_fused", "gate_up_fused")
                    if getattr(names, key) and not has(getattr(names, key).format(i=0) + ".weight")}
         return replace(names, **unfused) if unfused else names
+
+    def uses_qk_norm(self, config: ModelConfig) -> bool:
+        """Whether this model's attention norms q and k (per head, RMS)."""
+        if self.qk_norm is None:
+            return False
+        return self.qk_norm_key is None or bool(config.raw.get(self.qk_norm_key))
 
     def layer_types(self, config: ModelConfig) -> list[str]:
         """Attention kind of every layer: FULL_ATTENTION or SLIDING_ATTENTION."""

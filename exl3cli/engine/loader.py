@@ -125,7 +125,7 @@ def build_decoder_layer(
     if head_order is not None:
         qkv = permute_outputs(qkv, _qkv_order(config, head_order))
     qk_norm = None
-    if spec.qk_norm == "rms":
+    if spec.uses_qk_norm(config):
         # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
         weight = torch.cat([
             tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),

@@ -76,6 +76,10 @@ CASES = {
     "ernie4_5": ("ernie4_5", {}),
     "ernie4_5_moe": ("ernie4_5_moe", {}),
     "glm4": ("glm4", {}),
+    # Sigmoid router with choice bias and grouped top-k, shared expert, dense layer 0,
+    # rope over half of each head; with and without q/k norms.
+    "glm4_moe": ("glm4_moe", {}),
+    "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
 }
 
 
