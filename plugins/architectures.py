@@ -140,6 +140,13 @@ GLM4_MOE = ArchitectureSpec(
     ),
 )
 
+# EXAONE 4.0 (1.2B; 32B with its sliding window is refused): per-head q/k norms and
+# norms after attention and MLP instead of before them.
+EXAONE4 = ArchitectureSpec(
+    name="Exaone4ForCausalLM", qk_norm="rms", post_norm=True, sandwich_norm=True,
+    sliding_window="pattern", sliding_pattern=4, global_layers_without_rope=True,
+)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
@@ -175,5 +182,5 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
-             GLM4_MOE)
+             GLM4_MOE, EXAONE4)
     return {spec.name: spec for spec in specs}

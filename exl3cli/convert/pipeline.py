@@ -167,7 +167,8 @@ class _Converter:
 
     def norm_names(self, i: int) -> list[str]:
         t = self.names
-        names = [t.input_norm.format(i=i), t.post_attention_norm.format(i=i)]
+        names = [] if self.spec.post_norm else [t.input_norm.format(i=i),
+                                                 t.post_attention_norm.format(i=i)]
         if self.spec.sandwich_norm:
             names += [t.attention_out_norm.format(i=i), t.mlp_out_norm.format(i=i)]
         if self.spec.uses_qk_norm(self.config):

@@ -175,6 +175,11 @@ class ArchitectureSpec:
     # Rope pairs dimensions (2j, 2j + 1) (GPT-J style: ERNIE 4.5, GLM) instead of
     # (j, j + d/2); the loader reorders q and k to the engine's layout.
     rope_interleaved: bool = False
+    # No norm in front of attention and MLP, only on their outputs (the sandwich
+    # names) before the residual add: EXAONE 4 (needs sandwich_norm too).
+    post_norm: bool = False
+    # With a sliding window, full-attention layers skip rope (EXAONE 4 32B): refused.
+    global_layers_without_rope: bool = False
     tensors: TensorNames = field(default_factory=TensorNames)
     alt_tensors: TensorNames | None = None
     moe: MoESpec | None = None

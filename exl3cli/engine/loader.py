@@ -7,9 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from exl3cli import cpu_kernels
 from exl3cli.engine.architecture import (
+    FULL_ATTENTION,
     SLIDING_ATTENTION,
     ArchitectureSpec,
     TensorNames,
@@ -110,6 +112,9 @@ def build_decoder_layer(
     def norm(name: str) -> RMSNorm:
         return RMSNorm(tensor(name), config.rms_norm_eps, unit_offset=offset)
 
+    def pre_norm(name: str) -> nn.Module:  # post-norm families have none
+        return nn.Identity() if spec.post_norm else norm(name)
+
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     if names.qkv_fused:  # one stored [q | k | v] matrix
@@ -161,8 +166,8 @@ def build_decoder_layer(
     sandwich = ((norm(names.attention_out_norm.format(i=i)),
                  norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
     return DecoderLayer(
-        norm(names.input_norm.format(i=i)), attention,
-        norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
+        pre_norm(names.input_norm.format(i=i)), attention,
+        pre_norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
     )
 
 
@@ -212,6 +217,10 @@ def build_causal_lm(
     layer_types = spec.layer_types(config)
     if len(layer_types) != config.num_layers:
         raise ModelLoadError("config.json layer_types does not match num_hidden_layers")
+    if (spec.global_layers_without_rope and config.sliding_window is not None
+            and FULL_ATTENTION in layer_types):
+        raise UnsupportedArchitecture(f"{config.architecture}: a sliding window with "
+                                      "rope-less global layers is not supported")
     if config.raw.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
                                       "config) is not supported")

@@ -79,6 +79,7 @@ CASES = {
     # Sigmoid router with choice bias and grouped top-k, shared expert, dense layer 0,
     # rope over half of each head; with and without q/k norms.
     "glm4_moe": ("glm4_moe", {}),
+    "exaone4": ("exaone4", {}),  # post-norm blocks, q/k norms
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
 }
 
