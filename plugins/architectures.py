@@ -147,6 +147,13 @@ EXAONE4 = ArchitectureSpec(
     sliding_window="pattern", sliding_pattern=4, global_layers_without_rope=True,
 )
 
+# OLMo 2 / OLMo 3: norms after attention and MLP, q and k normed over all their heads;
+# OLMo 3 adds sliding layers (layer_types) with their own rope.
+OLMO2 = ArchitectureSpec(name="Olmo2ForCausalLM", qk_norm="rms_full", post_norm=True,
+                         sandwich_norm=True)
+OLMO3 = ArchitectureSpec(name="Olmo3ForCausalLM", qk_norm="rms_full", post_norm=True,
+                         sandwich_norm=True, sliding_window="pattern", sliding_pattern=4)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
@@ -182,5 +189,5 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
-             GLM4_MOE, EXAONE4)
+             GLM4_MOE, EXAONE4, OLMO2, OLMO3)
     return {spec.name: spec for spec in specs}

@@ -164,7 +164,9 @@ class ArchitectureSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: str | None = None  # None or "rms" (per-head RMSNorm on q and k, Qwen3)
+    # None, "rms" (per-head RMSNorm on q and k, Qwen3) or "rms_full" (over all heads
+    # of q, and of k, at once: OLMo 2/3)
+    qk_norm: str | None = None
     qk_norm_key: str | None = None  # config.json flag that switches qk_norm on (GLM-4.5)
     sliding_window: str = "none"
     activation: str = "silu"

@@ -32,7 +32,7 @@ from exl3cli.engine.linear import (
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.moe import MoEMLP, build_moe_mlp
-from exl3cli.engine.norm import RMSNorm
+from exl3cli.engine.norm import FullWidthQKNorm, RMSNorm
 from exl3cli.engine.rope import rope_permutation, rotary_dim
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
@@ -129,8 +129,12 @@ def build_decoder_layer(
     head_order = _head_order(config, spec)
     if head_order is not None:
         qkv = permute_outputs(qkv, _qkv_order(config, head_order))
-    qk_norm = None
-    if spec.uses_qk_norm(config):
+    qk_norm: RMSNorm | FullWidthQKNorm | None = None
+    if spec.uses_qk_norm(config) and spec.qk_norm == "rms_full":
+        qk_norm = FullWidthQKNorm(tensor(names.q_norm.format(i=i)),
+                                  tensor(names.k_norm.format(i=i)), config.num_heads,
+                                  config.rms_norm_eps)
+    elif spec.uses_qk_norm(config):
         # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
         weight = torch.cat([
             tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),

@@ -80,6 +80,8 @@ CASES = {
     # rope over half of each head; with and without q/k norms.
     "glm4_moe": ("glm4_moe", {}),
     "exaone4": ("exaone4", {}),  # post-norm blocks, q/k norms
+    "olmo2": ("olmo2", {}),  # post-norm blocks, q/k norms over all heads
+    "olmo3": ("olmo3", {}),  # and sliding layers
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
 }
 
