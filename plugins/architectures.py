@@ -154,6 +154,11 @@ OLMO2 = ArchitectureSpec(name="Olmo2ForCausalLM", qk_norm="rms_full", post_norm=
 OLMO3 = ArchitectureSpec(name="Olmo3ForCausalLM", qk_norm="rms_full", post_norm=True,
                          sandwich_norm=True, sliding_window="pattern", sliding_pattern=4)
 
+# SmolLM3: Llama blocks where every no_rope_layer_interval-th layer skips rope
+# (config.json's no_rope_layers: 1 rotates, 0 does not).
+SMOLLM3 = ArchitectureSpec(name="SmolLM3ForCausalLM", sliding_window="from_layer",
+                           no_rope_key="no_rope_layers")
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
@@ -189,5 +194,5 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
-             GLM4_MOE, EXAONE4, OLMO2, OLMO3)
+             GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3)
     return {spec.name: spec for spec in specs}

@@ -180,6 +180,8 @@ class ArchitectureSpec:
     # No norm in front of attention and MLP, only on their outputs (the sandwich
     # names) before the residual add: EXAONE 4 (needs sandwich_norm too).
     post_norm: bool = False
+    # config.json list with one flag per layer, 0 = no rope in that layer (SmolLM3).
+    no_rope_key: str | None = None
     # With a sliding window, full-attention layers skip rope (EXAONE 4 32B): refused.
     global_layers_without_rope: bool = False
     tensors: TensorNames = field(default_factory=TensorNames)
@@ -198,6 +200,15 @@ class ArchitectureSpec:
         unfused = {key: None for key in ("qkv_fused", "gate_up_fused")
                    if getattr(names, key) and not has(getattr(names, key).format(i=0) + ".weight")}
         return replace(names, **unfused) if unfused else names
+
+    def layer_uses_rope(self, config: ModelConfig, i: int) -> bool:
+        """False for the layers config.json's `no_rope_layers` marks 0 (SmolLM3)."""
+        flags = config.raw.get(self.no_rope_key) if self.no_rope_key else None
+        if flags is None:
+            return True
+        if len(flags) != config.num_layers:
+            raise ValueError(f"{self.no_rope_key} must list {config.num_layers} layers")
+        return bool(flags[i])
 
     def uses_qk_norm(self, config: ModelConfig) -> bool:
         """Whether this model's attention norms q and k (per head, RMS)."""

@@ -152,6 +152,7 @@ def build_decoder_layer(
         softcap=config.attn_logit_softcapping,
         # Only when the config gives sliding layers a rope of their own (Gemma 3).
         local_rope=config.sliding_rope_theta is not None and sliding,
+        rope=spec.layer_uses_rope(config, i),
     )
     act = config.hidden_act or spec.activation
     mlp: GatedMLP | MoEMLP

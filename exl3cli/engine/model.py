@@ -98,7 +98,8 @@ class _DecodePlan(NamedTuple):
             return None
         norms = (layer.input_norm, layer.post_attention_norm)
         linears = (attention.qkv, attention.o, mlp.gate_up, mlp.down)
-        if attention.qk_norm is not None or not getattr(mlp, "_silu", False):
+        if (attention.qk_norm is not None or not getattr(mlp, "_silu", False)
+                or not attention.rope):
             return None
         if (layer.attention_out_norm is not None or attention.scale is not None
                 or attention.softcap is not None or attention.local_rope):

@@ -82,6 +82,7 @@ CASES = {
     "exaone4": ("exaone4", {}),  # post-norm blocks, q/k norms
     "olmo2": ("olmo2", {}),  # post-norm blocks, q/k norms over all heads
     "olmo3": ("olmo3", {}),  # and sliding layers
+    "smollm3": ("smollm3", {}),  # a layer without rope
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
 }
 
