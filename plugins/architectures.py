@@ -140,8 +140,9 @@ GLM4_MOE = ArchitectureSpec(
     ),
 )
 
-# EXAONE 4.0 (1.2B; 32B with its sliding window is refused): per-head q/k norms and
-# norms after attention and MLP instead of before them.
+# EXAONE 4.0: per-head q/k norms and norms after attention and MLP instead of before
+# them; with a sliding window (32B) three sliding layers per global one, which has no
+# rope.
 EXAONE4 = ArchitectureSpec(
     name="Exaone4ForCausalLM", qk_norm="rms", post_norm=True, sandwich_norm=True,
     sliding_window="pattern", sliding_pattern=4, global_layers_without_rope=True,

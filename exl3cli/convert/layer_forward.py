@@ -43,8 +43,8 @@ def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[st
         "mixture of experts": spec.moe is not None,
         "interleaved rope pairs": spec.rope_interleaved,
         "partial rotary embeddings": config.partial_rotary_factor != 1.0,
-        "layers without rope": not all(spec.layer_uses_rope(config, i)
-                                       for i in range(config.num_layers)),
+        "layers without rope": spec.global_layers_without_rope or not all(
+            spec.layer_uses_rope(config, i) for i in range(config.num_layers)),
         "q/k norms over all heads": spec.qk_norm == "rms_full",
     }
     return [name for name, present in checks.items() if present]

@@ -182,7 +182,7 @@ class ArchitectureSpec:
     post_norm: bool = False
     # config.json list with one flag per layer, 0 = no rope in that layer (SmolLM3).
     no_rope_key: str | None = None
-    # With a sliding window, full-attention layers skip rope (EXAONE 4 32B): refused.
+    # With a sliding window, full-attention layers skip rope (EXAONE 4 32B, Cohere2).
     global_layers_without_rope: bool = False
     tensors: TensorNames = field(default_factory=TensorNames)
     alt_tensors: TensorNames | None = None

@@ -11,7 +11,6 @@ from torch import nn
 
 from exl3cli import cpu_kernels
 from exl3cli.engine.architecture import (
-    FULL_ATTENTION,
     SLIDING_ATTENTION,
     ArchitectureSpec,
     TensorNames,
@@ -152,7 +151,9 @@ def build_decoder_layer(
         softcap=config.attn_logit_softcapping,
         # Only when the config gives sliding layers a rope of their own (Gemma 3).
         local_rope=config.sliding_rope_theta is not None and sliding,
-        rope=spec.layer_uses_rope(config, i),
+        rope=spec.layer_uses_rope(config, i) and not (
+            spec.global_layers_without_rope and config.sliding_window is not None
+            and not sliding),
     )
     act = config.hidden_act or spec.activation
     mlp: GatedMLP | MoEMLP
@@ -222,10 +223,6 @@ def build_causal_lm(
     layer_types = spec.layer_types(config)
     if len(layer_types) != config.num_layers:
         raise ModelLoadError("config.json layer_types does not match num_hidden_layers")
-    if (spec.global_layers_without_rope and config.sliding_window is not None
-            and FULL_ATTENTION in layer_types):
-        raise UnsupportedArchitecture(f"{config.architecture}: a sliding window with "
-                                      "rope-less global layers is not supported")
     if config.raw.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
                                       "config) is not supported")

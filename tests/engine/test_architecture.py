@@ -87,12 +87,3 @@ def test_rope_permutation_layouts():
     assert rope_permutation(8, 8, True).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     assert rope_permutation(8, 8, False).tolist() == list(range(8))
 
-
-def test_exaone4_with_rope_less_global_layers_is_refused(tmp_path):
-    from exl3cli.engine.loader import load_causal_lm
-    from tests.fixtures.tiny_model import write_tiny_model
-
-    # EXAONE 4.0 32B's kind: three sliding layers, then a global one without rope.
-    folder = write_tiny_model(tmp_path, "exaone4", sliding_window=6, num_hidden_layers=4)
-    with pytest.raises(UnsupportedArchitecture, match="rope-less global layers"):
-        load_causal_lm(folder, device="cpu")

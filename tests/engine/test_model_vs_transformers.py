@@ -80,6 +80,8 @@ CASES = {
     # rope over half of each head; with and without q/k norms.
     "glm4_moe": ("glm4_moe", {}),
     "exaone4": ("exaone4", {}),  # post-norm blocks, q/k norms
+    # EXAONE 4.0 32B's kind: three sliding layers, then a global one without rope.
+    "exaone4_sliding": ("exaone4", {"sliding_window": 6, "num_hidden_layers": 4}),
     "olmo2": ("olmo2", {}),  # post-norm blocks, q/k norms over all heads
     "olmo3": ("olmo3", {}),  # and sliding layers
     "smollm3": ("smollm3", {}),  # a layer without rope
