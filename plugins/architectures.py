@@ -160,6 +160,19 @@ OLMO3 = ArchitectureSpec(name="Olmo3ForCausalLM", qk_norm="rms_full", post_norm=
 SMOLLM3 = ArchitectureSpec(name="SmolLM3ForCausalLM", sliding_window="from_layer",
                            no_rope_key="no_rope_layers")
 
+# Cohere (Command-R, Command-R+): one LayerNorm feeding attention and MLP side by side,
+# interleaved rope pairs, per-head LayerNorm q/k norms with use_qk_norm, tied
+# embeddings and logits times logit_scale. Cohere2 (Command-R7B, Command-A): three
+# sliding layers per global one, whose attention has no rope.
+COHERE = ArchitectureSpec(
+    name="CohereForCausalLM", norm="layer", parallel_block=True, rope_interleaved=True,
+    qk_norm="layer", qk_norm_key="use_qk_norm",
+)
+COHERE2 = ArchitectureSpec(
+    name="Cohere2ForCausalLM", norm="layer", parallel_block=True, rope_interleaved=True,
+    sliding_window="pattern", sliding_pattern=4, global_layers_without_rope=True,
+)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
@@ -195,5 +208,6 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
-             GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3)
+             GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
+             COHERE, COHERE2)
     return {spec.name: spec for spec in specs}

@@ -116,6 +116,9 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
+        if self.spec.norm != "rms" or self.spec.parallel_block:
+            raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
+                                  "parallel-block families is not supported yet")
         if self.names.qkv_fused or self.names.gate_up_fused:
             raise ConversionError(f"{self.config.architecture}: converting checkpoints with "
                                   "fused qkv_proj / gate_up_proj is not supported yet")

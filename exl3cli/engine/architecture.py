@@ -180,6 +180,8 @@ class ArchitectureSpec:
     # No norm in front of attention and MLP, only on their outputs (the sandwich
     # names) before the residual add: EXAONE 4 (needs sandwich_norm too).
     post_norm: bool = False
+    norm: str = "rms"  # or "layer": mean-centred LayerNorm without bias (Cohere)
+    parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)) (Cohere)
     # config.json list with one flag per layer, 0 = no rope in that layer (SmolLM3).
     no_rope_key: str | None = None
     # With a sliding window, full-attention layers skip rope (EXAONE 4 32B, Cohere2).

@@ -308,6 +308,39 @@ def permute_outputs(layer: Linear, order: torch.Tensor) -> Linear:
                        cpu_weights=getattr(layer, "cpu_weights", None))
 
 
+class ScaledLinear(Linear):
+    """``inner`` with every output multiplied by ``factor`` (Cohere's logit scale)."""
+
+    def __init__(self, inner: Linear, factor: float):
+        super().__init__()
+        self.inner, self.factor = inner, factor
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.factor
+
+    def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        dense = self.inner.dense_weight()
+        if dense is None:
+            return None
+        weight, bias = dense
+        return weight * self.factor, None if bias is None else bias * self.factor
+
+
+def scale_outputs(layer: Linear | torch.Tensor, factor: float,
+                  cpu_weights: str | None = None) -> Linear:
+    """``layer`` (or a plain (out, in) matrix) with outputs times ``factor``: a scaled
+    dense copy when it has a weight, else a ``ScaledLinear``."""
+    if isinstance(layer, torch.Tensor):
+        return DenseLinear(layer * factor, cpu_weights=cpu_weights)
+    dense = layer.dense_weight()
+    if dense is None:
+        return ScaledLinear(layer, factor)
+    weight, bias = dense
+    return DenseLinear(weight * factor, None if bias is None else bias * factor,
+                       cpu_weights=getattr(layer, "cpu_weights", None))
+
+
 def fuse_linears(parts: list[Linear]) -> Linear:
     """One layer for ``parts`` on a shared input: a single dense matmul when possible."""
     if len(parts) == 1:

@@ -18,6 +18,7 @@ from exl3cli.engine.architecture import (
     load_family_config,
 )
 from exl3cli.engine.attention import Attention
+from exl3cli.engine.blocks import ParallelDecoderLayer
 from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.linear import (
     CPU_WEIGHT_MODES,
@@ -27,11 +28,12 @@ from exl3cli.engine.linear import (
     load_linear,
     pack_for_cpu,
     permute_outputs,
+    scale_outputs,
 )
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.moe import MoEMLP, build_moe_mlp
-from exl3cli.engine.norm import FullWidthQKNorm, RMSNorm
+from exl3cli.engine.norm import FullWidthQKNorm, LayerNorm, RMSNorm
 from exl3cli.engine.rope import rope_permutation, rotary_dim
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
@@ -106,10 +108,9 @@ def build_decoder_layer(
     made by `linear(module prefixes, [(in, out)], bias)` (fused when several). The
     loader and the quantizer's calibration forward both build layers here, so the
     activations a model is calibrated on are the ones it computes."""
-    offset = spec.norm_unit_offset
 
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(tensor(name), config.rms_norm_eps, unit_offset=offset)
+    def norm(name: str) -> RMSNorm | LayerNorm:
+        return family_norm(config, spec, tensor(name))
 
     def pre_norm(name: str) -> nn.Module:  # post-norm families have none
         return nn.Identity() if spec.post_norm else norm(name)
@@ -134,14 +135,15 @@ def build_decoder_layer(
                                   tensor(names.k_norm.format(i=i)), config.num_heads,
                                   config.rms_norm_eps)
     elif spec.uses_qk_norm(config):
-        # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
+        # One [q heads + kv heads, head_dim] weight so q and k normalise in one op
+        # (Cohere's per-head LayerNorm weights are already [heads, head_dim]).
         weight = torch.cat([
             tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),
             tensor(names.k_norm.format(i=i)).expand(config.num_kv_heads, -1),
         ])
         if head_order is not None:
             weight = weight[:, head_order.to(weight.device)].contiguous()
-        qk_norm = RMSNorm(weight, config.rms_norm_eps, unit_offset=offset)
+        qk_norm = family_norm(config, spec, weight)
     sliding = layer_type == SLIDING_ATTENTION
     scale = (None if config.query_pre_attn_scalar is None
              else float(config.query_pre_attn_scalar) ** -0.5)
@@ -169,12 +171,23 @@ def build_decoder_layer(
         )
         down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
         mlp = GatedMLP(gate_up, down, act)
+    if spec.parallel_block:
+        return ParallelDecoderLayer(norm(names.input_norm.format(i=i)), attention, mlp)
     sandwich = ((norm(names.attention_out_norm.format(i=i)),
                  norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
     return DecoderLayer(
         pre_norm(names.input_norm.format(i=i)), attention,
         pre_norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
     )
+
+
+def family_norm(config: ModelConfig, spec: ArchitectureSpec,
+                weight: torch.Tensor) -> RMSNorm | LayerNorm:
+    """The family's norm with `weight`: RMSNorm, or LayerNorm (Cohere, whose
+    config.json names the epsilon layer_norm_eps)."""
+    if spec.norm == "layer":
+        return LayerNorm(weight, float(config.raw.get("layer_norm_eps") or 1e-5))
+    return RMSNorm(weight, config.rms_norm_eps, unit_offset=spec.norm_unit_offset)
 
 
 def _head_order(config: ModelConfig, spec: ArchitectureSpec) -> torch.Tensor | None:
@@ -240,6 +253,8 @@ def build_causal_lm(
         lm_head = embed if packing in (None, "fp32") else DenseLinear(embed, cpu_weights=packing)
     else:
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
-    final_norm = RMSNorm(tensor(names.final_norm), config.rms_norm_eps,
-                         unit_offset=spec.norm_unit_offset)
+    logit_scale = config.raw.get("logit_scale")
+    if logit_scale is not None and float(logit_scale) != 1.0:  # Cohere: folded in
+        lm_head = scale_outputs(lm_head, float(logit_scale), packing)
+    final_norm = family_norm(config, spec, tensor(names.final_norm))
     return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()

@@ -80,3 +80,22 @@ class FullWidthQKNorm(nn.Module):
         q = RMSNorm(self.q_weight, self.eps)(q.contiguous())
         k = RMSNorm(self.k_weight, self.eps)(k.contiguous())
         return torch.cat([q, k], dim=-1).view(qk.shape)
+
+
+class LayerNorm(nn.Module):
+    """Cohere's norm: (x - mean) / sqrt(var + eps) * weight, no bias, in float32.
+    `weight` may be [heads, head_dim] (per-head q/k norms) and broadcasts over x."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.register_buffer("weight", weight.float(), persistent=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + residual
+        return total, self(total)

@@ -85,6 +85,11 @@ CASES = {
     "olmo2": ("olmo2", {}),  # post-norm blocks, q/k norms over all heads
     "olmo3": ("olmo3", {}),  # and sliding layers
     "smollm3": ("smollm3", {}),  # a layer without rope
+    # LayerNorm, parallel block, interleaved rope, logit scale; q/k LayerNorms; Cohere2's
+    # sliding layers and rope-less global layer.
+    "cohere": ("cohere", {}),
+    "cohere_qk_norm": ("cohere", {"use_qk_norm": True}),
+    "cohere2": ("cohere2", {}),
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
 }
 
