@@ -43,6 +43,7 @@ from exl3cli.errors import ConversionError
 from .allocation import GroupShape, allocate_bits, average_bits
 from .calibration import DEFAULT_COLS, DEFAULT_ROWS, calibration_tokens, read_calibration_text
 from .engine_layer import EngineLayerForward, activation_dtype
+from .fused_source import split_fused
 from .hessian import HessianAccumulator
 from .layer_forward import LayerRunner, unsupported_features
 from .moe_layer import (
@@ -119,9 +120,9 @@ class _Converter:
         if self.spec.norm != "rms" or self.spec.parallel_block:
             raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
                                   "parallel-block families is not supported yet")
-        if self.names.qkv_fused or self.names.gate_up_fused:
-            raise ConversionError(f"{self.config.architecture}: converting checkpoints with "
-                                  "fused qkv_proj / gate_up_proj is not supported yet")
+        # Fused q/k/v and gate/up (Phi-3, GLM-4) are converted as the split modules
+        # EXL3 folders hold.
+        self.reader, self.names = split_fused(self.reader, self.config, self.names)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Families the raw-weight runner cannot reproduce (Gemma) run through the
         # engine's blocks; the others keep the raw runner (and their exact outputs).

@@ -123,10 +123,3 @@ def test_resume_reuses_the_layers_and_writes_the_same_folder(converted, tmp_path
     name = EXPERT[converted["arch"]].format(i=1, e=3, p=PARTS[converted["arch"]][2])
     assert torch.equal(first.get(name + ".trellis"), second.get(name + ".trellis"))
 
-
-def test_fused_phi3_checkpoint_is_refused_in_one_line(tmp_path):
-    from exl3cli.errors import ConversionError
-
-    src = write_tiny_chat_model(tmp_path / "src", "phi3", num_hidden_layers=1)
-    with pytest.raises(ConversionError, match="fused qkv_proj"):
-        convert_model(src, tmp_path / "out", FAST, tmp_path / "work")
