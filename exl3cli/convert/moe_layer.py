@@ -18,6 +18,7 @@ Public API:
 - ``MoEInputs`` / ``capture_moe_inputs(engine, layer, hidden, group)``: the rows each
   expert (and the shared expert) received, and the block's input rows.
 - ``pooled_hessian(rows, pool, features) -> Tensor``.
+- ``quantize_experts(conv, i, hidden, dense, group, k_bits) -> (results, counts)``.
 """
 
 from __future__ import annotations
@@ -142,3 +143,24 @@ def pooled_hessian(rows: torch.Tensor | None, pool: torch.Tensor, features: int)
         return acc.hessian()
     total = acc.hessian() * acc.rows if acc.rows else torch.zeros_like(pool)
     return (total + pool.to(total.dtype) * missing) / (acc.rows + missing)
+
+
+def quantize_experts(conv, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
+                     group: str, k_bits: int) -> tuple[list, list[int]]:
+    """Quantize a sparse layer's `group` ("gate_up" or "down") for the converter `conv`
+    (pipeline._Converter): each expert (and the shared expert) on the rows it received,
+    topped up with the pooled Hessian; also the rows each routed expert received."""
+    engine = conv.engine_layers
+    seen = capture_moe_inputs(engine, engine.build(i, dense, conv.tensor), hidden, group)
+    if group == "gate_up":
+        pool_rows = torch.cat(seen.block)
+    else:
+        pool_rows = torch.cat([x for parts in seen.experts.values() for x in parts])
+    pool = HessianAccumulator(pool_rows.shape[-1], conv.device)
+    pool.add(pool_rows)
+    results = []
+    for modules, source in moe_units(conv.spec, conv.config, i, group):
+        rows = seen.of(source)
+        h = pooled_hessian(rows, pool.hessian(), pool_rows.shape[-1])
+        results += conv.quantize(modules, rows, k_bits, hessian=h)
+    return results, seen.token_counts()

@@ -46,13 +46,7 @@ from .engine_layer import EngineLayerForward, activation_dtype
 from .fused_source import split_fused
 from .hessian import HessianAccumulator
 from .layer_forward import LayerRunner, unsupported_features
-from .moe_layer import (
-    capture_moe_inputs,
-    kept_dense_modules,
-    layer_modules,
-    moe_units,
-    pooled_hessian,
-)
+from .moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
 from .quantize_layer import QuantizedLinear, QuantSettings, quantize_group
 from .report import ConversionSummary, LayerReport
 
@@ -251,24 +245,8 @@ class _Converter:
 
     def quantize_experts(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
                          group: str, k_bits: int) -> tuple[list[QuantizedLinear], list[int]]:
-        """A sparse layer's `group`: each expert on the rows routed to it (moe_layer.py);
-        also the calibration rows each routed expert received."""
-        engine = self.engine_layers
-        assert engine is not None
-        seen = capture_moe_inputs(engine, engine.build(i, dense, self.tensor), hidden, group)
-        units = moe_units(self.spec, self.config, i, group)
-        if group == "gate_up":
-            pool_rows = torch.cat(seen.block)
-        else:
-            pool_rows = torch.cat([x for parts in seen.experts.values() for x in parts])
-        pool = HessianAccumulator(pool_rows.shape[-1], self.device)
-        pool.add(pool_rows)
-        results = []
-        for modules, source in units:
-            rows = seen.of(source)
-            h = pooled_hessian(rows, pool.hessian(), pool_rows.shape[-1])
-            results += self.quantize(modules, rows, k_bits, hessian=h)
-        return results, seen.token_counts()
+        """A sparse layer's `group`, each expert on its routed rows (moe_layer.py)."""
+        return quantize_experts(self, i, hidden, dense, group, k_bits)
 
     def dense_from_stored(self, stored: dict[str, torch.Tensor], i: int) -> dict:
         modules = [m for ms in self.layer_modules(i).values() for m in ms]
