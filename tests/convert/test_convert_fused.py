@@ -47,6 +47,7 @@ def test_logits_correlate_with_original(converted):
     expected = load_causal_lm(src, device="cpu")(ids)
     got = load_causal_lm(converted["out"], device="cpu")(ids)
     corr = torch.corrcoef(torch.stack([got.flatten(), expected.flatten()]))[0, 1].item()
+    # Measured at 4.0 bpw: Phi-3 (partial rotary) 0.9915, GLM-4 0.9950.
     assert corr > 0.99, f"{converted['arch']}: correlation {corr:.4f}"
 
 
