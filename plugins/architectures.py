@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from exl3cli.engine.architecture import ArchitectureSpec, TensorNames
+from exl3cli.engine.architecture import ArchitectureSpec, MoESpec, TensorNames
 from exl3cli.plugins import hookimpl
 
 # Llama 2, Llama 3, 3.1 and 3.2 (RoPE scaling comes from config.json), SmolLM2.
@@ -46,12 +46,139 @@ GEMMA3 = ArchitectureSpec(
 )
 
 
+# Mixtral: Mistral attention, every layer a mixture of `num_local_experts` SwiGLU
+# experts (w1 gate, w3 up, w2 down), top-k of the softmax, renormalised.
+MIXTRAL = ArchitectureSpec(
+    name="MixtralForCausalLM", sliding_window="all",
+    moe=MoESpec(
+        router="model.layers.{i}.block_sparse_moe.gate",
+        gate_proj="model.layers.{i}.block_sparse_moe.experts.{e}.w1",
+        up_proj="model.layers.{i}.block_sparse_moe.experts.{e}.w3",
+        down_proj="model.layers.{i}.block_sparse_moe.experts.{e}.w2",
+        expert_size_key="intermediate_size",
+        normalize_key=None,
+    ),
+)
+
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention; experts plus a shared
+# expert scaled by sigmoid(shared_expert_gate); top-k weights renormalised only with
+# norm_topk_prob; `decoder_sparse_step` / `mlp_only_layers` keep some layers dense.
+QWEN2_MOE = ArchitectureSpec(
+    name="Qwen2MoeForCausalLM", qkv_bias=True, sliding_window="from_layer",
+    moe=MoESpec(
+        shared_gate_proj="model.layers.{i}.mlp.shared_expert.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_expert.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_expert.down_proj",
+        shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate",
+        shared_size_key="shared_expert_intermediate_size",
+        normalize=False, sparse_layers="qwen",
+    ),
+)
+
+# Qwen3-MoE (Qwen3-30B-A3B, -235B-A22B): Qwen3 attention, experts without a shared one.
+QWEN3_MOE = ArchitectureSpec(
+    name="Qwen3MoeForCausalLM", qk_norm="rms", sliding_window="from_layer",
+    moe=MoESpec(normalize=False, sparse_layers="qwen"),
+)
+
+# Phi-3 / Phi-3.5 (mini, medium): Llama blocks with q/k/v and gate/up stored fused
+# (qkv_proj, gate_up_proj) in Hugging Face checkpoints; a sliding window on every
+# layer; LongRoPE (rope_scaling "longrope") in the 128k variants.
+PHI3 = ArchitectureSpec(
+    name="Phi3ForCausalLM", sliding_window="all",
+    tensors=TensorNames(
+        o_proj="model.layers.{i}.self_attn.o_proj",
+        qkv_fused="model.layers.{i}.self_attn.qkv_proj",
+        gate_up_fused="model.layers.{i}.mlp.gate_up_proj",
+    ),
+)
+
+# ERNIE 4.5 (0.3B): Llama blocks with GPT-J-style interleaved rope pairs.
+ERNIE4_5 = ArchitectureSpec(name="Ernie4_5ForCausalLM", rope_interleaved=True)
+
+# ERNIE 4.5 MoE (21B-A3B, 300B-A47B): ERNIE 4.5 attention; experts chosen by softmax
+# probability plus a per-expert correction bias (weights without it), renormalised;
+# shared experts as wide as moe_num_shared_experts experts; MoE from
+# moe_layer_start_index on, every moe_layer_interval-th layer.
+ERNIE4_5_MOE = ArchitectureSpec(
+    name="Ernie4_5_MoeForCausalLM", rope_interleaved=True,
+    moe=MoESpec(
+        score_bias="model.layers.{i}.mlp.moe_statics.e_score_correction_bias",
+        shared_gate_proj="model.layers.{i}.mlp.shared_experts.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_experts.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_experts.down_proj",
+        shared_size_key="moe_intermediate_size*moe_num_shared_experts",
+        normalize_key=None, sparse_layers="interval",
+    ),
+)
+
+# GLM-4 (GLM-4-9B-0414, GLM-Z1): interleaved rope over half of each head, bias on
+# q/k/v, gate/up stored fused, and the attention and MLP outputs normed before their
+# residual adds (post_self_attn_layernorm, post_mlp_layernorm).
+GLM4 = ArchitectureSpec(
+    name="Glm4ForCausalLM", qkv_bias=True, rope_interleaved=True, sandwich_norm=True,
+    tensors=TensorNames(
+        attention_out_norm="model.layers.{i}.post_self_attn_layernorm.weight",
+        mlp_out_norm="model.layers.{i}.post_mlp_layernorm.weight",
+        gate_up_fused="model.layers.{i}.mlp.gate_up_proj",
+    ),
+)
+
+# GLM-4.5 / 4.6 (Glm4MoeForCausalLM): Llama-style rope over part of each head, q/k/v
+# bias when the checkpoint has it, q/k norms with use_qk_norm; DeepSeek-V3's router
+# (sigmoid scores, a choice bias, grouped top-k, routed_scaling_factor), shared experts
+# and first_k_dense_replace dense layers.
+GLM4_MOE = ArchitectureSpec(
+    name="Glm4MoeForCausalLM", qk_norm="rms", qk_norm_key="use_qk_norm",
+    moe=MoESpec(
+        score_bias="model.layers.{i}.mlp.gate.e_score_correction_bias",
+        shared_gate_proj="model.layers.{i}.mlp.shared_experts.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_experts.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_experts.down_proj",
+        shared_size_key="moe_intermediate_size*n_shared_experts",
+        scoring="sigmoid", sparse_layers="first_k_dense",
+    ),
+)
+
+# EXAONE 4.0: per-head q/k norms and norms after attention and MLP instead of before
+# them; with a sliding window (32B) three sliding layers per global one, which has no
+# rope.
+EXAONE4 = ArchitectureSpec(
+    name="Exaone4ForCausalLM", qk_norm="rms", post_norm=True, sandwich_norm=True,
+    sliding_window="pattern", sliding_pattern=4, global_layers_without_rope=True,
+)
+
+# OLMo 2 / OLMo 3: norms after attention and MLP, q and k normed over all their heads;
+# OLMo 3 adds sliding layers (layer_types) with their own rope.
+OLMO2 = ArchitectureSpec(name="Olmo2ForCausalLM", qk_norm="rms_full", post_norm=True,
+                         sandwich_norm=True)
+OLMO3 = ArchitectureSpec(name="Olmo3ForCausalLM", qk_norm="rms_full", post_norm=True,
+                         sandwich_norm=True, sliding_window="pattern", sliding_pattern=4)
+
+# SmolLM3: Llama blocks where every no_rope_layer_interval-th layer skips rope
+# (config.json's no_rope_layers: 1 rotates, 0 does not).
+SMOLLM3 = ArchitectureSpec(name="SmolLM3ForCausalLM", sliding_window="from_layer",
+                           no_rope_key="no_rope_layers")
+
+# Cohere (Command-R, Command-R+): one LayerNorm feeding attention and MLP side by side,
+# interleaved rope pairs, per-head LayerNorm q/k norms with use_qk_norm, tied
+# embeddings and logits times logit_scale. Cohere2 (Command-R7B, Command-A): three
+# sliding layers per global one, whose attention has no rope.
+COHERE = ArchitectureSpec(
+    name="CohereForCausalLM", norm="layer", parallel_block=True, rope_interleaved=True,
+    qk_norm="layer", qk_norm_key="use_qk_norm",
+)
+COHERE2 = ArchitectureSpec(
+    name="Cohere2ForCausalLM", norm="layer", parallel_block=True, rope_interleaved=True,
+    sliding_window="pattern", sliding_pattern=4, global_layers_without_rope=True,
+)
+
 
 def _moved(names: TensorNames, model: str, lm_head: str) -> TensorNames:
     """`names` with the "model." prefix replaced by `model` and the head at `lm_head`."""
     values = {f.name: getattr(names, f.name) for f in fields(names)}
     moved = {key: model + value.removeprefix("model.") for key, value in values.items()
-             if value.startswith("model.")}
+             if value and value.startswith("model.")}
     return TensorNames(**{**values, **moved, "lm_head": lm_head})
 
 
@@ -79,5 +206,8 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
-    specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL)
+    specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
+             QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
+             GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
+             COHERE, COHERE2)
     return {spec.name: spec for spec in specs}

@@ -122,10 +122,8 @@ class EngineLayerForward:
 
     def linear_input(self, layer: DecoderLayer, hidden: torch.Tensor, slot: str) -> torch.Tensor:
         """What the linear at `slot` ("qkv", "o", "gate_up", "down") receives."""
-        module: nn.Module = {
-            "qkv": layer.attention.qkv, "o": layer.attention.o,
-            "gate_up": layer.mlp.gate_up, "down": layer.mlp.down,
-        }[slot]
+        owner = layer.attention if slot in ("qkv", "o") else layer.mlp
+        module: nn.Module = getattr(owner, slot)  # a dense MLP's (MoE: moe_layer.py)
         seen: list[torch.Tensor] = []
 
         def capture(_module: nn.Module, args: tuple) -> None:

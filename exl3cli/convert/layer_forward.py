@@ -29,7 +29,7 @@ from exl3cli.errors import ConversionError, UnsupportedArchitecture
 
 
 def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[str]:
-    """What this raw-weight runner cannot reproduce (Gemma 2/3): running such a model
+    """What this raw-weight runner cannot reproduce (Gemma 2/3, mixtures of experts): running such a model
     through it would calibrate every layer on wrong activations, so the converter
     runs those families through ``engine_layer.EngineLayerForward`` instead."""
     checks = {
@@ -40,6 +40,12 @@ def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[st
         "attention soft-capping": config.attn_logit_softcapping is not None,
         "final logit soft-capping": config.final_logit_softcapping is not None,
         "a separate rope for sliding layers": config.sliding_rope_theta is not None,
+        "mixture of experts": spec.moe is not None,
+        "interleaved rope pairs": spec.rope_interleaved,
+        "partial rotary embeddings": config.partial_rotary_factor != 1.0,
+        "layers without rope": spec.global_layers_without_rope or not all(
+            spec.layer_uses_rope(config, i) for i in range(config.num_layers)),
+        "q/k norms over all heads": spec.qk_norm == "rms_full",
     }
     return [name for name, present in checks.items() if present]
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from exl3cli.engine.architecture import TensorNames, get_architecture, load_family_config
+from exl3cli.engine.architecture import get_architecture, load_family_config
 from exl3cli.engine.quant import dequantize_linear
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config, padded_size
 from exl3cli.engine.tokenizer import Tokenizer
@@ -43,8 +43,10 @@ from exl3cli.errors import ConversionError
 from .allocation import GroupShape, allocate_bits, average_bits
 from .calibration import DEFAULT_COLS, DEFAULT_ROWS, calibration_tokens, read_calibration_text
 from .engine_layer import EngineLayerForward, activation_dtype
+from .fused_source import split_fused
 from .hessian import HessianAccumulator
 from .layer_forward import LayerRunner, unsupported_features
+from .moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
 from .quantize_layer import QuantizedLinear, QuantSettings, quantize_group
 from .report import ConversionSummary, LayerReport
 
@@ -69,22 +71,13 @@ class ConvertOptions:
 Progress = Callable[[LayerReport | str], None]
 
 
-def _layer_modules(t: TensorNames, i: int) -> dict[str, list[str]]:
-    return {
-        "qkv": [t.q_proj.format(i=i), t.k_proj.format(i=i), t.v_proj.format(i=i)],
-        "o": [t.o_proj.format(i=i)],
-        "gate_up": [t.gate_proj.format(i=i), t.up_proj.format(i=i)],
-        "down": [t.down_proj.format(i=i)],
-    }
-
-
-def _group_shapes(config, names: TensorNames, reader: WeightReader) -> list[GroupShape]:
+def _group_shapes(conv: _Converter) -> list[GroupShape]:
     shapes = []
-    for i in range(config.num_layers):
-        for group, modules in _layer_modules(names, i).items():
+    for i in range(conv.config.num_layers):
+        for group, modules in conv.layer_modules(i).items():
             weights = 0
             for m in modules:
-                out_f, in_f = reader.get(m + ".weight").shape
+                out_f, in_f = conv.reader.get(m + ".weight").shape
                 weights += padded_size(in_f) * padded_size(out_f)
             shapes.append(GroupShape(i, group, weights))
     return shapes
@@ -118,6 +111,12 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
+        if self.spec.norm != "rms" or self.spec.parallel_block:
+            raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
+                                  "parallel-block families is not supported yet")
+        # Fused q/k/v and gate/up (Phi-3, GLM-4) are converted as the split modules
+        # EXL3 folders hold.
+        self.reader, self.names = split_fused(self.reader, self.config, self.names)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Families the raw-weight runner cannot reproduce (Gemma) run through the
         # engine's blocks; the others keep the raw runner (and their exact outputs).
@@ -144,20 +143,33 @@ class _Converter:
         o = self.options
         return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed)
 
-    def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int) -> list[QuantizedLinear]:
-        acc = HessianAccumulator(x.shape[-1], self.device)
-        acc.add(x)
+    def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int,
+                 hessian: torch.Tensor | None = None) -> list[QuantizedLinear]:
+        """Quantize `modules` (one input) on the Hessian of `x`, or on `hessian`."""
+        if hessian is None:
+            acc = HessianAccumulator(x.shape[-1], self.device)
+            acc.add(x)
+            hessian = acc.hessian()
         return quantize_group(
             modules, [self.weight(m) for m in modules], [self.bias(m) for m in modules],
-            acc.hessian(), self.settings(k_bits),
+            hessian, self.settings(k_bits),
         )
+
+    def layer_modules(self, i: int) -> dict[str, list[str]]:
+        return layer_modules(self.spec, self.names, self.config, i)
+
+    def kept_dense(self, i: int) -> dict[str, tuple]:
+        """Layer `i`'s linears kept at 16 bits (a router), as the source has them."""
+        return {m: (self.weight(m), self.bias(m)) for m in kept_dense_modules(
+            self.spec, self.config, i)}
 
     def norm_names(self, i: int) -> list[str]:
         t = self.names
-        names = [t.input_norm.format(i=i), t.post_attention_norm.format(i=i)]
+        names = [] if self.spec.post_norm else [t.input_norm.format(i=i),
+                                                 t.post_attention_norm.format(i=i)]
         if self.spec.sandwich_norm:
             names += [t.attention_out_norm.format(i=i), t.mlp_out_norm.format(i=i)]
-        if self.spec.qk_norm:
+        if self.spec.uses_qk_norm(self.config):
             names += [t.q_norm.format(i=i), t.k_norm.format(i=i)]
         return names
 
@@ -175,7 +187,7 @@ class _Converter:
         (filling ``dense``) and return the stored tensors and proxy errors too."""
         if self.engine_layers is not None:
             return self.run_engine_layer(i, hidden, dense, quantize_bits)
-        t, mods, r = self.names, _layer_modules(self.names, i), self.runner
+        t, mods, r = self.names, self.layer_modules(i), self.runner
         stored, errors = {}, {}
 
         def group(name: str, x: torch.Tensor) -> list[tuple]:
@@ -188,7 +200,7 @@ class _Converter:
             return [dense[m] for m in mods[name]]
 
         qk_norms = None
-        if self.spec.qk_norm:
+        if self.spec.uses_qk_norm(self.config):
             qk_norms = (self.tensor(t.q_norm.format(i=i)), self.tensor(t.k_norm.format(i=i)))
         x = r.rms_norm(hidden, self.tensor(t.input_norm.format(i=i)))
         qkv = group("qkv", x)
@@ -207,25 +219,38 @@ class _Converter:
         """``run_layer`` through engine blocks: each group is quantized on the input it
         gets once the groups before it are quantized. Quantizing returns no hidden
         state (the pipeline recomputes it from the stored tensors)."""
-        engine, mods = self.engine_layers, _layer_modules(self.names, i)
+        engine, mods = self.engine_layers, self.layer_modules(i)
         assert engine is not None
         if quantize_bits is None:
             return engine.run(engine.build(i, dense, self.tensor), hidden), {}
         stored, errors = {}, {}
         for m in (m for ms in mods.values() for m in ms):
             dense[m] = (self.weight(m), self.bias(m))
+        dense.update(self.kept_dense(i))
         for group in ("qkv", "o", "gate_up", "down"):
-            x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group)
-            results = self.quantize(mods[group], x, quantize_bits[group])
-            del x
+            if group in ("gate_up", "down") and moe_units(self.spec, self.config, i, group):
+                results, counts = self.quantize_experts(i, hidden, dense, group,
+                                                        quantize_bits[group])
+                errors["expert_tokens"] = counts
+            else:
+                x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group)
+                results = self.quantize(mods[group], x, quantize_bits[group])
+                del x
             for q in results:
                 dense[q.name] = (q.weight, self.bias(q.name))
                 stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
             errors[group] = sum(q.proxy_error for q in results) / len(results)
-        return None, {"stored": stored, "errors": errors}
+        counts = errors.pop("expert_tokens", None)
+        return None, {"stored": stored, "errors": errors, "expert_tokens": counts}
 
-    def dense_from_stored(self, stored: dict[str, torch.Tensor], modules: list[str]) -> dict:
-        dense = {}
+    def quantize_experts(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
+                         group: str, k_bits: int) -> tuple[list[QuantizedLinear], list[int]]:
+        """A sparse layer's `group`, each expert on its routed rows (moe_layer.py)."""
+        return quantize_experts(self, i, hidden, dense, group, k_bits)
+
+    def dense_from_stored(self, stored: dict[str, torch.Tensor], i: int) -> dict:
+        modules = [m for ms in self.layer_modules(i).values() for m in ms]
+        dense = self.kept_dense(i)
         for m in modules:
             out_f, in_f = self.reader.get(m + ".weight").shape
             tensors = _module_tensors(stored, m)
@@ -265,8 +290,10 @@ def convert_model(
     job = {"source": str(src.resolve()), "options": asdict(options) | {"device": None}}
     _prepare_work_dir(work_dir, job, resume)
 
-    shapes = _group_shapes(conv.config, conv.names, conv.reader)
-    bits = allocate_bits(shapes, options.bits)
+    shapes = _group_shapes(conv)
+    # Mixtures of experts: attention (a few % of the weights, read by every token) gets
+    # two more bits when the experts can pay for it cheaply (allocation.py).
+    bits = allocate_bits(shapes, options.bits, attention_bonus=2 if conv.spec.moe else 0)
     tokenizer = Tokenizer.from_folder(src)
     text = read_calibration_text(options.calib_path)
     tokens = calibration_tokens(tokenizer, text, options.rows, options.cols).to(conv.device)
@@ -278,17 +305,17 @@ def convert_model(
             layer_bits = {g: bits[(i, g)] for g in ("qkv", "o", "gate_up", "down")}
             path = work_dir / f"layer-{i:04d}.safetensors"
             begun = time.perf_counter()
-            modules = [m for ms in _layer_modules(conv.names, i).values() for m in ms]
             if resume and path.is_file():
                 stored, meta = _load_checkpoint(path)
                 report = LayerReport.from_dict(meta)
             else:
                 _, out = conv.run_layer(i, hidden, {}, layer_bits)
                 stored = out["stored"]
-                report = LayerReport(i, layer_bits, out["errors"], time.perf_counter() - begun)
+                report = LayerReport(i, layer_bits, out["errors"], time.perf_counter() - begun,
+                                     expert_tokens=out.get("expert_tokens"))
                 _atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
             # Activations always come from the stored tensors, in both paths alike.
-            hidden, _ = conv.run_layer(i, hidden, conv.dense_from_stored(stored, modules))
+            hidden, _ = conv.run_layer(i, hidden, conv.dense_from_stored(stored, i))
             reports.append(report)
             progress(report)
         head_error = _head(conv, hidden, work_dir, resume)
@@ -356,9 +383,12 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
         stored, _ = _load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
         for name in conv.norm_names(i):
             writer.add_tensor(name, conv.reader.get(name))
-        for modules in _layer_modules(t, i).values():
+        for modules in conv.layer_modules(i).values():
             for m in modules:
                 writer.add_linear_tensors(m, _module_tensors(stored, m))
+        for m in kept_dense_modules(conv.spec, conv.config, i):
+            bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
+            writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
     writer.add_tensor(t.final_norm, conv.reader.get(t.final_norm))
     head = _head_name(conv)
     if options.head_bits >= 16:

@@ -2,7 +2,8 @@
 
 Public API:
 - ``LayerReport(layer, bits: dict[group, int], errors: dict[group, float], seconds,
-  resumed)``; ``.line(num_layers) -> str`` (one progress line).
+  resumed, expert_tokens=None)``; ``.line(num_layers) -> str`` (one progress line; a
+  mixture-of-experts layer lists the calibration tokens each expert received).
 - ``ConversionSummary(layers, head_bits, head_error, average_bits, seconds, out_dir)``;
   ``.table() -> str``: bits and mean proxy error per layer group, wall time.
 """
@@ -22,22 +23,31 @@ class LayerReport:
     errors: dict[str, float]
     seconds: float
     resumed: bool = False
+    # Mixture-of-experts layers: the calibration rows each routed expert received.
+    expert_tokens: list[int] | None = None
 
     def line(self, num_layers: int) -> str:
         parts = "  ".join(
             f"{g} {self.bits[g]}b {self.errors[g]:.2e}" for g in GROUPS if g in self.bits
         )
+        if self.expert_tokens:
+            parts += f"  expert tokens {' '.join(str(n) for n in self.expert_tokens)}"
         how = "resumed" if self.resumed else f"{self.seconds:.1f}s"
         return f"layer {self.layer + 1}/{num_layers}  {parts}  ({how})"
 
     def to_dict(self) -> dict:
-        return {"layer": self.layer, "bits": self.bits, "errors": self.errors,
+        data = {"layer": self.layer, "bits": self.bits, "errors": self.errors,
                 "seconds": self.seconds}
+        if self.expert_tokens is not None:
+            data["expert_tokens"] = self.expert_tokens
+        return data
 
     @classmethod
     def from_dict(cls, data: dict, resumed: bool = True) -> LayerReport:
+        tokens = data.get("expert_tokens")
         return cls(int(data["layer"]), dict(data["bits"]), dict(data["errors"]),
-                   float(data["seconds"]), resumed)
+                   float(data["seconds"]), resumed,
+                   [int(n) for n in tokens] if tokens is not None else None)
 
 
 @dataclass
@@ -62,6 +72,10 @@ class ConversionSummary:
         head = "16 (not quantized)" if self.head_error is None else (
             f"{self.head_bits}  error {self.head_error:.3e}")
         rows.append(f"head     {head}")
+        counts = [n for r in self.layers for n in (r.expert_tokens or [])]
+        if counts:
+            rows.append(f"expert calibration tokens: min {min(counts)}  max {max(counts)}  "
+                        f"(experts with fewer than their inputs are topped up, pooled)")
         rows.append(f"average bits per weight (layers): {self.average_bits:.3f}")
         rows.append(f"wall time: {self.seconds:.1f}s")
         return "\n".join(rows)

@@ -9,7 +9,7 @@ specs are provided by the `exl3_plugins.architectures` plugin through the
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,98 @@ class TensorNames:
     gate_proj: str = "model.layers.{i}.mlp.gate_proj"
     up_proj: str = "model.layers.{i}.mlp.up_proj"
     down_proj: str = "model.layers.{i}.mlp.down_proj"
+    # Checkpoints that store q/k/v or gate/up as one matrix (Phi-3); EXL3 folders split
+    # them back into the modules above, so these apply only where they are present.
+    qkv_fused: str | None = None
+    gate_up_fused: str | None = None
+
+
+def _first_int(raw: Mapping[str, Any], keys: tuple[str, ...]) -> int:
+    for key in keys:
+        if raw.get(key):
+            return int(raw[key])
+    return 0
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A family's mixture-of-experts MLP: where its tensors are and which config.json
+    keys hold its numbers. `{i}` is the layer index, `{e}` the expert index.
+
+    scoring: "softmax" (probabilities over all experts, then top-k: Mixtral, Qwen),
+    "sigmoid" (independent scores; the choice adds `score_bias`, the weights do not:
+    DeepSeek-V3, GLM-4.5) or "topk_softmax" (top-k of the logits, softmax over those:
+    gpt-oss). normalize: the chosen weights are divided by their sum; `normalize_key`
+    in config.json overrides it when present. Grouped top-k (`n_group`, `topk_group`)
+    and `routed_scaling_factor` are read from config.json when the family has them.
+
+    sparse_layers: "all", "qwen" (`decoder_sparse_step` and `mlp_only_layers`) or
+    "first_k_dense" (`first_k_dense_replace` dense layers first) or "interval" (ERNIE
+    4.5: `moe_layer_start_index`..`moe_layer_end_index`, every `moe_layer_interval`-th
+    layer); other layers get the
+    dense MLP of TensorNames at `intermediate_size`.
+    """
+
+    router: str = "model.layers.{i}.mlp.gate"
+    router_bias: bool = False
+    gate_proj: str = "model.layers.{i}.mlp.experts.{e}.gate_proj"
+    up_proj: str = "model.layers.{i}.mlp.experts.{e}.up_proj"
+    down_proj: str = "model.layers.{i}.mlp.experts.{e}.down_proj"
+    score_bias: str | None = None
+    shared_gate_proj: str | None = None
+    shared_up_proj: str | None = None
+    shared_down_proj: str | None = None
+    shared_expert_gate: str | None = None  # sigmoid(x . w) scales the shared expert
+    # config.json names of the expert count (transformers 5 writes num_local_experts
+    # for Qwen too; DeepSeek-style configs say n_routed_experts, ERNIE moe_num_experts)
+    # and of the experts per token: the first present.
+    experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts",
+                                     "moe_num_experts")
+    top_k_keys: tuple[str, ...] = ("num_experts_per_tok", "moe_k")
+    expert_size_key: str = "moe_intermediate_size"
+    # config.json key of the shared expert's width, or "<key>*<count key>" (DeepSeek).
+    shared_size_key: str | None = None
+    scoring: str = "softmax"
+    normalize: bool = True
+    normalize_key: str | None = "norm_topk_prob"
+    sparse_layers: str = "all"
+
+    def is_sparse(self, config: ModelConfig, i: int) -> bool:
+        """Whether layer `i` runs the experts (else the dense MLP)."""
+        raw = config.raw
+        if self.sparse_layers == "all":
+            return True
+        if self.sparse_layers == "qwen":
+            if i in (raw.get("mlp_only_layers") or []):
+                return False
+            step = int(raw.get("decoder_sparse_step") or 1)
+            return self.num_experts(config) > 0 and (i + 1) % step == 0
+        if self.sparse_layers == "first_k_dense":
+            return i >= int(raw.get("first_k_dense_replace") or 0)
+        if self.sparse_layers == "interval":  # ERNIE 4.5
+            start = int(raw.get("moe_layer_start_index") or 0)
+            end = int(raw.get("moe_layer_end_index", -1))
+            end = config.num_layers - 1 if end == -1 else end
+            every = int(raw.get("moe_layer_interval") or 1)
+            return start <= i <= end and (i + 1) % every == 0
+        raise ValueError(f"unknown sparse_layers policy {self.sparse_layers!r}")
+
+    def num_experts(self, config: ModelConfig) -> int:
+        """Routed experts per sparse layer (0 when config.json names none)."""
+        return _first_int(config.raw, self.experts_keys)
+
+    def top_k(self, config: ModelConfig) -> int:
+        """Experts each token is routed to (0 when config.json names none)."""
+        return _first_int(config.raw, self.top_k_keys)
+
+    def shared_size(self, config: ModelConfig) -> int:
+        """Width of the shared expert (0: none)."""
+        if self.shared_size_key is None:
+            return 0
+        size = 1
+        for key in self.shared_size_key.split("*"):
+            size *= int(config.raw.get(key) or 0)
+        return size
 
 
 @dataclass(frozen=True)
@@ -61,6 +153,8 @@ class ArchitectureSpec:
     normed before their residual add). The attention scale (`query_pre_attn_scalar`),
     soft-caps and a separate rope for sliding layers come from config.json.
 
+    moe: the family's mixture-of-experts MLP (MoESpec), None for dense families.
+
     config_defaults: transformers' values for config.json keys a family's checkpoints
     may leave out (engine/config.py fills them in). alt_tensors: a second naming of the
     same checkpoint (the loader takes the one whose embedding is present).
@@ -70,23 +164,59 @@ class ArchitectureSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: str | None = None  # None or "rms" (per-head RMSNorm on q and k, Qwen3)
+    # None, "rms" (per-head RMSNorm on q and k, Qwen3) or "rms_full" (over all heads
+    # of q, and of k, at once: OLMo 2/3)
+    qk_norm: str | None = None
+    qk_norm_key: str | None = None  # config.json flag that switches qk_norm on (GLM-4.5)
     sliding_window: str = "none"
     activation: str = "silu"
     norm_unit_offset: bool = False
     embed_scale: bool = False
     sandwich_norm: bool = False
     sliding_pattern: int = 0
+    # Rope pairs dimensions (2j, 2j + 1) (GPT-J style: ERNIE 4.5, GLM) instead of
+    # (j, j + d/2); the loader reorders q and k to the engine's layout.
+    rope_interleaved: bool = False
+    # No norm in front of attention and MLP, only on their outputs (the sandwich
+    # names) before the residual add: EXAONE 4 (needs sandwich_norm too).
+    post_norm: bool = False
+    norm: str = "rms"  # or "layer": mean-centred LayerNorm without bias (Cohere)
+    parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)) (Cohere)
+    # config.json list with one flag per layer, 0 = no rope in that layer (SmolLM3).
+    no_rope_key: str | None = None
+    # With a sliding window, full-attention layers skip rope (EXAONE 4 32B, Cohere2).
+    global_layers_without_rope: bool = False
     tensors: TensorNames = field(default_factory=TensorNames)
     alt_tensors: TensorNames | None = None
+    moe: MoESpec | None = None
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def tensor_names(self, has: Callable[[str], bool]) -> TensorNames:
-        """`tensors`, or `alt_tensors` when only its embedding is in the checkpoint."""
+        """`tensors`, or `alt_tensors` when only its embedding is in the checkpoint;
+        fused q/k/v and gate/up names only when layer 0 has them (a Hugging Face
+        Phi-3 checkpoint, not an EXL3 folder)."""
+        names = self.tensors
         alt = self.alt_tensors
-        if alt is not None and not has(self.tensors.embed) and has(alt.embed):
-            return alt
-        return self.tensors
+        if alt is not None and not has(names.embed) and has(alt.embed):
+            names = alt
+        unfused = {key: None for key in ("qkv_fused", "gate_up_fused")
+                   if getattr(names, key) and not has(getattr(names, key).format(i=0) + ".weight")}
+        return replace(names, **unfused) if unfused else names
+
+    def layer_uses_rope(self, config: ModelConfig, i: int) -> bool:
+        """False for the layers config.json's `no_rope_layers` marks 0 (SmolLM3)."""
+        flags = config.raw.get(self.no_rope_key) if self.no_rope_key else None
+        if flags is None:
+            return True
+        if len(flags) != config.num_layers:
+            raise ValueError(f"{self.no_rope_key} must list {config.num_layers} layers")
+        return bool(flags[i])
+
+    def uses_qk_norm(self, config: ModelConfig) -> bool:
+        """Whether this model's attention norms q and k (per head, RMS)."""
+        if self.qk_norm is None:
+            return False
+        return self.qk_norm_key is None or bool(config.raw.get(self.qk_norm_key))
 
     def layer_types(self, config: ModelConfig) -> list[str]:
         """Attention kind of every layer: FULL_ATTENTION or SLIDING_ATTENTION."""

@@ -80,7 +80,8 @@ class Attention(nn.Module):
     attention kernel (fused CPU ops, paged, SDPA) applies it unchanged. `softcap` maps
     scores to softcap * tanh(scores / softcap) before the mask: only the eager
     `softcapped_attention` of this module does that, never the fused kernels (contiguous
-    or paged). `local_rope`: this layer rotates with the step's sliding-layer tables.
+    or paged). `local_rope`: this layer rotates with the step's sliding-layer tables;
+    `rope=False`: it does not rotate at all.
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class Attention(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         local_rope: bool = False,
+        rope: bool = True,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -110,6 +112,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.softcap = softcap
         self.local_rope = local_rope
+        self.rope = rope  # False: this layer's q and k are not rotated (SmolLM3's NoPE)
         # The query multiplier that turns SDPA's head_dim**-0.5 into `scale`.
         self._query_factor = None if scale is None else scale * head_dim**0.5
         self._fused: bool | None = None  # see _use_fused
@@ -125,7 +128,9 @@ class Attention(nn.Module):
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         cos, sin = step.rope(self.local_rope)
-        if fused:  # in place on the fresh projection (or norm) output: one pass
+        if not self.rope:
+            pass
+        elif fused:  # in place on the fresh projection (or norm) output: one pass
             rows = batch * steps
             qk = cpu_kernels.rotary_cpu(
                 qk.reshape(rows, -1, self.head_dim) if qk.is_contiguous()

@@ -155,7 +155,10 @@ def _parse_rope(data: dict[str, Any]) -> tuple[float, dict[str, Any], float]:
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     partial = float(merged.pop("partial_rotary_factor", data.get("partial_rotary_factor", 1.0)))
-    return theta, {"rope_type": str(rope_type), **merged}, partial
+    scaling = {"rope_type": str(rope_type), **merged}
+    if partial != 1.0:  # the rotary table covers only this fraction of head_dim
+        scaling["partial_rotary_factor"] = partial
+    return theta, scaling, partial
 
 
 def _parse_sliding_rope(data: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:

@@ -274,6 +274,73 @@ class FusedLinear(Linear):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
+class PermutedLinear(Linear):
+    """``inner`` with its outputs reordered: ``y[..., k] = inner(x)[..., order[k]]``."""
+
+    def __init__(self, inner: Linear, order: torch.Tensor):
+        super().__init__()
+        if sorted(order.tolist()) != list(range(inner.out_features)):
+            raise ValueError("order must be a permutation of the outputs")
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.register_buffer("order", order.long(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).index_select(-1, self.order.to(x.device))
+
+    def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        dense = self.inner.dense_weight()
+        if dense is None:
+            return None
+        weight, bias = dense
+        return weight[self.order], None if bias is None else bias[self.order]
+
+
+def permute_outputs(layer: Linear, order: torch.Tensor) -> Linear:
+    """``layer`` with outputs in ``order``: folded into a dense weight when the layer
+    has one (no cost per token), else a ``PermutedLinear`` gather."""
+    dense = layer.dense_weight()
+    if dense is None:
+        return PermutedLinear(layer, order)
+    weight, bias = dense
+    order = order.to(weight.device)
+    return DenseLinear(weight[order].contiguous(), None if bias is None else bias[order],
+                       cpu_weights=getattr(layer, "cpu_weights", None))
+
+
+class ScaledLinear(Linear):
+    """``inner`` with every output multiplied by ``factor`` (Cohere's logit scale)."""
+
+    def __init__(self, inner: Linear, factor: float):
+        super().__init__()
+        self.inner, self.factor = inner, factor
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.factor
+
+    def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        dense = self.inner.dense_weight()
+        if dense is None:
+            return None
+        weight, bias = dense
+        return weight * self.factor, None if bias is None else bias * self.factor
+
+
+def scale_outputs(layer: Linear | torch.Tensor, factor: float,
+                  cpu_weights: str | None = None) -> Linear:
+    """``layer`` (or a plain (out, in) matrix) with outputs times ``factor``: a scaled
+    dense copy when it has a weight, else a ``ScaledLinear``."""
+    if isinstance(layer, torch.Tensor):
+        return DenseLinear(layer * factor, cpu_weights=cpu_weights)
+    dense = layer.dense_weight()
+    if dense is None:
+        return ScaledLinear(layer, factor)
+    weight, bias = dense
+    return DenseLinear(weight * factor, None if bias is None else bias * factor,
+                       cpu_weights=getattr(layer, "cpu_weights", None))
+
+
 def fuse_linears(parts: list[Linear]) -> Linear:
     """One layer for ``parts`` on a shared input: a single dense matmul when possible."""
     if len(parts) == 1:

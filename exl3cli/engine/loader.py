@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from exl3cli import cpu_kernels
 from exl3cli.engine.architecture import (
@@ -17,6 +18,7 @@ from exl3cli.engine.architecture import (
     load_family_config,
 )
 from exl3cli.engine.attention import Attention
+from exl3cli.engine.blocks import ParallelDecoderLayer
 from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.linear import (
     CPU_WEIGHT_MODES,
@@ -25,10 +27,14 @@ from exl3cli.engine.linear import (
     fuse_linears,
     load_linear,
     pack_for_cpu,
+    permute_outputs,
+    scale_outputs,
 )
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
-from exl3cli.engine.norm import RMSNorm
+from exl3cli.engine.moe import MoEMLP, build_moe_mlp
+from exl3cli.engine.norm import FullWidthQKNorm, LayerNorm, RMSNorm
+from exl3cli.engine.rope import rope_permutation, rotary_dim
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
 
@@ -102,26 +108,42 @@ def build_decoder_layer(
     made by `linear(module prefixes, [(in, out)], bias)` (fused when several). The
     loader and the quantizer's calibration forward both build layers here, so the
     activations a model is calibrated on are the ones it computes."""
-    offset = spec.norm_unit_offset
 
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(tensor(name), config.rms_norm_eps, unit_offset=offset)
+    def norm(name: str) -> RMSNorm | LayerNorm:
+        return family_norm(config, spec, tensor(name))
+
+    def pre_norm(name: str) -> nn.Module:  # post-norm families have none
+        return nn.Identity() if spec.post_norm else norm(name)
 
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    qkv = linear(
-        [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
-        [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
-    )
+    if names.qkv_fused:  # one stored [q | k | v] matrix
+        qkv = linear([names.qkv_fused.format(i=i)], [(hidden, q_size + 2 * kv_size)],
+                     spec.qkv_bias)
+    else:
+        qkv = linear(
+            [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
+            [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
+        )
     o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
-    qk_norm = None
-    if spec.qk_norm == "rms":
-        # One [q heads + kv heads, head_dim] weight so q and k normalise in one op.
+    head_order = _head_order(config, spec)
+    if head_order is not None:
+        qkv = permute_outputs(qkv, _qkv_order(config, head_order))
+    qk_norm: RMSNorm | FullWidthQKNorm | None = None
+    if spec.uses_qk_norm(config) and spec.qk_norm == "rms_full":
+        qk_norm = FullWidthQKNorm(tensor(names.q_norm.format(i=i)),
+                                  tensor(names.k_norm.format(i=i)), config.num_heads,
+                                  config.rms_norm_eps)
+    elif spec.uses_qk_norm(config):
+        # One [q heads + kv heads, head_dim] weight so q and k normalise in one op
+        # (Cohere's per-head LayerNorm weights are already [heads, head_dim]).
         weight = torch.cat([
             tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),
             tensor(names.k_norm.format(i=i)).expand(config.num_kv_heads, -1),
         ])
-        qk_norm = RMSNorm(weight, config.rms_norm_eps, unit_offset=offset)
+        if head_order is not None:
+            weight = weight[:, head_order.to(weight.device)].contiguous()
+        qk_norm = family_norm(config, spec, weight)
     sliding = layer_type == SLIDING_ATTENTION
     scale = (None if config.query_pre_attn_scalar is None
              else float(config.query_pre_attn_scalar) ** -0.5)
@@ -131,19 +153,57 @@ def build_decoder_layer(
         softcap=config.attn_logit_softcapping,
         # Only when the config gives sliding layers a rope of their own (Gemma 3).
         local_rope=config.sliding_rope_theta is not None and sliding,
+        rope=spec.layer_uses_rope(config, i) and not (
+            spec.global_layers_without_rope and config.sliding_window is not None
+            and not sliding),
     )
-    gate_up = linear(
-        [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
-        [(hidden, inter), (hidden, inter)], spec.mlp_bias,
-    )
-    down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
     act = config.hidden_act or spec.activation
+    mlp: GatedMLP | MoEMLP
+    if spec.moe is not None and spec.moe.is_sparse(config, i):
+        mlp = build_moe_mlp(config, spec.moe, i, tensor, linear, act, spec.mlp_bias)
+    else:
+        gate_up = (
+            linear([names.gate_up_fused.format(i=i)], [(hidden, 2 * inter)], spec.mlp_bias)
+            if names.gate_up_fused else linear(
+                [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
+                [(hidden, inter), (hidden, inter)], spec.mlp_bias,
+            )
+        )
+        down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
+        mlp = GatedMLP(gate_up, down, act)
+    if spec.parallel_block:
+        return ParallelDecoderLayer(norm(names.input_norm.format(i=i)), attention, mlp)
     sandwich = ((norm(names.attention_out_norm.format(i=i)),
                  norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
     return DecoderLayer(
-        norm(names.input_norm.format(i=i)), attention,
-        norm(names.post_attention_norm.format(i=i)), GatedMLP(gate_up, down, act), *sandwich,
+        pre_norm(names.input_norm.format(i=i)), attention,
+        pre_norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
     )
+
+
+def family_norm(config: ModelConfig, spec: ArchitectureSpec,
+                weight: torch.Tensor) -> RMSNorm | LayerNorm:
+    """The family's norm with `weight`: RMSNorm, or LayerNorm (Cohere, whose
+    config.json names the epsilon layer_norm_eps)."""
+    if spec.norm == "layer":
+        return LayerNorm(weight, float(config.raw.get("layer_norm_eps") or 1e-5))
+    return RMSNorm(weight, config.rms_norm_eps, unit_offset=spec.norm_unit_offset)
+
+
+def _head_order(config: ModelConfig, spec: ArchitectureSpec) -> torch.Tensor | None:
+    """How q/k head dimensions are reordered for the engine's rope (rope.py), or None
+    when the checkpoint's order is already the engine's."""
+    rotary = rotary_dim(config.head_dim, config.rope_scaling)
+    if rotary == config.head_dim and not spec.rope_interleaved:
+        return None
+    return rope_permutation(config.head_dim, rotary, spec.rope_interleaved)
+
+
+def _qkv_order(config: ModelConfig, head_order: torch.Tensor) -> torch.Tensor:
+    """`head_order` applied to every q and k head of the fused [q | k | v] output."""
+    dim, rotated = config.head_dim, config.num_heads + config.num_kv_heads
+    heads = (torch.arange(rotated)[:, None] * dim + head_order[None]).reshape(-1)
+    return torch.cat([heads, torch.arange(rotated * dim, (rotated + config.num_kv_heads) * dim)])
 
 
 def build_causal_lm(
@@ -193,6 +253,8 @@ def build_causal_lm(
         lm_head = embed if packing in (None, "fp32") else DenseLinear(embed, cpu_weights=packing)
     else:
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
-    final_norm = RMSNorm(tensor(names.final_norm), config.rms_norm_eps,
-                         unit_offset=spec.norm_unit_offset)
+    logit_scale = config.raw.get("logit_scale")
+    if logit_scale is not None and float(logit_scale) != 1.0:  # Cohere: folded in
+        lm_head = scale_outputs(lm_head, float(logit_scale), packing)
+    final_norm = family_norm(config, spec, tensor(names.final_norm))
     return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()

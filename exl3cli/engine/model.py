@@ -26,7 +26,7 @@ class DecoderLayer(nn.Module):
     then the norm in front of the MLP (Gemma's pre_feedforward_layernorm)."""
 
     def __init__(self, input_norm: RMSNorm, attention: Attention,
-                 post_attention_norm: RMSNorm, mlp: GatedMLP,
+                 post_attention_norm: RMSNorm, mlp: nn.Module,
                  attention_out_norm: RMSNorm | None = None,
                  mlp_out_norm: RMSNorm | None = None):
         super().__init__()
@@ -92,9 +92,12 @@ class _DecodePlan(NamedTuple):
     @staticmethod
     def of(layer: DecoderLayer) -> _DecodePlan | None:
         attention, mlp = layer.attention, layer.mlp
+        if not isinstance(mlp, GatedMLP):  # a mixture of experts has no single gate_up
+            return None
         norms = (layer.input_norm, layer.post_attention_norm)
         linears = (attention.qkv, attention.o, mlp.gate_up, mlp.down)
-        if attention.qk_norm is not None or not getattr(mlp, "_silu", False):
+        if (attention.qk_norm is not None or not getattr(mlp, "_silu", False)
+                or not attention.rope):
             return None
         if (layer.attention_out_norm is not None or attention.scale is not None
                 or attention.softcap is not None or attention.local_rope):

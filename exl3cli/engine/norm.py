@@ -58,3 +58,44 @@ class RMSNorm(nn.Module):
             return cpu_kernels.add_rms_norm_cpu(x, residual, self.weight, self.eps)
         total = x + residual
         return total, self(total)
+
+
+class FullWidthQKNorm(nn.Module):
+    """OLMo 2/3's q and k norms: RMS over all query heads together (and over all key
+    heads), not per head. Called like the per-head norm on qk [..., heads + kv heads,
+    head_dim]; `q_weight` [heads * head_dim], `k_weight` [kv heads * head_dim]."""
+
+    def __init__(self, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
+                 eps: float):
+        super().__init__()
+        self.register_buffer("q_weight", q_weight, persistent=False)
+        self.register_buffer("k_weight", k_weight, persistent=False)
+        self.num_heads = num_heads
+        self.eps = eps
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        lead = qk.shape[:-2]
+        q = qk[..., : self.num_heads, :].reshape(*lead, -1)
+        k = qk[..., self.num_heads :, :].reshape(*lead, -1)
+        q = RMSNorm(self.q_weight, self.eps)(q.contiguous())
+        k = RMSNorm(self.k_weight, self.eps)(k.contiguous())
+        return torch.cat([q, k], dim=-1).view(qk.shape)
+
+
+class LayerNorm(nn.Module):
+    """Cohere's norm: (x - mean) / sqrt(var + eps) * weight, no bias, in float32.
+    `weight` may be [heads, head_dim] (per-head q/k norms) and broadcasts over x."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.register_buffer("weight", weight.float(), persistent=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + residual
+        return total, self(total)

@@ -55,3 +55,36 @@ def test_budget_smaller_than_any_attention_group_promotes_nothing_there():
 def test_out_of_range_bits_rejected():
     with pytest.raises(ConversionError):
         allocate_bits(_smollm2_like(2), 9.0)
+
+
+def _mixtral_8x7b_like(layers: int = 32) -> list[GroupShape]:
+    # hidden 4096, 8 kv heads of 128, 8 experts of 14336: attention ~3% of the weights.
+    sizes = {"qkv": 4096 * (4096 + 2 * 1024), "o": 4096 * 4096,
+             "gate_up": 8 * 2 * 4096 * 14336, "down": 8 * 14336 * 4096}
+    return [GroupShape(i, g, n) for i in range(layers) for g, n in sizes.items()]
+
+
+@pytest.mark.parametrize("bpw", [3.0, 4.0, 4.5])
+def test_moe_attention_gets_two_more_bits_paid_by_the_experts(bpw):
+    shapes = _mixtral_8x7b_like()
+    bits = allocate_bits(shapes, bpw, attention_bonus=2)
+    average = average_bits(shapes, bits)
+    assert bpw - 0.05 <= average <= bpw + 1e-9
+    base = int(bpw)
+    assert all(bits[(i, g)] >= base + 2 for i in range(32) for g in ("qkv", "o"))
+    experts = [bits[(i, g)] for i in range(32) for g in ("gate_up", "down")]
+    assert sum(e >= base for e in experts) > len(experts) // 2
+    # At a whole-number target some experts pay a bit; with a fraction to spend, none.
+    assert min(experts) == (base - 1 if bpw == base else base)
+    # Without the bonus every expert group keeps the base width.
+    plain = allocate_bits(shapes, bpw)
+    assert min(plain[(i, "gate_up")] for i in range(32)) == base
+
+
+def test_moe_bonus_is_skipped_when_attention_is_a_large_share():
+    # A tiny MoE: attention a quarter of the weights; two bits for it would starve
+    # the experts, so the allocation is the plain one.
+    shapes = [GroupShape(i, g, n) for i in range(2) for g, n in
+              {"qkv": 3 * 128 * 128, "o": 128 * 128, "gate_up": 8 * 128 * 128,
+               "down": 4 * 128 * 128}.items()]
+    assert allocate_bits(shapes, 4.0, attention_bonus=2) == allocate_bits(shapes, 4.0)

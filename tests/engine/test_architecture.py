@@ -49,3 +49,41 @@ def test_sliding_window_policies():
     # An explicit layer_types list wins over the policy.
     explicit = config(sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2)
     assert qwen.layer_types(explicit)[0] == SLIDING_ATTENTION
+
+
+def test_moe_families_and_their_sparse_layers():
+    for name in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        assert get_architecture(name).moe is not None
+    assert get_architecture("LlamaForCausalLM").moe is None
+    qwen = get_architecture("Qwen3MoeForCausalLM").moe
+    cfg = config(num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [qwen.is_sparse(cfg, i) for i in range(4)] == [False, True, False, False]
+    # transformers 5 writes Qwen's expert count as num_local_experts.
+    assert qwen.num_experts(config(num_local_experts=6)) == 6
+    assert not qwen.is_sparse(config(), 0)  # no experts at all: dense
+    shared = get_architecture("Qwen2MoeForCausalLM").moe
+    assert shared.shared_size(config(shared_expert_intermediate_size=48)) == 48
+    assert get_architecture("MixtralForCausalLM").moe.shared_size(config()) == 0
+
+
+def test_fused_projection_names_apply_only_where_the_checkpoint_has_them():
+    phi3 = get_architecture("Phi3ForCausalLM")
+    fused = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"}
+    names = phi3.tensor_names(fused.__contains__)  # a Hugging Face Phi-3 checkpoint
+    assert names.qkv_fused == "model.layers.{i}.self_attn.qkv_proj"
+    assert names.gate_up_fused == "model.layers.{i}.mlp.gate_up_proj"
+    # An EXL3 folder stores q/k/v and gate/up split (EXL3-FORMAT.md section 2).
+    split = phi3.tensor_names({"model.layers.0.self_attn.q_proj.trellis"}.__contains__)
+    assert split.qkv_fused is None and split.gate_up_fused is None
+    assert split.q_proj == "model.layers.{i}.self_attn.q_proj"
+
+
+def test_rope_permutation_layouts():
+    from exl3cli.engine.rope import rope_permutation
+
+    # Llama-style pairs over 4 of 8 dimensions: (0, 2), (1, 3) rotate; 4..7 pass.
+    assert rope_permutation(8, 4, False).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    # Interleaved pairs (0, 1), (2, 3), ... over the whole head.
+    assert rope_permutation(8, 8, True).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert rope_permutation(8, 8, False).tolist() == list(range(8))
+

@@ -169,3 +169,35 @@ def test_trellis_path_in_float16_survives_large_activations(layer):
     expected = expected + small["bias"].double()
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_permute_and_scale_outputs_fold_into_dense_or_wrap_the_rest():
+    from exl3cli.engine.linear import (
+        DenseLinear,
+        PermutedLinear,
+        ScaledLinear,
+        permute_outputs,
+        scale_outputs,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    dense = DenseLinear(torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen))
+    x = torch.randn(3, 4, generator=gen)
+    order = torch.tensor([5, 0, 3, 1, 4, 2])
+    folded = permute_outputs(dense, order)
+    assert isinstance(folded, DenseLinear)
+    assert torch.allclose(folded(x), dense(x)[:, order])
+    assert torch.allclose(scale_outputs(dense, 0.5)(x), dense(x) * 0.5)
+
+    class Opaque(DenseLinear):  # a layer without a dense weight (like EXL3 trellis)
+        def dense_weight(self):
+            return None
+
+    opaque = Opaque(dense.weight, dense.bias)
+    gathered = permute_outputs(opaque, order)
+    scaled = scale_outputs(opaque, 2.0)
+    assert isinstance(gathered, PermutedLinear) and isinstance(scaled, ScaledLinear)
+    assert torch.allclose(gathered(x), dense(x)[:, order])
+    assert torch.allclose(scaled(x), dense(x) * 2.0)
+    with pytest.raises(ValueError, match="permutation"):
+        PermutedLinear(dense, torch.tensor([0, 0, 1, 2, 3, 4]))

@@ -23,12 +23,19 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 16,
 }
 
+# head_dim 16: 8 factors each (LongRoPE scales every frequency by its own factor).
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.0, 3.0, 4.0],
+                 "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0]}
+
 CASES = {
     "llama": ("llama", {}),
     "llama3_rope_scaling": ("llama", {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0}),
     "llama_tied_embeddings": ("llama", {"tie_word_embeddings": True}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 6, "num_hidden_layers": 3}),
     "qwen2": ("qwen2", {}),
+    # Qwen2.5's 128k configs: YaRN with a small original context so positions reach it.
+    "qwen2_yarn": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 16}}),
     "qwen2_sliding_window": (
         "qwen2",
         {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
@@ -48,6 +55,42 @@ CASES = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     ),
+    # Mixture of experts (4 experts, top 2; see also test_moe.py).
+    "mixtral": ("mixtral", {}),
+    "mixtral_sliding_window": ("mixtral", {"sliding_window": 6}),
+    "qwen2_moe": ("qwen2_moe", {}),  # shared expert and its sigmoid gate, no renorm
+    "qwen2_moe_dense_layer_renormalised": (
+        "qwen2_moe", {"mlp_only_layers": [1], "norm_topk_prob": True},
+    ),
+    "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),
+    "qwen3_moe_sparse_step": ("qwen3_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 3}),
+    # Phi-3: fused qkv_proj / gate_up_proj; LongRoPE short factors (the test's sequences
+    # stay within original_max_position_embeddings) and long ones (they pass it at 8).
+    "phi3": ("phi3", {"sliding_window": 6}),
+    "phi3_longrope_short": ("phi3", {"rope_scaling": PHI3_LONGROPE}),
+    "phi3_longrope_long": ("phi3", {"rope_scaling": PHI3_LONGROPE,
+                                    "original_max_position_embeddings": 8}),
+    "phi3_partial_rotary": ("phi3", {"partial_rotary_factor": 0.5}),  # Phi-4-mini's kind
+    # Interleaved rope pairs; ERNIE 4.5 MoE adds the expert-choice bias, shared experts
+    # and a dense first layer; GLM-4 rotates half of each head, sandwich norms.
+    "ernie4_5": ("ernie4_5", {}),
+    "ernie4_5_moe": ("ernie4_5_moe", {}),
+    "glm4": ("glm4", {}),
+    # Sigmoid router with choice bias and grouped top-k, shared expert, dense layer 0,
+    # rope over half of each head; with and without q/k norms.
+    "glm4_moe": ("glm4_moe", {}),
+    "exaone4": ("exaone4", {}),  # post-norm blocks, q/k norms
+    # EXAONE 4.0 32B's kind: three sliding layers, then a global one without rope.
+    "exaone4_sliding": ("exaone4", {"sliding_window": 6, "num_hidden_layers": 4}),
+    "olmo2": ("olmo2", {}),  # post-norm blocks, q/k norms over all heads
+    "olmo3": ("olmo3", {}),  # and sliding layers
+    "smollm3": ("smollm3", {}),  # a layer without rope
+    # LayerNorm, parallel block, interleaved rope, logit scale; q/k LayerNorms; Cohere2's
+    # sliding layers and rope-less global layer.
+    "cohere": ("cohere", {}),
+    "cohere_qk_norm": ("cohere", {"use_qk_norm": True}),
+    "cohere2": ("cohere2", {}),
+    "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
 }
 
 

@@ -62,3 +62,66 @@ def test_rotation_preserves_norm_and_position_zero_is_identity():
     cos, sin = rope.lookup(torch.tensor([0, 3, 10, 13]), 14)
     r = apply_rotary(torch.stack([q, k, q, k]), cos, sin)
     assert torch.allclose(r[0] @ r[1], r[2] @ r[3], atol=1e-4)
+
+
+def _transformers_rope(scaling: dict, head_dim: int = 32, theta: float = 10000.0,
+                       max_position: int = 256, seq_len: int | None = None):
+    """transformers' own (inv_freq, attention factor) for a Llama config with `scaling`."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(
+        hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_position,
+        rope_parameters={"rope_theta": theta, **scaling})
+    return ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu", seq_len=seq_len)
+
+
+YARN_CASES = {
+    "qwen2.5_128k": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "deepseek_mscale": {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
+                        "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                        "original_max_position_embeddings": 64},
+    "no_truncate": {"rope_type": "yarn", "factor": 8.0, "truncate": False,
+                    "original_max_position_embeddings": 128},
+    "given_attention_factor": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.3,
+                               "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+def test_yarn_matches_transformers(case):
+    from exl3cli.engine.rope import rope_attention_factor
+
+    scaling = YARN_CASES[case]
+    expected, factor = _transformers_rope(scaling)
+    ours = {**scaling, "max_position": 256}
+    assert torch.allclose(rope_inv_freq(32, 10000.0, ours), expected, rtol=1e-6)
+    assert rope_attention_factor(ours) == pytest.approx(factor)
+    assert factor != 1.0 and not torch.allclose(expected, rope_inv_freq(32, 10000.0, {}))
+
+
+@pytest.mark.parametrize("seq_len", [None, 30, 100])
+def test_longrope_matches_transformers_on_both_sides_of_the_original_length(seq_len):
+    from exl3cli.engine.rope import rope_attention_factor
+
+    gen = torch.Generator().manual_seed(0)
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64,
+               "short_factor": (1 + torch.rand(16, generator=gen)).tolist(),
+               "long_factor": (2 + 4 * torch.rand(16, generator=gen)).tolist()}
+    expected, factor = _transformers_rope(scaling, seq_len=seq_len)
+    ours = {**scaling, "max_position": 256}
+    assert torch.allclose(rope_inv_freq(32, 10000.0, ours, seq_len=seq_len), expected)
+    assert rope_attention_factor(ours) == pytest.approx(factor)  # sqrt(1 + ln 4 / ln 64)
+
+
+def test_longrope_table_switches_to_long_factors_past_the_original_length():
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 8,
+               "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}
+    rope = RotaryEmbedding(8, 10000.0, scaling, 32, torch.device("cpu"), torch.float32)
+    assert rope.dynamic  # the table depends on the sequence length
+    position = torch.tensor([[3]])
+    short = rope.lookup(position, 8)[0].clone()
+    long = rope.lookup(position, 9)[0]
+    assert not torch.allclose(short, long)
+    scale = math.sqrt(1 + math.log(4) / math.log(8))
+    assert rope.lookup(torch.tensor([[0]]), 9)[0].max().item() == pytest.approx(scale)
