@@ -259,7 +259,7 @@ class ActiveJob:
     def _sample(self, logits: torch.Tensor) -> list[GeneratorEvent]:
         start = time.perf_counter_ns()
         constraint = self.handle.job.constraint
-        if constraint is not None:  # as generate.generate_tokens does it
+        if constraint is not None:  # mask first, then let the constraint see the choice
             if constraint.finished:
                 return self.finish("stop")
             logits = constraint.mask(logits, self.budget - self.produced)
