@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.client.base import Body
+from exl3cli.client.create_checks import check_new_model
 from exl3cli.errors import Exl3Error, InvalidModelName, ModelfileError, ModelNotFound
 from exl3cli.store.modelfile import Modelfile, parse_modelfile
 from exl3cli.store.names import ModelName
@@ -86,6 +87,7 @@ class LocalClient:
         with self.store.staging_blobs():
             base = yield from self._resolve_from(modelfile, base_dir)
             manifest = apply_modelfile(base, modelfile, base_dir)
+            check_new_model(self.store, manifest, modelfile)
             yield {"status": "writing manifest"}
             self.store.write_manifest(name, manifest)
         yield {"status": "success"}

@@ -95,6 +95,8 @@ def _common(body: dict[str, Any], fields: dict[str, tuple[str, ...]]) -> dict[st
     check_fields(body, fields, required=("model",))
     if body.get("n") not in (None, 1):
         raise BadRequest("n: only one choice per request is supported")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise BadRequest("logprobs are not supported yet")
     include = (body.get("stream_options") or {}).get("include_usage")
     if include is not None and not isinstance(include, bool):
         raise BadRequest("stream_options.include_usage must be a boolean")
@@ -144,9 +146,19 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
             converted["tool_name"] = message["name"]
         messages.append(converted)
     req["messages"] = messages
-    if body.get("tools"):
+    choice = _tool_choice(body.get("tool_choice"))
+    if body.get("tools") and choice == "auto":
         req["tools"] = body["tools"]
     return req
+
+
+def _tool_choice(choice: Any) -> str:
+    """"auto" (the model decides) or "none" (tools are not offered); a forced call
+    ("required", a named function) is refused rather than answered with prose."""
+    if choice in (None, "auto", "none"):
+        return choice or "auto"
+    raise BadRequest('tool_choice: only "auto" and "none" are supported (the model cannot '
+                     'be forced to call a tool yet)')
 
 
 def completion_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +172,8 @@ def completion_request(body: dict[str, Any]) -> dict[str, Any]:
     if not prompt:
         raise BadRequest("prompt is required")
     req.update(prompt=prompt, raw=True)
+    if body.get("suffix"):
+        req["suffix"] = body["suffix"]  # fill-in-the-middle, or a 400 for other models
     return req
 
 
