@@ -53,7 +53,7 @@ class LocalClient:
         return {
             "modelfile": manifest_to_modelfile(name, manifest).to_text(),
             "parameters": format_parameters(manifest.parameters),
-            "template": manifest.template or "",
+            "template": manifest.template or _own_template(self.store, name),
             "system": manifest.system or "",
             "license": manifest.license or "",
             "details": details,
@@ -148,6 +148,18 @@ class LocalClient:
         with tempfile.TemporaryDirectory(dir=self.store.root, prefix=".convert-") as work:
             folder = gguf_to_hf_folder(path, Path(work) / "model")
             return self.store.add_folder_files(folder)
+
+
+def _own_template(store: ModelStore, name: ModelName) -> str:
+    """The chat template the model ships (tokenizer_config.json, chat_template.jinja),
+    shown when no TEMPLATE replaces it, as Ollama shows a model's template."""
+    from exl3cli.engine.chat_template import ChatTemplate
+
+    try:
+        template = ChatTemplate.from_folder(store.model_folder(name))
+    except (Exl3Error, OSError, ValueError):
+        return ""
+    return "" if template.is_fallback else template.source
 
 
 def _model_field(req: Body) -> str:
