@@ -12,6 +12,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -52,7 +53,14 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
     extra = {"extra_cuda_cflags": list(cuda_cflags)} if cuda_cflags is not None else {}
-    return cpp_extension.load(
+    first_build = not any(build_dir.glob("*.so")) and not any(build_dir.glob("*.pyd"))
+    if first_build:
+        # Compiling takes minutes and prints nothing: say so once, with an estimate.
+        print(f"exl3: compiling kernels for this machine ({prefix}; "
+              "first use only, usually 1-3 minutes; later runs load them at once)...",
+              file=sys.stderr, flush=True)
+    started = time.monotonic()
+    module = cpp_extension.load(
         name=name,
         sources=[str(p) for p in sources],
         extra_cflags=list(cflags),
@@ -60,6 +68,10 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
         verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
         **extra,
     )
+    if first_build:
+        print(f"exl3: kernels ready ({time.monotonic() - started:.0f} s)", file=sys.stderr,
+              flush=True)
+    return module
 
 
 class LazyExtension:
@@ -97,6 +109,7 @@ class LazyExtension:
                 self.reason = reason
                 self._tried = True
                 if reason is not None and self._announce(reason):
-                    print(f"exl3: {self._label} unavailable ({reason}); {self._fallback}",
-                          file=sys.stderr)
+                    print(f"exl3: {self._label} unavailable ({reason}); {self._fallback}, "
+                          "which is correct but several times slower (`exl3 kernels` says "
+                          "what is missing)", file=sys.stderr)
         return self.module
