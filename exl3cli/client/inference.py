@@ -33,6 +33,7 @@ from exl3cli.client.request_options import (  # noqa: F401  (re-exported)
     parse_keep_alive,
 )
 from exl3cli.errors import ContextOverflow
+from exl3cli.store.names import ModelName
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class LoadedModel:
     generator: Any = None  # engine.generator.Generator, built by the first request
     generator_thread: Any = None  # its GeneratorThread
     rebuilds_waiting: int = 0  # requests waiting for the generator to go idle
+    digest: str = ""  # the manifest digest /api/tags shows for `name`
 
     def stop_generator(self) -> None:
         """Stop stepping the generator on its thread (handles still in flight then
@@ -77,20 +79,6 @@ def _folder_size(folder: Path) -> int:
         except OSError:
             continue
     return total
-
-
-def _model_details(folder: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    family = str(config.get("model_type") or "")
-    quant = config.get("quantization_config") or {}
-    bits = quant.get("bits") if isinstance(quant, dict) else None
-    level = f"EXL3 {bits}bpw" if bits else str(config.get("torch_dtype") or "").upper()
-    return {"parent_model": "", "format": "safetensors", "family": family,
-            "families": [family] if family else None, "parameter_size": "",
-            "quantization_level": level}
 
 
 class InferenceRunner:
@@ -145,11 +133,11 @@ class InferenceRunner:
             for loaded in self._loaded.values():
                 expires = loaded.expires_wall or (datetime.now(timezone.utc)
                                                    + timedelta(days=365 * 100))
-                models.append({
+                models.append({  # name, digest and details as /api/tags shows them
                     "name": loaded.name,
                     "model": loaded.name,
                     "size": loaded.size,
-                    "digest": loaded.key,
+                    "digest": loaded.digest or loaded.key,
                     "details": dict(loaded.details),
                     "expires_at": expires.isoformat().replace("+00:00", "Z"),
                     "size_vram": loaded.size if loaded.on_gpu else 0,
@@ -365,18 +353,21 @@ class InferenceRunner:
                     self._drop(victim)
                 self._loaded[key] = loaded
             self._loaded.move_to_end(key)
-            loaded.name = name
+            loaded.name = str(ModelName.parse(name))
+            loaded.digest = manifest.digest()
             loaded.in_use += 1
             return loaded
 
     def _load(self, key: str, name: str) -> LoadedModel:
+        from exl3cli.client.local import model_details
         from exl3cli.engine.textmodel import TextModel
 
         folder = Path(self.store.model_folder(name))
         text_model = TextModel.load(folder, device=self.device)
         device = str(getattr(text_model.model, "device", "cpu"))
+        details = model_details(self.store, self.store.read_manifest(name))
         return LoadedModel(key=key, name=name, text_model=text_model,
-                           size=_folder_size(folder), details=_model_details(folder),
+                           size=_folder_size(folder), details=details,
                            on_gpu=device.startswith("cuda"))
 
     def _release(self, loaded: LoadedModel, keep_alive: float | None) -> None:

@@ -266,6 +266,11 @@ def _pull_events(store: ModelStore, name: ModelName, final: bool = True) -> Iter
         raise failure[0]
 
 
+def model_details(store: ModelStore, manifest: Manifest) -> dict[str, Any]:
+    """Ollama's `details` of a stored model (what /api/tags and /api/ps show)."""
+    return _details(store, manifest)[0]
+
+
 def _details(store: ModelStore, manifest: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
     """Ollama's `details` and `model_info` from config.json and safetensors headers."""
     config: dict[str, Any] = {}

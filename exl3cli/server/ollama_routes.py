@@ -211,6 +211,12 @@ async def pull(request: web.Request) -> web.StreamResponse:
     return await run_store_stream(request, body, lambda cancel: manager.local.pull(req))
 
 
+@routes.post("/api/push")
+async def push(request: web.Request) -> web.Response:
+    raise BadRequest("push is not supported: exl3 has no registry to push to (share the "
+                     "model folder, or `exl3 convert --out DIR`, instead)", status=501)
+
+
 CREATE_FIELDS = {"model": (STR,), "name": (STR,), "modelfile": (STR,), "from": (STR,),
                  "template": (STR,), "system": (STR,), "license": (STR, LIST),
                  "parameters": (OBJ,), "messages": (LIST,), "stream": (BOOL,),
