@@ -145,6 +145,32 @@ class InferenceRunner:
                 })
             return {"models": models}
 
+    def current(self) -> LoadedModel | None:
+        """The most recently used loaded model (TabbyAPI's "current model"), or None."""
+        with self._lock:
+            self._expire()
+            return next(reversed(self._loaded.values()), None)
+
+    def loaded_model(self, name: str) -> LoadedModel:
+        """`name` loaded (loading it, with the default keep_alive, if it is not)."""
+        manifest = self.store.read_manifest(name)
+        with self._lock:
+            loaded = self._loaded.get(_weights_key(manifest))
+            if loaded is not None:
+                return loaded
+        list(self.generate({"model": name, "prompt": ""}))  # the load-only request
+        with self._lock:
+            return self._loaded[_weights_key(manifest)]
+
+    def unload_all(self) -> list[str]:
+        """Drop every loaded model that no request is using; their names."""
+        with self._lock:
+            idle = [key for key, loaded in self._loaded.items() if loaded.in_use == 0]
+            names = [self._loaded[key].name for key in idle]
+            for key in idle:
+                self._drop(key)
+            return names
+
     def unload(self, name: str) -> bool:
         """Drop a loaded model now (`exl3 stop`, keep_alive 0); False if not loaded."""
         manifest = self.store.read_manifest(name)

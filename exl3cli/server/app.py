@@ -8,7 +8,8 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli.hostaddr import HostAddress, parse_host
-from exl3cli.server import embed_routes, ollama_routes, openai_routes
+from exl3cli.server import embed_routes, ollama_routes, openai_routes, tabby_routes
+from exl3cli.server.admin_keys import admin_key_middleware
 from exl3cli.server.model_manager import ModelManager
 from exl3cli.server.security import api_key_middleware, error_middleware, host_check_middleware
 
@@ -18,10 +19,12 @@ DEFAULT_MAX_BODY = 32 * 1024 * 1024  # base64 images make bodies large; this is 
 def create_app(store: Any = None, *, host: HostAddress | None = None,
                api_key: str | None = None, num_parallel: int | None = None,
                max_queue: int | None = None, max_body: int = DEFAULT_MAX_BODY,
-               manager: ModelManager | None = None) -> web.Application:
+               manager: ModelManager | None = None,
+               admin_key: str | None = None) -> web.Application:
     """The daemon for `store` (default: EXL3_MODELS). `host` is where it is bound: when
     that is loopback, requests must carry a local Host header. `api_key` defaults to
-    EXL3_API_KEY; when set, requests need `Authorization: Bearer <key>`."""
+    EXL3_API_KEY; when set, requests need `Authorization: Bearer <key>`. `admin_key`
+    (EXL3_ADMIN_KEY) guards loading and the store's writes (server/admin_keys.py)."""
     if store is None:
         from exl3cli.store.store import ModelStore
 
@@ -32,7 +35,10 @@ def create_app(store: Any = None, *, host: HostAddress | None = None,
     middlewares = [error_middleware]
     if host.is_loopback:
         middlewares.append(host_check_middleware(host.host))
-    if api_key:
+    admin_key = admin_key or os.environ.get("EXL3_ADMIN_KEY") or None
+    if admin_key:
+        middlewares.append(admin_key_middleware(admin_key, api_key))
+    elif api_key:
         middlewares.append(api_key_middleware(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=max_body)
     manager = manager or ModelManager(store, num_parallel=num_parallel, max_queue=max_queue)
@@ -40,6 +46,7 @@ def create_app(store: Any = None, *, host: HostAddress | None = None,
     app.add_routes(ollama_routes.routes)
     app.add_routes(openai_routes.routes)
     app.add_routes(embed_routes.routes)
+    app.add_routes(tabby_routes.routes)
 
     async def start(_app: web.Application) -> None:
         await manager.start()
