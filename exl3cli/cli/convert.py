@@ -42,6 +42,7 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
             calib_rows: int | None, calib_cols: int | None, scale_search_tiles: int,
             device: str | None) -> None:
     """Quantize SRC (HF folder, GGUF file, store or hub name) to EXL3."""
+    from exl3cli.cli.progress import ProgressPrinter
     from exl3cli.convert.calibration import DEFAULT_COLS, DEFAULT_ROWS
     from exl3cli.convert.pipeline import ConvertOptions, convert_model
     from exl3cli.convert.report import LayerReport
@@ -55,8 +56,11 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
         ModelName.parse(name)  # reject a bad name before hours of work
     store = ModelStore()
     work = Path(work_dir) if work_dir else _default_work_dir(store.root, src, bits)
-    source = resolve_source(src, store, work.with_name(work.name + "-src"),
-                            lambda e: click.echo(e.get("status", ""), err=True))
+    pulling = ProgressPrinter()  # a pull of SRC shows what `exl3 pull` shows
+    try:
+        source = resolve_source(src, store, work.with_name(work.name + "-src"), pulling)
+    finally:
+        pulling.close()
     options = ConvertOptions(
         bits=bits, head_bits=head_bits, codebook=codebook,
         rows=calib_rows or DEFAULT_ROWS, cols=calib_cols or DEFAULT_COLS,

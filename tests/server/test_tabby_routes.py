@@ -93,3 +93,16 @@ def test_the_admin_key_guards_loading_and_the_store(store):
         assert answer.choices[0].message.content is not None
         assert call(url + "/v1/model", headers={"x-api-key": "user-key"})[0] == 200
         assert call(url + "/v1/model")[0] == 401  # no key at all
+
+
+def test_the_cli_client_sends_the_admin_key_from_its_environment(store, monkeypatch):
+    from exl3cli.client.http import HttpClient
+    from exl3cli.errors import Exl3Error
+
+    with Daemon(store, admin_key="admin-key") as daemon:
+        with pytest.raises(Exl3Error, match="admin key"):
+            HttpClient(daemon.url).copy({"source": "tiny", "destination": "tiny-copy"})
+        monkeypatch.setenv("EXL3_ADMIN_KEY", "admin-key")
+        HttpClient(daemon.url).copy({"source": "tiny", "destination": "tiny-copy"})
+        HttpClient(daemon.url).delete({"model": "tiny-copy"})
+    assert not store.exists("tiny-copy")
