@@ -22,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from exl3cli.client.logprobs import LogprobRecorder, logprob_entries
 from exl3cli.client.request_options import (  # noqa: F401  (re-exported)
     cache_type_option,
     default_num_parallel,
@@ -243,8 +244,14 @@ class InferenceRunner:
         num_predict = int_option(options, "num_predict")
         drafter, draft_tokens = drafter_for(manifest.get("draft"), options,
                                             text_model.model.config.vocab_size, self.store)
+        sampler = build_sampler(options)
+        if job.top_logprobs is not None:
+            # Drafts are verified outside the sampler: off while logprobs are recorded
+            # (a draft only ever changes speed).
+            sampler = job.recorder = LogprobRecorder(sampler, job.top_logprobs)
+            drafter, draft_tokens = None, 0
         generation = GenerationJob(
-            prompt_ids, sampler=build_sampler(options),
+            prompt_ids, sampler=sampler,
             stop=[s for s in (options.get("stop") or []) if s],
             num_predict=-1 if num_predict is None else num_predict, num_ctx=num_ctx,
             truncate=truncate, num_keep=max(0, int_option(options, "num_keep") or 0),
@@ -312,26 +319,39 @@ class InferenceRunner:
                 out.extend(tool_parser.push(part) if kind == "content" else [(kind, part)])
             return out
 
+        logprobs: list[dict] = []  # entries not attached to a response object yet
+        tokenizer = loaded.text_model.tokenizer
+
+        def chunk(part: Any, kind: str) -> dict:
+            body = job.chunk(part, kind)
+            if job.recorder is not None:
+                body["logprobs"] = logprobs[:]
+                logprobs.clear()
+            return body
+
         try:
             for event in events:
                 if event.done:
                     final_event = event
                     break
                 generated.extend(event.token_ids)
+                if job.recorder is not None:
+                    logprobs.extend(logprob_entries(
+                        tokenizer, job.recorder.take(len(event.token_ids))))
                 for kind, part in routed(splitter.push(event.text)):
                     if job.streaming:
-                        yield job.chunk(part, kind)
+                        yield chunk(part, kind)
                     else:
                         pieces.append((kind, part))
             if final_event is None or final_event.cancelled:
                 return  # cancelled (client gone): nobody reads a final object
             for kind, part in routed(splitter.flush()) + tool_parser.flush():
                 if job.streaming:
-                    yield job.chunk(part, kind)
+                    yield chunk(part, kind)
                 else:
                     pieces.append((kind, part))
             done = final_event
-            yield job.final(
+            final = job.final(
                 pieces=None if job.streaming else pieces,
                 done_reason=done.done_reason or "stop",
                 metrics={
@@ -350,6 +370,9 @@ class InferenceRunner:
                 warnings=[f"invalid option provided: {name}" for name in ignored],
                 context=list(handle.prompt) + generated,
             )
+            if job.recorder is not None:
+                final["logprobs"] = logprobs[:]  # what no chunk carried (all, unstreamed)
+            yield final
         finally:
             events.close()  # an abandoned stream (Ctrl-C, client gone) cancels the job
             self._release(loaded, keep_alive)

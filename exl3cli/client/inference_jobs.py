@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from exl3cli.client.logprobs import logprob_request
 from exl3cli.client.request_options import now_iso, refuse_unsupported
 from exl3cli.client.tool_calls import ToolCallParser
 from exl3cli.errors import InvalidOption
@@ -99,6 +100,8 @@ class _Job:
         self.model = model
         self.streaming = req.get("stream", True) is not False
         self.think = _think_enabled(req.get("think"))
+        self.top_logprobs = logprob_request(req)  # None: no logprobs wanted
+        self.recorder: Any = None  # the LogprobRecorder sampling this job, if any
         fmt = req.get("format")
         if fmt not in (None, "", "json") and not isinstance(fmt, dict):
             raise InvalidOption(f"invalid format: {fmt!r} (use \"json\" or a JSON schema)")

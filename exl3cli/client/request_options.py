@@ -71,19 +71,9 @@ UNSUPPORTED_OPTIONS = {
     "mirostat": "mirostat sampling is not supported (leave mirostat at 0; temperature, "
                 "top_p, min_p, dry_* and xtc_* are)",
 }
-# Request fields that are valid elsewhere but not implemented here.
-UNSUPPORTED_FIELDS = {
-    "logprobs": "logprobs are not supported yet",
-    "top_logprobs": "logprobs are not supported yet (top_logprobs)",
-}
-
-
 def refuse_unsupported(req: dict[str, Any]) -> None:
     """InvalidOption for request fields that would otherwise be accepted and ignored:
-    logprobs, images (exl3 runs text-only models), a nonzero mirostat."""
-    for name, message in UNSUPPORTED_FIELDS.items():
-        if req.get(name):
-            raise InvalidOption(message)
+    images (exl3 runs text-only models), a nonzero mirostat."""
     messages = req.get("messages") if isinstance(req.get("messages"), list) else []
     if req.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
         raise InvalidOption(f"model '{req.get('model') or req.get('name')}' does not support "

@@ -38,7 +38,7 @@ routes = web.RouteTableDef()
 
 _COMMON = {"model": (STR,), "name": (STR,), "options": (OBJ,), "stream": (BOOL,),
            "keep_alive": (STR, NUM), "format": (STR, OBJ), "think": (BOOL, STR),
-           "template": (STR,)}
+           "template": (STR,), "logprobs": (BOOL,), "top_logprobs": (INT,)}
 GENERATE_FIELDS = {**_COMMON, "prompt": (STR,), "suffix": (STR,), "system": (STR,),
                    "raw": (BOOL,), "context": (LIST,), "images": (LIST,)}
 CHAT_FIELDS = {**_COMMON, "messages": (LIST,), "tools": (LIST,)}

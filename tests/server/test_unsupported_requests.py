@@ -1,12 +1,8 @@
 """What exl3 does not implement is refused where it is given (400 naming it), never
 accepted and ignored: images on a text model, think on a model without thinking, suffix
-without fill-in-the-middle tokens, logprobs, a nonzero mirostat, a forced tool call."""
+without fill-in-the-middle tokens, a nonzero mirostat, a forced tool call."""
 
 from __future__ import annotations
-
-import json
-import urllib.error
-import urllib.request
 
 import ollama
 import openai
@@ -72,24 +68,6 @@ def test_fill_in_the_middle_prompt_uses_the_fim_tokens():
     assert tokenizer.decode(ids[cut + 1:-1]) == "return y"
     with pytest.raises(InvalidOption):
         fill_in_middle_ids(Tokenizer(train_byte_level_bpe()), "a", "b")
-
-
-def post(daemon, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(daemon.url + path, method="POST",
-                                     data=json.dumps(body).encode())
-    try:
-        with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read().splitlines()[-1])
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def test_logprobs_are_refused_on_both_apis(daemon, oai):
-    status, body = post(daemon, "/api/generate", {"model": "tiny", "prompt": "hi",
-                                                  "logprobs": True})
-    assert status == 400 and "logprobs" in body["error"]
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oai.chat.completions.create(model="tiny", messages=HELLO, logprobs=True, max_tokens=2)
 
 
 def test_mirostat_is_refused_unless_off(client):
