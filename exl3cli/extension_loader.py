@@ -55,7 +55,14 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
     (build_dir / OWNER_FILE).write_text(str(os.getpid()))
     os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
     extra = {"extra_cuda_cflags": list(cuda_cflags)} if cuda_cflags is not None else {}
-    return cpp_extension.load(
+    first_build = not any(build_dir.glob("*.so")) and not any(build_dir.glob("*.pyd"))
+    if first_build:
+        # Compiling takes minutes and prints nothing: say so once, with an estimate.
+        print(f"exl3: compiling kernels for this machine ({prefix}; "
+              "first use only, usually 1-3 minutes; later runs load them at once)...",
+              file=sys.stderr, flush=True)
+    started = time.monotonic()
+    module = cpp_extension.load(
         name=name,
         sources=[str(p) for p in sources],
         extra_cflags=list(cflags),
@@ -63,6 +70,10 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
         verbose=os.environ.get("EXL3_EXT_VERBOSE", "") not in ("", "0"),
         **extra,
     )
+    if first_build:
+        print(f"exl3: kernels ready ({time.monotonic() - started:.0f} s)", file=sys.stderr,
+              flush=True)
+    return module
 
 
 # torch's build lock is a file that a killed build never removes: every later build
@@ -137,6 +148,7 @@ class LazyExtension:
                 self.reason = reason
                 self._tried = True
                 if reason is not None and self._announce(reason):
-                    print(f"exl3: {self._label} unavailable ({reason}); {self._fallback}",
-                          file=sys.stderr)
+                    print(f"exl3: {self._label} unavailable ({reason}); {self._fallback}, "
+                          "which is correct but several times slower (`exl3 kernels` says "
+                          "what is missing)", file=sys.stderr)
         return self.module

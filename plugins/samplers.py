@@ -1,10 +1,13 @@
 """Built-in sampler steps (registered through the exl3cli entry-point group).
 
-Order follows llama.cpp's default chain, which Ollama used: penalties, top_k,
-typical_p, top_p, min_p, temperature. Penalties use Ollama's semantics: within the
+Order follows llama.cpp's default chain, which Ollama used: penalties, DRY, top_k,
+typical_p, top_p, min_p, XTC, temperature. Penalties use Ollama's semantics: within the
 last `repeat_last_n` tokens (0 = off, -1 = all), a seen token's logit is divided by
 `repeat_penalty` when positive (multiplied when negative), lowered by
 `frequency_penalty` per occurrence and by `presence_penalty` once.
+
+DRY ("don't repeat yourself") and XTC ("exclude top choices") are the ExLlama/
+text-generation-webui samplers (`dry_*`, `xtc_*` parameters); both are off by default.
 """
 
 from __future__ import annotations
@@ -47,6 +50,92 @@ class PenaltiesStep(SamplerStep):
         seen = seen - counts.to(seen.dtype) * frequency - presence
         logits[tokens] = seen
         return logits
+
+
+DRY_MAX_MATCH = 64  # longest repeated sequence DRY measures (the penalty is huge by then)
+DRY_RANGE = 4096  # how far back DRY looks for earlier occurrences
+
+
+def dry_match_lengths(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every earlier position i of `history` (1 <= i < len), the token that came
+    next there (`history[i]`) and how many tokens before it equal the end of the history
+    (the length of the repeated sequence that token would extend)."""
+    size = history.numel()
+    ends = torch.arange(size - 1, device=history.device)  # i - 1
+    lengths = torch.zeros(size - 1, dtype=torch.long, device=history.device)
+    alive = torch.ones(size - 1, dtype=torch.bool, device=history.device)
+    for back in range(min(DRY_MAX_MATCH, size - 1)):
+        earlier = ends - back
+        alive &= (earlier >= 0) & (history[earlier.clamp(min=0)] == history[size - 1 - back])
+        if not bool(alive.any()):
+            break
+        lengths += alive
+    return history[1:], lengths
+
+
+class DryStep(SamplerStep):
+    """Penalises a token that would extend a sequence already seen earlier: for a
+    repeat of n >= dry_allowed_length tokens the logit drops by
+    dry_multiplier * dry_base ** (n - dry_allowed_length). (No sequence breakers: every
+    token counts.)"""
+
+    name = "dry"
+    order = 15
+    params = {
+        "dry_multiplier": ParamSpec(float, 0.0, minimum=0.0, help="DRY strength; 0 = off"),
+        "dry_base": ParamSpec(float, 1.75, minimum=1.0, help="growth per repeated token"),
+        "dry_allowed_length": ParamSpec(int, 2, minimum=1,
+                                        help="longest repeat that goes unpenalised"),
+    }
+
+    def apply(self, logits: torch.Tensor, ctx: SamplerContext) -> torch.Tensor:
+        opts = ctx.options
+        multiplier, base = opts["dry_multiplier"], opts["dry_base"]
+        allowed = opts["dry_allowed_length"]
+        if multiplier <= 0 or len(ctx.history) < 2:
+            return logits
+        history = torch.tensor(ctx.history[-DRY_RANGE:], dtype=torch.long,
+                               device=logits.device)
+        tokens, lengths = dry_match_lengths(history)
+        hit = (lengths >= allowed) & (tokens >= 0) & (tokens < logits.numel())
+        if not bool(hit.any()):
+            return logits
+        exponent = (lengths[hit] - allowed).to(logits.dtype)
+        amounts = multiplier * torch.pow(torch.full_like(exponent, base), exponent)
+        penalty = torch.zeros_like(logits)
+        penalty.scatter_reduce_(0, tokens[hit], amounts, reduce="amax")
+        return logits - penalty
+
+
+class XtcStep(SamplerStep):
+    """With probability xtc_probability, removes every token at or above
+    xtc_threshold probability except the least likely of them (only when two or more
+    are): the most predictable choices give way to a still-likely one."""
+
+    name = "xtc"
+    order = 55
+    params = {
+        "xtc_probability": ParamSpec(float, 0.0, minimum=0.0, maximum=1.0,
+                                     help="chance XTC acts at a step; 0 = off"),
+        "xtc_threshold": ParamSpec(float, 0.1, minimum=0.0, maximum=1.0,
+                                   help="probability that counts as a top choice"),
+    }
+    skip_when_greedy = True
+
+    def apply(self, logits: torch.Tensor, ctx: SamplerContext) -> torch.Tensor:
+        chance, threshold = ctx.options["xtc_probability"], ctx.options["xtc_threshold"]
+        if chance <= 0:
+            return logits
+        draw = torch.rand((), generator=ctx.generator, device=logits.device)
+        if float(draw) >= chance:
+            return logits
+        probs = torch.softmax(logits, dim=-1)
+        top = probs >= threshold
+        if int(top.sum()) < 2:
+            return logits
+        candidates = torch.nonzero(top).flatten()
+        top[candidates[torch.argmin(probs[candidates])]] = False  # the least likely stays
+        return logits.masked_fill(top, NEG_INF)
 
 
 def _keep_sorted_prefix(logits: torch.Tensor, order: torch.Tensor, keep: int) -> torch.Tensor:
@@ -140,4 +229,5 @@ class TemperatureStep(SamplerStep):
 
 @hookimpl
 def exl3_samplers() -> list[SamplerStep]:
-    return [PenaltiesStep(), TopKStep(), TypicalStep(), TopPStep(), MinPStep(), TemperatureStep()]
+    return [PenaltiesStep(), DryStep(), TopKStep(), TypicalStep(), TopPStep(), MinPStep(),
+            XtcStep(), TemperatureStep()]

@@ -3,14 +3,18 @@
 One command for every benchmark: with `--server` it replays chat requests against a
 running Ollama/OpenAI-compatible server (cli/bench_load.py); with MODEL (a folder or a
 stored name) or `--synthetic SHAPE -b BPW` it loads the model and measures prompt and
-generation tokens/s, peak GPU memory and the fraction of the memory-bandwidth limit
-(cli/bench_speed.py).
+generation tokens/s, peak GPU memory and (on a GPU) the fraction of the memory-bandwidth
+limit (cli/bench_speed.py). SIGTERM stops it as Ctrl-C does, temporary files removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -144,7 +148,7 @@ def _speed_command(model_arg: str | None, synthetic: str | None, bits: float, he
 
     if synthetic is None and model_arg is None:
         raise click.UsageError("give MODEL, --synthetic SHAPE, or --server URL")
-    with tempfile.TemporaryDirectory(prefix="exl3-bench-") as scratch:
+    with exit_on_sigterm(), tempfile.TemporaryDirectory(prefix="exl3-bench-") as scratch:
         if synthetic is not None:
             from exl3cli.engine.quant.synthetic import SHAPES, write_synthetic_model
 
@@ -160,6 +164,24 @@ def _speed_command(model_arg: str | None, synthetic: str | None, bits: float, he
                            batches=batches, device=device, memory_context=memory_context,
                            graphs=graphs, label=label)
     click.echo(json.dumps(report, indent=2) if as_json else format_speed_report(report))
+
+
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM ends the command like Ctrl-C does, running its cleanup (a synthetic model
+    is several GB of temporary files) instead of dying on the spot."""
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _quality_command(model_arg: str | None, ppl_text: str | None, kl_ref: str | None,

@@ -28,6 +28,8 @@ def _default_work_dir(store_root: Path, src: str, bits: float) -> Path:
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
               help="Work folder for checkpoints (default: under the store).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion.")
+@click.option("--force", is_flag=True,
+              help="Start over even if the work folder holds finished layers (deletes them).")
 @click.option("--calib", "calib", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Calibration text file (default: the bundled sample).")
 @click.option("--calib-rows", type=click.IntRange(1), default=None, help="Calibration rows.")
@@ -36,10 +38,11 @@ def _default_work_dir(store_root: Path, src: str, bits: float) -> Path:
 @click.option("--scale-search-tiles", type=click.IntRange(0), default=16, hidden=True)
 @click.option("--device", default=None, help="torch device (default: cuda if present).")
 def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_bits: int,
-            codebook: str, work_dir: str | None, resume: bool, calib: str | None,
+            codebook: str, work_dir: str | None, resume: bool, force: bool, calib: str | None,
             calib_rows: int | None, calib_cols: int | None, scale_search_tiles: int,
             device: str | None) -> None:
     """Quantize SRC (HF folder, GGUF file, store or hub name) to EXL3."""
+    from exl3cli.cli.progress import ProgressPrinter
     from exl3cli.convert.calibration import DEFAULT_COLS, DEFAULT_ROWS
     from exl3cli.convert.pipeline import ConvertOptions, convert_model
     from exl3cli.convert.report import LayerReport
@@ -53,8 +56,11 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
         ModelName.parse(name)  # reject a bad name before hours of work
     store = ModelStore()
     work = Path(work_dir) if work_dir else _default_work_dir(store.root, src, bits)
-    source = resolve_source(src, store, work.with_name(work.name + "-src"),
-                            lambda e: click.echo(e.get("status", ""), err=True))
+    pulling = ProgressPrinter()  # a pull of SRC shows what `exl3 pull` shows
+    try:
+        source = resolve_source(src, store, work.with_name(work.name + "-src"), pulling)
+    finally:
+        pulling.close()
     options = ConvertOptions(
         bits=bits, head_bits=head_bits, codebook=codebook,
         rows=calib_rows or DEFAULT_ROWS, cols=calib_cols or DEFAULT_COLS,
@@ -63,16 +69,20 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
     )
     target = Path(out_dir) if out_dir else work.with_name(work.name + "-out")
 
-    def progress(event: LayerReport | str) -> None:
-        if isinstance(event, LayerReport):
-            click.echo(event.line(num_layers), err=True)
-        else:
-            click.echo(event, err=True)
-
+    from exl3cli.convert.report import LayerClock
     from exl3cli.engine.architecture import load_family_config
 
     num_layers = load_family_config(source).num_layers
-    summary = convert_model(source, target, options, work, resume=resume, progress=progress)
+    clock = LayerClock(num_layers)
+
+    def progress(event: LayerReport | str) -> None:
+        if isinstance(event, LayerReport):
+            click.echo(event.line_with_eta(num_layers, clock.remaining(event)), err=True)
+        else:
+            click.echo(event, err=True)
+
+    summary = convert_model(source, target, options, work, resume=resume, progress=progress,
+                            force=force)
     click.echo(summary.table())
     if name is not None:
         store.import_folder(name, target, {"type": "convert", "from": src, "bits": bits,

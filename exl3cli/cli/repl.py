@@ -114,6 +114,7 @@ class Repl:
         thinking = _ThinkingDisplay(self.stdout, show=not session.hide_thinking)
         final: dict = {}
         chunks = None
+        stopped = False
         try:
             chunks = self.client.chat(session.chat_request())
             for chunk in chunks:
@@ -126,7 +127,7 @@ class Repl:
                     thinking.end()
                     writer.write(message["content"])
         except KeyboardInterrupt:
-            pass  # stop this answer only; what was said so far stays in the conversation
+            stopped = True  # stop this answer only; what was said so far stays in the chat
         except Exl3Error as error:
             session.messages.pop()
             writer.finish()
@@ -139,7 +140,10 @@ class Repl:
         writer.finish()
         self._print("\n")
         if writer.text:
-            session.messages.append({"role": "assistant", "content": writer.text})
+            reply = {"role": "assistant", "content": writer.text}
+            session.messages.append(reply)
+            if stopped:
+                session.interrupted.append(reply)  # not for /save
         else:
             session.messages.pop()  # nothing was answered: forget the question too
         if session.verbose and final:

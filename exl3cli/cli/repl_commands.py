@@ -106,6 +106,9 @@ class ReplSession:
     hide_thinking: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] = field(default_factory=list)
+    # Replies stopped with Ctrl-C: they stay in the conversation (the model sees what it
+    # said), but /save leaves them, and the question they answer, out of the Modelfile.
+    interrupted: list[dict[str, str]] = field(default_factory=list)
 
     @classmethod
     def from_options(cls, opts: ReplOptions) -> ReplSession:
@@ -133,8 +136,15 @@ class ReplSession:
         """A Modelfile that recreates this session on top of the current model."""
         from exl3cli.store.modelfile import Modelfile
 
+        saved: list[dict[str, str]] = []
+        for message in self.messages:
+            if any(message is stopped for stopped in self.interrupted):
+                if saved and saved[-1].get("role") == "user":
+                    saved.pop()
+                continue
+            saved.append(dict(message))
         return Modelfile(from_=self.model, parameters=dict(self.options), system=self.system,
-                         messages=[dict(m) for m in self.messages]).to_text()
+                         messages=saved).to_text()
 
 
 @dataclass

@@ -7,47 +7,14 @@ the same code drives the in-process engine and, later, a daemon.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import click
 
 from exl3cli.cli.output import StreamWriter, format_stats, terminal_width
-from exl3cli.errors import Exl3Error, ModelNotFound, PullError
-
-
-def print_pull_progress(lines: Iterable[dict], stream: TextIO) -> None:
-    """Show /api/pull progress lines on `stream`: on a terminal one line per status,
-    redrawn in place as bytes arrive; elsewhere each status once."""
-    tty = stream.isatty()
-    last_status = None
-    for line in lines:
-        if "error" in line:
-            raise PullError(str(line["error"]))
-        status = str(line.get("status", ""))
-        total, completed = line.get("total"), line.get("completed") or 0
-        if tty:
-            if last_status is not None and status != last_status:
-                stream.write("\n")
-            text = status
-            if total:
-                text += f" {int(100 * completed / total):3d}% {_size(completed)}/{_size(total)}"
-            stream.write("\r\x1b[K" + text)
-        elif status != last_status:
-            stream.write(status + "\n")
-        last_status = status
-        stream.flush()
-    if tty and last_status is not None:
-        stream.write("\n")
-        stream.flush()
-
-
-def _size(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1000 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count:.1f} GB"
+from exl3cli.cli.progress import show_progress
+from exl3cli.errors import Exl3Error, ModelNotFound
 
 
 def ensure_model(client: Any, model: str, progress: TextIO) -> dict:
@@ -56,7 +23,7 @@ def ensure_model(client: Any, model: str, progress: TextIO) -> dict:
         return client.show({"model": model})
     except ModelNotFound:
         pass
-    print_pull_progress(client.pull({"model": model}), progress)
+    show_progress(client.pull({"model": model}), progress)
     return client.show({"model": model})
 
 

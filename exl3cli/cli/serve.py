@@ -36,7 +36,23 @@ def _serve_help() -> str:
 
 @click.command("serve", help=_serve_help())
 def serve() -> None:
-    """Start the daemon (Ollama and OpenAI APIs) on EXL3_HOST."""
+    """Start the daemon (Ollama, OpenAI and TabbyAPI routes) on EXL3_HOST.
+
+    \b
+    Environment:
+      EXL3_HOST              where to listen (default 127.0.0.1:11435)
+      EXL3_MODELS            the model store (default ~/.exl3/models)
+      EXL3_KEEP_ALIVE        how long an idle model stays loaded (default 5m)
+      EXL3_NUM_PARALLEL      requests one model serves at once (default 4)
+      EXL3_MAX_QUEUE         requests that may wait per model; past it, 503 (default 512)
+      EXL3_MAX_LOADED_MODELS models loaded at once (default 1)
+      EXL3_KV_CACHE_TYPE     fp16, q8, q6, q4 or e.g. k8v4 (default fp16)
+      EXL3_API_KEY           when set, requests need Authorization: Bearer <key>
+      EXL3_ADMIN_KEY         when set, loading and store writes need this key
+      EXL3_CPU_WEIGHTS       fp32, bf16 or int8 weights on the CPU (default fp32)
+      EXL3_NO_EXT            1: pure-PyTorch paths, no compiled kernels
+      HF_TOKEN, HF_ENDPOINT  passed to huggingface_hub for pulls
+    """
     from aiohttp import web
 
     from exl3cli import __version__

@@ -59,6 +59,9 @@ class HttpClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("EXL3_API_KEY")
+        # A daemon with EXL3_ADMIN_KEY wants it for pull/create/cp/rm: the CLI sends it
+        # when its environment has it.
+        self.admin_key = os.environ.get("EXL3_ADMIN_KEY") or None
         self.timeout = timeout
 
     # -- transport --------------------------------------------------------------------
@@ -72,6 +75,8 @@ class HttpClient:
             request.add_header("Content-Type", "application/json")
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
+        if self.admin_key:
+            request.add_header("x-admin-key", self.admin_key)
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:

@@ -22,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from exl3cli.client.logprobs import LogprobRecorder, logprob_entries
 from exl3cli.client.request_options import (  # noqa: F401  (re-exported)
     cache_type_option,
     default_num_parallel,
@@ -33,6 +34,7 @@ from exl3cli.client.request_options import (  # noqa: F401  (re-exported)
     parse_keep_alive,
 )
 from exl3cli.errors import ContextOverflow, InvalidOption
+from exl3cli.store.names import ModelName
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class LoadedModel:
     generator: Any = None  # engine.generator.Generator, built by the first request
     generator_thread: Any = None  # its GeneratorThread
     rebuilds_waiting: int = 0  # requests waiting for the generator to go idle
+    digest: str = ""  # the manifest digest /api/tags shows for `name`
 
     def stop_generator(self) -> None:
         """Stop stepping the generator on its thread (handles still in flight then
@@ -78,20 +81,6 @@ def _folder_size(folder: Path) -> int:
         except OSError:
             continue
     return total
-
-
-def _model_details(folder: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    family = str(config.get("model_type") or "")
-    quant = config.get("quantization_config") or {}
-    bits = quant.get("bits") if isinstance(quant, dict) else None
-    level = f"EXL3 {bits}bpw" if bits else str(config.get("torch_dtype") or "").upper()
-    return {"parent_model": "", "format": "safetensors", "family": family,
-            "families": [family] if family else None, "parameter_size": "",
-            "quantization_level": level}
 
 
 class InferenceRunner:
@@ -146,17 +135,43 @@ class InferenceRunner:
             for loaded in self._loaded.values():
                 expires = loaded.expires_wall or (datetime.now(timezone.utc)
                                                    + timedelta(days=365 * 100))
-                models.append({
+                models.append({  # name, digest and details as /api/tags shows them
                     "name": loaded.name,
                     "model": loaded.name,
                     "size": loaded.size,
-                    "digest": loaded.key,
+                    "digest": loaded.digest or loaded.key,
                     "details": dict(loaded.details),
                     "expires_at": expires.isoformat().replace("+00:00", "Z"),
                     "size_vram": loaded.size if loaded.on_gpu else 0,
                     "context_length": loaded.context_length,
                 })
             return {"models": models}
+
+    def current(self) -> LoadedModel | None:
+        """The most recently used loaded model (TabbyAPI's "current model"), or None."""
+        with self._lock:
+            self._expire()
+            return next(reversed(self._loaded.values()), None)
+
+    def loaded_model(self, name: str) -> LoadedModel:
+        """`name` loaded (loading it, with the default keep_alive, if it is not)."""
+        manifest = self.store.read_manifest(name)
+        with self._lock:
+            loaded = self._loaded.get(weights_key(manifest))
+            if loaded is not None:
+                return loaded
+        list(self.generate({"model": name, "prompt": ""}))  # the load-only request
+        with self._lock:
+            return self._loaded[weights_key(manifest)]
+
+    def unload_all(self) -> list[str]:
+        """Drop every loaded model that no request is using; their names."""
+        with self._lock:
+            idle = [key for key, loaded in self._loaded.items() if loaded.in_use == 0]
+            names = [self._loaded[key].name for key in idle]
+            for key in idle:
+                self._drop(key)
+            return names
 
     def unload(self, name: str) -> bool:
         """Drop a loaded model now (`exl3 stop`, keep_alive 0); False if not loaded."""
@@ -233,8 +248,14 @@ class InferenceRunner:
         num_predict = int_option(options, "num_predict")
         drafter, draft_tokens = drafter_for(manifest.get("draft"), options,
                                             text_model.model.config.vocab_size, self.store)
+        sampler = build_sampler(options)
+        if job.top_logprobs is not None:
+            # Drafts are verified outside the sampler: off while logprobs are recorded
+            # (a draft only ever changes speed).
+            sampler = job.recorder = LogprobRecorder(sampler, job.top_logprobs)
+            drafter, draft_tokens = None, 0
         generation = GenerationJob(
-            prompt_ids, sampler=build_sampler(options),
+            prompt_ids, sampler=sampler,
             stop=[s for s in (options.get("stop") or []) if s],
             num_predict=-1 if num_predict is None else num_predict, num_ctx=num_ctx,
             truncate=truncate, num_keep=max(0, int_option(options, "num_keep") or 0),
@@ -302,26 +323,39 @@ class InferenceRunner:
                 out.extend(tool_parser.push(part) if kind == "content" else [(kind, part)])
             return out
 
+        logprobs: list[dict] = []  # entries not attached to a response object yet
+        tokenizer = loaded.text_model.tokenizer
+
+        def chunk(part: Any, kind: str) -> dict:
+            body = job.chunk(part, kind)
+            if job.recorder is not None:
+                body["logprobs"] = logprobs[:]
+                logprobs.clear()
+            return body
+
         try:
             for event in events:
                 if event.done:
                     final_event = event
                     break
                 generated.extend(event.token_ids)
+                if job.recorder is not None:
+                    logprobs.extend(logprob_entries(
+                        tokenizer, job.recorder.take(len(event.token_ids))))
                 for kind, part in routed(splitter.push(event.text)):
                     if job.streaming:
-                        yield job.chunk(part, kind)
+                        yield chunk(part, kind)
                     else:
                         pieces.append((kind, part))
             if final_event is None or final_event.cancelled:
                 return  # cancelled (client gone): nobody reads a final object
             for kind, part in routed(splitter.flush()) + tool_parser.flush():
                 if job.streaming:
-                    yield job.chunk(part, kind)
+                    yield chunk(part, kind)
                 else:
                     pieces.append((kind, part))
             done = final_event
-            yield job.final(
+            final = job.final(
                 pieces=None if job.streaming else pieces,
                 done_reason=done.done_reason or "stop",
                 metrics={
@@ -340,6 +374,9 @@ class InferenceRunner:
                 warnings=[f"invalid option provided: {name}" for name in ignored],
                 context=list(handle.prompt) + generated,
             )
+            if job.recorder is not None:
+                final["logprobs"] = logprobs[:]  # what no chunk carried (all, unstreamed)
+            yield final
         finally:
             events.close()  # an abandoned stream (Ctrl-C, client gone) cancels the job
             self._release(loaded, keep_alive)
@@ -369,18 +406,21 @@ class InferenceRunner:
                     self._drop(victim)
                 self._loaded[key] = loaded
             self._loaded.move_to_end(key)
-            loaded.name = name
+            loaded.name = str(ModelName.parse(name))
+            loaded.digest = manifest.digest()
             loaded.in_use += 1
             return loaded
 
     def _load(self, key: str, name: str) -> LoadedModel:
+        from exl3cli.client.local import model_details
         from exl3cli.engine.textmodel import TextModel
 
         folder = Path(self.store.model_folder(name))
         text_model = TextModel.load(folder, device=self.device)
         device = str(getattr(text_model.model, "device", "cpu"))
+        details = model_details(self.store, self.store.read_manifest(name))
         return LoadedModel(key=key, name=name, text_model=text_model,
-                           size=_folder_size(folder), details=_model_details(folder),
+                           size=_folder_size(folder), details=details,
                            on_gpu=device.startswith("cuda"))
 
     def _release(self, loaded: LoadedModel, keep_alive: float | None) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from exl3cli.client.request_options import now_iso
+from exl3cli.client.logprobs import logprob_request
+from exl3cli.client.request_options import now_iso, refuse_unsupported
 from exl3cli.client.tool_calls import ToolCallParser
 from exl3cli.errors import ContextOverflow, InvalidOption
 
@@ -94,11 +95,14 @@ class _Job:
         model = req.get("model") or req.get("name")
         if not model or not isinstance(model, str):
             raise InvalidOption("model is required")
+        refuse_unsupported(req)
         self.req = req
         self.model = model
         self.max_tokens: int | None = None  # set by the runner: the context to fit
         self.streaming = req.get("stream", True) is not False
         self.think = _think_enabled(req.get("think"))
+        self.top_logprobs = logprob_request(req)  # None: no logprobs wanted
+        self.recorder: Any = None  # the LogprobRecorder sampling this job, if any
         fmt = req.get("format")
         if fmt not in (None, "", "json") and not isinstance(fmt, dict):
             raise InvalidOption(f"invalid format: {fmt!r} (use \"json\" or a JSON schema)")
@@ -187,9 +191,36 @@ def render_prompt_ids(text_model: Any, messages: list[dict], tools: Any,
 
     chat_template = (ChatTemplate.from_folder(text_model.folder, template=template)
                      if template else text_model.chat_template)
+    if think and not supports_thinking(chat_template.source):
+        raise InvalidOption("this model does not support thinking (its chat template has no "
+                            "thinking switch); leave think unset or false")
     extra = {} if think is None else {"enable_thinking": think}
     text = chat_template.render(messages, add_generation_prompt=True, tools=tools, **extra)
     return encode_prompt(text_model.tokenizer, text, max_tokens)
+
+
+def supports_thinking(template_source: str) -> bool:
+    """Whether a chat template knows thinking: it reads `enable_thinking` or writes
+    `<think>` (Qwen3, DeepSeek-R1 style)."""
+    return "enable_thinking" in template_source or _THINK_OPEN in template_source
+
+
+# Fill-in-the-middle token spellings: StarCoder/SmolLM, then Qwen2.5-Coder.
+FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+
+
+def fill_in_middle_ids(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
+    """Prompt ids asking the model for the text between `prefix` and `suffix`
+    (prefix-suffix-middle order); InvalidOption when the tokenizer has no FIM tokens."""
+    for names in FIM_TOKENS:
+        ids = [tokenizer.token_to_id(name) for name in names]
+        if all(i is not None for i in ids):
+            start, hole, middle = ids
+            return ([start] + list(tokenizer.encode(prefix, add_bos=False)) + [hole]
+                    + list(tokenizer.encode(suffix, add_bos=False)) + [middle])
+    raise InvalidOption("suffix needs a fill-in-the-middle model (its tokenizer has no "
+                        "<fim_prefix>/<fim_suffix>/<fim_middle> tokens)")
 
 
 def _message_list(value: Any) -> list[dict]:
@@ -248,6 +279,9 @@ class GenerateJob(_Job):
         prompt = self.req.get("prompt") or ""
         if not isinstance(prompt, str):
             raise InvalidOption("prompt must be a string")
+        suffix = self.req.get("suffix")
+        if suffix:
+            return fill_in_middle_ids(text_model.tokenizer, prompt, str(suffix))
         if self.req.get("raw"):
             return encode_prompt(text_model.tokenizer, prompt, self.max_tokens)
         context = check_token_ids(self.req.get("context") or [],

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.client.base import Body
+from exl3cli.client.create_checks import check_new_model
 from exl3cli.errors import Exl3Error, InvalidModelName, ModelfileError, ModelNotFound
 from exl3cli.store.modelfile import Modelfile, parse_modelfile
 from exl3cli.store.names import ModelName
@@ -52,7 +53,7 @@ class LocalClient:
         return {
             "modelfile": manifest_to_modelfile(name, manifest).to_text(),
             "parameters": format_parameters(manifest.parameters),
-            "template": manifest.template or "",
+            "template": manifest.template or _own_template(self.store, name),
             "system": manifest.system or "",
             "license": manifest.license or "",
             "details": details,
@@ -96,6 +97,7 @@ class LocalClient:
             else:
                 base = yield from self._resolve_from(modelfile, base_dir, allow_paths)
             manifest = apply_modelfile(base, modelfile, base_dir, resolve_paths=allow_paths)
+            check_new_model(self.store, manifest, modelfile)
             yield {"status": "writing manifest"}
             self.store.write_manifest(name, manifest)
         yield {"status": "success"}
@@ -203,6 +205,18 @@ def _refuse_paths(modelfile: Modelfile, check_from: bool = True) -> None:
             except InvalidModelName:
                 if value not in ("ngram",):
                     raise ModelfileError(0, f"{instruction} {value}: not a model name") from None
+
+
+def _own_template(store: ModelStore, name: ModelName) -> str:
+    """The chat template the model ships (tokenizer_config.json, chat_template.jinja),
+    shown when no TEMPLATE replaces it, as Ollama shows a model's template."""
+    from exl3cli.engine.chat_template import ChatTemplate
+
+    try:
+        template = ChatTemplate.from_folder(store.model_folder(name))
+    except (Exl3Error, OSError, ValueError):
+        return ""
+    return "" if template.is_fallback else template.source
 
 
 def _model_field(req: Body) -> str:
@@ -314,6 +328,11 @@ def _pull_events(store: ModelStore, name: ModelName, final: bool = True) -> Iter
     thread.join()
     if failure:
         raise failure[0]
+
+
+def model_details(store: ModelStore, manifest: Manifest) -> dict[str, Any]:
+    """Ollama's `details` of a stored model (what /api/tags and /api/ps show)."""
+    return _details(store, manifest)[0]
 
 
 def _details(store: ModelStore, manifest: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -103,6 +103,26 @@ def known_option_names() -> set[str]:
     return set(PARAMETER_TYPES)
 
 
+# Options other servers know that exl3 does not implement: refused when they would
+# change the answer (a nonzero mirostat), so nobody believes they took effect.
+UNSUPPORTED_OPTIONS = {
+    "mirostat": "mirostat sampling is not supported (leave mirostat at 0; temperature, "
+                "top_p, min_p, dry_* and xtc_* are)",
+}
+def refuse_unsupported(req: dict[str, Any]) -> None:
+    """InvalidOption for request fields that would otherwise be accepted and ignored:
+    images (exl3 runs text-only models), a nonzero mirostat."""
+    messages = req.get("messages") if isinstance(req.get("messages"), list) else []
+    if req.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
+        raise InvalidOption(f"model '{req.get('model') or req.get('name')}' does not support "
+                            "images (exl3 runs text-only models)")
+    options = req.get("options")
+    if isinstance(options, dict):
+        for name, message in UNSUPPORTED_OPTIONS.items():
+            if options.get(name) not in (None, 0, 0.0, False, "0"):
+                raise InvalidOption(f"option {name}: {message}")
+
+
 def merge_options(parameters: dict[str, Any] | None,
                   options: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """Manifest PARAMETERs overlaid by request options; returns (merged, ignored names).
@@ -157,17 +177,15 @@ def cache_type_option(options: dict[str, Any]) -> Any:
     return resolve_kv_cache_type(value)
 
 
-_warned_drafts: set[str] = set()
-
-
 def drafter_for(draft: str | None, options: dict[str, Any],
                 vocab_size: int | None = None, store: Any = None) -> tuple[Any, int]:
     """(Drafter, tokens per step) for a manifest's DRAFT and the request's
     `draft_num_predict`; (None, 0) without a DRAFT or with `draft_num_predict` 0. A
     draft model that cannot serve (missing, or another vocabulary than the model's
-    `vocab_size`) is warned about once and the job decodes without drafts: a draft
-    only ever changes speed, never the text. A draft model's name is looked up in
-    `store` (the caller's), a folder path is used as it is."""
+    `vocab_size`) is refused with InvalidOption naming it (`create` checks the same, so
+    this happens only when the draft went away later); `draft_num_predict 0` decodes
+    without it. A draft model's name is looked up in `store` (the caller's), a folder
+    path is used as it is."""
     if not draft:
         return None, 0
     from exl3cli.engine.speculative import draft_count, make_drafter, resolve_draft
@@ -182,8 +200,6 @@ def drafter_for(draft: str | None, options: dict[str, Any],
         if vocab_size is not None and theirs is not None and theirs != vocab_size:
             raise InvalidOption(f"its vocabulary has {theirs} tokens, the model's {vocab_size}")
     except Exl3Error as error:
-        if draft not in _warned_drafts:
-            _warned_drafts.add(draft)
-            log.warning("DRAFT %s unusable (%s); decoding without a draft", draft, error)
-        return None, 0
+        raise InvalidOption(f"DRAFT {draft} cannot be used ({error}); pull or recreate it, "
+                            "or set draft_num_predict 0 to decode without it") from None
     return drafter, count

@@ -259,15 +259,26 @@ class _Converter:
         return dense
 
 
-def _prepare_work_dir(work_dir: Path, job: dict, resume: bool) -> None:
+def finished_layers(work_dir: Path) -> list[Path]:
+    """The layer checkpoints an earlier run of a conversion left in `work_dir`."""
+    return sorted(Path(work_dir).glob("layer-*.safetensors")) if Path(work_dir).is_dir() else []
+
+
+def _prepare_work_dir(work_dir: Path, job: dict, resume: bool, force: bool = False) -> None:
     job_path = work_dir / JOB_FILE
     if resume and job_path.is_file():
         previous = json.loads(job_path.read_text(encoding="utf-8"))
         if previous != job:
             raise ConversionError(
                 f"--resume: the work folder {work_dir} belongs to a conversion with other "
-                "settings; start again without --resume")
+                "settings; start again with --force (drops its finished layers)")
         return
+    done = finished_layers(work_dir)
+    if done and not force:
+        raise ConversionError(
+            f"the work folder {work_dir} holds {len(done)} finished layer(s) of an earlier "
+            "conversion; add --resume to continue it, or --force to delete them and start "
+            "over")
     if work_dir.exists():
         shutil.rmtree(work_dir)
     work_dir.mkdir(parents=True)
@@ -281,14 +292,17 @@ def convert_model(
     work_dir: str | Path,
     resume: bool = False,
     progress: Progress | None = None,
+    force: bool = False,
 ) -> ConversionSummary:
-    """Quantize the HF model in ``src`` into an EXL3 folder ``out_dir``."""
+    """Quantize the HF model in ``src`` into an EXL3 folder ``out_dir``. Without
+    ``resume``, finished layers of an earlier run in ``work_dir`` are deleted only with
+    ``force`` (ConversionError otherwise)."""
     started = time.perf_counter()
     src, out_dir, work_dir = Path(src), Path(out_dir), Path(work_dir)
     progress = progress or (lambda _event: None)
     conv = _Converter(src, options, work_dir, progress)
     job = {"source": str(src.resolve()), "options": asdict(options) | {"device": None}}
-    _prepare_work_dir(work_dir, job, resume)
+    _prepare_work_dir(work_dir, job, resume, force)
 
     shapes = _group_shapes(conv)
     # Mixtures of experts: attention (a few % of the weights, read by every token) gets
@@ -298,6 +312,9 @@ def convert_model(
     text = read_calibration_text(options.calib_path)
     tokens = calibration_tokens(tokenizer, text, options.rows, options.cols).to(conv.device)
     hidden = conv.embeddings(tokens)
+    progress(f"quantizing {conv.config.num_layers} layers to {options.bits} bits per weight "
+             f"({options.rows} x {options.cols} calibration tokens); an estimate of the time "
+             "left follows each layer")
 
     reports = []
     with torch.inference_mode():

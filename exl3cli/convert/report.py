@@ -35,6 +35,13 @@ class LayerReport:
         how = "resumed" if self.resumed else f"{self.seconds:.1f}s"
         return f"layer {self.layer + 1}/{num_layers}  {parts}  ({how})"
 
+    def line_with_eta(self, num_layers: int, remaining_seconds: float | None) -> str:
+        """`line` plus the time left (None: not known yet, e.g. only resumed layers)."""
+        line = self.line(num_layers)
+        if remaining_seconds is None or self.layer + 1 >= num_layers:
+            return line
+        return f"{line}  ETA {format_eta(remaining_seconds)}"
+
     def to_dict(self) -> dict:
         data = {"layer": self.layer, "bits": self.bits, "errors": self.errors,
                 "seconds": self.seconds}
@@ -48,6 +55,32 @@ class LayerReport:
         return cls(int(data["layer"]), dict(data["bits"]), dict(data["errors"]),
                    float(data["seconds"]), resumed,
                    [int(n) for n in tokens] if tokens is not None else None)
+
+
+def format_eta(seconds: float) -> str:
+    """125 -> '2m05s', 3725 -> '1h02m', 8 -> '8s'."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class LayerClock:
+    """Estimates the time left from the layers quantized so far (resumed ones, which
+    take no time, are left out of the average)."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._seconds: list[float] = []
+
+    def remaining(self, report: LayerReport) -> float | None:
+        if not report.resumed:
+            self._seconds.append(report.seconds)
+        if not self._seconds:
+            return None
+        return sum(self._seconds) / len(self._seconds) * (self.num_layers - report.layer - 1)
 
 
 @dataclass

@@ -53,7 +53,6 @@ _BLOCK_PATTERN = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _DERIVED_TENSORS = {"rope_freqs.weight"}
 
 SHARD_BYTES = 2 * 1024**3
-LARGE_MODEL_PARAMS = 2_000_000_000
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -131,16 +130,15 @@ def gguf_to_hf_folder(gguf_path: str | Path, out_dir: str | Path,
                       dtype: torch.dtype | None = None) -> Path:
     """Convert a GGUF file into a Hugging Face folder at `out_dir` and return its path.
 
-    Weights are dequantised to `dtype` (default: float32, or bfloat16 for models over
-    two billion parameters to keep the folder a sensible size). The folder is built
-    next to `out_dir` and renamed into place, so a crash never leaves a half folder.
+    Weights are dequantised to `dtype` (default: `storage_dtype`, 16 bits unless the
+    file is a full-precision F32 export). The folder is built next to `out_dir` and
+    renamed into place, so a crash never leaves a half folder.
     """
     model = GgufFile(gguf_path)
     _, _, permuted = _architecture(model)
     out_dir = Path(out_dir)
     if dtype is None:
-        params = sum(_numel(t.shape) for t in model.tensors())
-        dtype = torch.bfloat16 if params > LARGE_MODEL_PARAMS else torch.float32
+        dtype = storage_dtype([t.type_name for t in model.tensors()])
     building = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
@@ -161,6 +159,31 @@ def gguf_to_hf_folder(gguf_path: str | Path, out_dir: str | Path,
     return out_dir
 
 
+FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def storage_dtype(tensor_types: list[str]) -> torch.dtype:
+    """How a GGUF's tensors are stored: 16 bits, so a 1 GB Q4 file does not become a 6 GB
+    folder. bfloat16 when the file holds BF16 tensors (their range needs it); float16
+    for quantized and F16 files (dequantised values keep 11 significant bits, far finer
+    than the quantization; a tensor outside float16's range is kept at float32);
+    float32 only for a file that is all F32 (a full-precision export, kept exact)."""
+    kinds = set(tensor_types)
+    if "BF16" in kinds:
+        return torch.bfloat16
+    if kinds <= {"F32", "F64"}:
+        return torch.float32
+    return torch.float16
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype`; float32 when it does not fit float16's range."""
+    if dtype == torch.float16 and tensor.numel() and \
+            float(tensor.abs().max()) > torch.finfo(torch.float16).max:
+        return tensor.to(torch.float32).contiguous()
+    return tensor.to(dtype).contiguous()
+
+
 def _write_weights(model: GgufFile, folder: Path, dtype: torch.dtype, permuted: bool,
                    heads: int, kv_heads: int) -> int:
     """Dequantise every tensor into safetensors shards; returns the vocabulary size."""
@@ -178,7 +201,7 @@ def _write_weights(model: GgufFile, folder: Path, dtype: torch.dtype, permuted: 
             tensor = unpermute_rotary_rows(tensor, kv_heads)
         if name == "model.embed_tokens.weight":
             vocab_size = tensor.shape[0]
-        tensor = tensor.to(dtype).contiguous()
+        tensor = _stored(tensor, dtype)
         size = tensor.numel() * tensor.element_size()
         if shard_bytes and shard_bytes + size > SHARD_BYTES:
             _save_shard(current, folder, len(names_per_shard))
@@ -240,10 +263,3 @@ def _f32(value: Any) -> float:
     import numpy as np
 
     return float(str(np.float32(value)))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total

@@ -8,7 +8,8 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli.hostaddr import HostAddress, parse_host
-from exl3cli.server import embed_routes, ollama_routes, openai_routes
+from exl3cli.server import embed_routes, ollama_routes, openai_routes, tabby_routes
+from exl3cli.server.admin_keys import admin_key_middleware
 from exl3cli.server.limits import LIMITS, Limits
 from exl3cli.server.model_manager import ModelManager
 from exl3cli.server.security import (
@@ -25,14 +26,15 @@ def create_app(store: Any = None, *, host: HostAddress | None = None,
                api_key: str | None = None, num_parallel: int | None = None,
                max_queue: int | None = None, max_body: int | None = None,
                manager: ModelManager | None = None, origins: str | None = None,
-               limits: Limits | None = None,
-               shutdown_grace: float = 0.0) -> web.Application:
+               limits: Limits | None = None, shutdown_grace: float = 0.0,
+               admin_key: str | None = None) -> web.Application:
     """The daemon for `store` (default: EXL3_MODELS). `host` is where it is bound: when
     that is loopback, requests must carry a local Host header. `api_key` defaults to
     EXL3_API_KEY; when set, requests need `Authorization: Bearer <key>`. `origins`
     (default EXL3_ORIGINS) adds browser origins to the local ones allowed; `limits`
     (default: from the environment, see server/limits.py) bound each request.
-    On shutdown, running jobs get `shutdown_grace` seconds to finish."""
+    On shutdown, running jobs get `shutdown_grace` seconds to finish. `admin_key`
+    (EXL3_ADMIN_KEY) guards loading and the store's writes (server/admin_keys.py)."""
     if store is None:
         from exl3cli.store.store import ModelStore
 
@@ -48,7 +50,10 @@ def create_app(store: Any = None, *, host: HostAddress | None = None,
     if host.is_loopback:
         middlewares.append(host_check_middleware(host.host))
     middlewares.append(origin_middleware(allowed_origins(origins)))
-    if api_key:
+    admin_key = admin_key or os.environ.get("EXL3_ADMIN_KEY") or None
+    if admin_key:
+        middlewares.append(admin_key_middleware(admin_key, api_key))
+    elif api_key:
         middlewares.append(api_key_middleware(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=limits.max_body)
     app[LIMITS] = limits
@@ -59,6 +64,7 @@ def create_app(store: Any = None, *, host: HostAddress | None = None,
     app.add_routes(ollama_routes.routes)
     app.add_routes(openai_routes.routes)
     app.add_routes(embed_routes.routes)
+    app.add_routes(tabby_routes.routes)
 
     async def start(_app: web.Application) -> None:
         await manager.start()

@@ -23,6 +23,7 @@ from exl3cli.server.limits import Limits, request_limits
 from exl3cli.server.model_manager import ModelManager, StreamJob
 from exl3cli.server.validation import (
     BOOL,
+    INT,
     LIST,
     NUM,
     OBJ,
@@ -45,7 +46,7 @@ routes = web.RouteTableDef()
 
 _COMMON = {"model": (STR,), "name": (STR,), "options": (OBJ,), "stream": (BOOL,),
            "keep_alive": (STR, NUM), "format": (STR, OBJ), "think": (BOOL, STR),
-           "template": (STR,)}
+           "template": (STR,), "logprobs": (BOOL,), "top_logprobs": (INT,)}
 GENERATE_FIELDS = {**_COMMON, "prompt": (STR,), "suffix": (STR,), "system": (STR,),
                    "raw": (BOOL,), "context": (LIST,), "images": (LIST,)}
 CHAT_FIELDS = {**_COMMON, "messages": (LIST,), "tools": (LIST,)}
@@ -239,6 +240,12 @@ async def pull(request: web.Request) -> web.StreamResponse:
     manager = request.app[MANAGER]
     req = {"model": body.get("model") or body.get("name")}
     return await run_store_stream(request, body, lambda cancel: manager.local.pull(req))
+
+
+@routes.post("/api/push")
+async def push(request: web.Request) -> web.Response:
+    raise BadRequest("push is not supported: exl3 has no registry to push to (share the "
+                     "model folder, or `exl3 convert --out DIR`, instead)", status=501)
 
 
 CREATE_FIELDS = {"model": (STR,), "name": (STR,), "modelfile": (STR,), "from": (STR,),

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli.client.inference import known_option_names
+from exl3cli.client.logprobs import completion_logprobs
 from exl3cli.errors import Exl3Error, ModelNotFound
 from exl3cli.server.limits import request_limits
 from exl3cli.server.model_manager import StreamJob
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 _SAMPLING = {"model": (STR,), "stream": (BOOL,), "stream_options": (OBJ,),
+             "logprobs": (BOOL, INT), "top_logprobs": (INT,),
              "max_tokens": (INT,), "max_completion_tokens": (INT,), "temperature": (NUM,),
              "top_p": (NUM,), "stop": (STR, LIST), "seed": (INT,), "n": (INT,),
              "presence_penalty": (NUM,), "frequency_penalty": (NUM,),
@@ -98,11 +100,22 @@ def _common(body: dict[str, Any], fields: dict[str, tuple[str, ...]]) -> dict[st
     check_fields(body, fields, required=("model",))
     if body.get("n") not in (None, 1):
         raise BadRequest("n: only one choice per request is supported")
+    logprobs = body.get("logprobs")
+    if logprobs:
+        # chat: logprobs true + top_logprobs N; completions: logprobs N (alternatives)
+        top = body.get("top_logprobs") if isinstance(logprobs, bool) else logprobs
+        if not isinstance(top, (int, type(None))) or isinstance(top, bool):
+            raise BadRequest("top_logprobs must be an integer")
+        req_logprobs = {"logprobs": True, "top_logprobs": top or 0}
+    elif body.get("top_logprobs"):
+        raise BadRequest("top_logprobs needs logprobs: true")
+    else:
+        req_logprobs = {}
     include = (body.get("stream_options") or {}).get("include_usage")
     if include is not None and not isinstance(include, bool):
         raise BadRequest("stream_options.include_usage must be a boolean")
     req: dict[str, Any] = {"model": body["model"], "stream": True,
-                           "options": sampling_options(body)}
+                           "options": sampling_options(body), **req_logprobs}
     fmt = _format(body)
     if fmt is not None:
         req["format"] = fmt
@@ -148,9 +161,19 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
             converted["tool_name"] = message["name"]
         messages.append(converted)
     req["messages"] = messages
-    if body.get("tools"):
+    choice = _tool_choice(body.get("tool_choice"))
+    if body.get("tools") and choice == "auto":
         req["tools"] = body["tools"]
     return req
+
+
+def _tool_choice(choice: Any) -> str:
+    """"auto" (the model decides) or "none" (tools are not offered); a forced call
+    ("required", a named function) is refused rather than answered with prose."""
+    if choice in (None, "auto", "none"):
+        return choice or "auto"
+    raise BadRequest('tool_choice: only "auto" and "none" are supported (the model cannot '
+                     'be forced to call a tool yet)')
 
 
 def completion_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -164,6 +187,8 @@ def completion_request(body: dict[str, Any]) -> dict[str, Any]:
     if not prompt:
         raise BadRequest("prompt is required")
     req.update(prompt=prompt, raw=True)
+    if body.get("suffix"):
+        req["suffix"] = body["suffix"]  # fill-in-the-middle, or a 400 for other models
     return req
 
 
@@ -223,8 +248,15 @@ class _Shape:
     def calls_of(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         return list((item.get("message") or {}).get("tool_calls") or []) if self.chat else []
 
+    def logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """Ollama-shaped entries as this endpoint shows them (None: not asked for)."""
+        if entries is None:
+            return None
+        return {"content": entries} if self.chat else completion_logprobs(entries)
+
     def chunk(self, text: str, thinking: str, first: bool, finish: str | None,
-              calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              calls: list[dict[str, Any]] | None = None,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if calls:
@@ -233,13 +265,16 @@ class _Shape:
                 delta["content"] = text
             if thinking:
                 delta["reasoning"] = thinking
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                      "logprobs": self.logprobs(logprobs)}
             return self.envelope("chat.completion.chunk", [choice])
         return self.envelope("text_completion", [{"index": 0, "text": text,
-                                                  "logprobs": None, "finish_reason": finish}])
+                                                  "logprobs": self.logprobs(logprobs),
+                                                  "finish_reason": finish}])
 
     def whole(self, text: str, thinking: str, final: dict[str, Any],
-              calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              calls: list[dict[str, Any]] | None = None,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if thinking:
@@ -248,9 +283,10 @@ class _Shape:
                 message["tool_calls"] = openai_tool_calls(calls)
                 message["content"] = text or None
             choice = {"index": 0, "message": message,
-                      "finish_reason": _finish_reason(final, bool(calls)), "logprobs": None}
+                      "finish_reason": _finish_reason(final, bool(calls)),
+                      "logprobs": self.logprobs(logprobs)}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
                       "finish_reason": _finish_reason(final)}
         body = self.envelope(self.object, [choice])
         body["usage"] = _usage(final)
@@ -269,6 +305,7 @@ async def _run(request: web.Request, kind: str, req: dict[str, Any],
             include = bool((body.get("stream_options") or {}).get("include_usage"))
             return await _write_sse(request, job, shape, include)
         texts, thoughts, calls, final = [], [], [], {}
+        logprobs: list[dict[str, Any]] | None = [] if req.get("logprobs") else None
         async for item in job:
             if item.get("done"):
                 final = item
@@ -276,8 +313,10 @@ async def _run(request: web.Request, kind: str, req: dict[str, Any],
             texts.append(text)
             thoughts.append(thinking)
             calls.extend(shape.calls_of(item))
+            if logprobs is not None:
+                logprobs.extend(item.get("logprobs") or [])
         return web.json_response(shape.whole("".join(texts), "".join(thoughts), final,
-                                             calls))
+                                             calls, logprobs))
     finally:
         watcher.cancel()
         await job.close()
@@ -299,15 +338,16 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
         async for item in job:
             text, thinking = shape.text_of(item)
             calls = shape.calls_of(item)
+            logprobs = item.get("logprobs")  # present when the request asked for them
             if calls:
                 await send(_with_usage(shape.chunk("", "", first, None, openai_tool_calls(
                     calls, start=called, streaming=True)), include_usage))
                 first = False
                 called += len(calls)
             if item.get("done"):
-                if text or thinking:
-                    await send(_with_usage(shape.chunk(text, thinking, first, None),
-                                           include_usage))
+                if text or thinking or logprobs:
+                    await send(_with_usage(shape.chunk(text, thinking, first, None,
+                                                       logprobs=logprobs), include_usage))
                     first = False
                 await send(_with_usage(shape.chunk("", "", first,
                                                    _finish_reason(item, called > 0)),
@@ -319,8 +359,8 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
                     await send(usage_chunk)
                 break
             if text or thinking:
-                await send(_with_usage(shape.chunk(text, thinking, first, None),
-                                       include_usage))
+                await send(_with_usage(shape.chunk(text, thinking, first, None,
+                                                   logprobs=logprobs), include_usage))
                 first = False
         if job.stopped_by_shutdown:
             await send(openai_error_body(

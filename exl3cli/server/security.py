@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Paths anyone may ask, so a client can tell that a daemon is there at all.
-OPEN_PATHS = ("/", "/api/version")
+OPEN_PATHS = ("/", "/api/version", "/health")
 
 
 def error_response(request: web.Request, error: Exception, status: int) -> web.Response:

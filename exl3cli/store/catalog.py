@@ -7,19 +7,24 @@ only in the default namespace (`smollm2`, `library/smollm2:135m`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from exl3cli.store.names import DEFAULT_HOST, DEFAULT_NAMESPACE, ModelName
 
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """One model of the catalog."""
+    """One model of the catalog. `parameters` and `system` are what the model card
+    recommends; `pull` stores them in the manifest (the same settings as the model's
+    Modelfile in `modelfiles/`), so `exl3 run NAME` answers as intended."""
 
     name: str
     sources: tuple[str, ...]
     description: str
     license: str
+    parameters: dict[str, Any] = field(default_factory=dict, hash=False)
+    system: str | None = None
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -32,6 +37,10 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
         description="SmolLM2 135M Instruct (Hugging Face TB)",
         license="apache-2.0",
+        # modelfiles/smollm2-135m.Modelfile holds the same settings (a test checks it).
+        parameters={"temperature": 0.2, "top_p": 0.9, "num_ctx": 8192,
+                    "stop": ["<|im_start|>", "<|im_end|>"]},
+        system="You are a helpful AI assistant named SmolLM, trained by Hugging Face.",
     ),
 }
 

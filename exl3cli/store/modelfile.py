@@ -43,6 +43,14 @@ PARAMETER_TYPES: dict[str, type] = {
     "truncate": bool,
 }
 
+# Ollama parameters exl3 does not implement, with what to use instead.
+UNSUPPORTED_PARAMETERS = {
+    "mirostat": "mirostat sampling is not implemented (use temperature, top_p, min_p, "
+                "dry_* or xtc_*)",
+    "mirostat_eta": "mirostat sampling is not implemented",
+    "mirostat_tau": "mirostat sampling is not implemented",
+}
+
 MESSAGE_ROLES = ("system", "user", "assistant")
 INSTRUCTIONS = ("from", "parameter", "template", "system", "adapter", "license",
                 "message", "draft")
@@ -63,6 +71,8 @@ class Modelfile:
     messages: list[dict[str, str]] = field(default_factory=list)
     draft: str | None = None
     from_line: int = field(default=0, compare=False)  # for errors about the FROM value
+    # Line of each TEMPLATE/SYSTEM/DRAFT instruction, for errors found after parsing.
+    lines: dict[str, int] = field(default_factory=dict, compare=False)
 
     def to_text(self) -> str:
         """Modelfile text that parses back to an equal `Modelfile`."""
@@ -234,6 +244,7 @@ def parse_modelfile(text: str) -> Modelfile:
         value, quoted = reader.read_value(line)
         if not value and not (quoted and instruction in ("template", "system", "license")):
             raise ModelfileError(line, f"{word.upper()} needs a value")
+        result.lines[instruction] = line
         if instruction == "from":
             if seen_from:
                 raise ModelfileError(line, "FROM may appear only once")
@@ -252,6 +263,9 @@ def _parse_parameter_line(reader: _Reader, line: int, result: Modelfile) -> None
     name = reader.read_word().lower()
     if not name:
         raise ModelfileError(line, "PARAMETER needs a name and a value")
+    if name in UNSUPPORTED_PARAMETERS:
+        raise ModelfileError(line, f"parameter '{name}' is not supported: "
+                                   f"{UNSUPPORTED_PARAMETERS[name]}")
     if name not in PARAMETER_TYPES:
         raise ModelfileError(line, f"unknown parameter '{name}'")
     raw, quoted = reader.read_value(line)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound, PullError
-from exl3cli.store.catalog import catalog_entry, catalog_sources
+from exl3cli.store.catalog import CatalogEntry, catalog_entry, catalog_sources
 from exl3cli.store.names import DEFAULT_TAG, ModelName
 from exl3cli.store.sources import FetchedModel, fetch_ref
 from exl3cli.store.store import Manifest, ModelStore
@@ -51,6 +51,12 @@ def pull_model(store: ModelStore, name: str,
     model = ModelName.parse(name)
     report = _ReportedDigests(progress or (lambda _event: None))
     report({"status": "pulling manifest"})
+    present = _present(store, model)
+    if present is not None:
+        # Stored and complete: nothing to fetch (`exl3 rm` it to fetch it again).
+        report({"status": "using existing layers"})
+        report({"status": "success"})
+        return present
     twin = _stored_catalog_twin(store, model)
     if twin is not None:
         # `smollm2` and `smollm2:135m` are one catalog model: name the stored copy again.
@@ -80,6 +86,33 @@ def pull_model(store: ModelStore, name: str,
     raise PullError(f"could not pull '{model}' from any source ({details})")
 
 
+def _present(store: ModelStore, model: ModelName) -> Manifest | None:
+    """The stored manifest of `model` when every blob it names is in the store (a
+    catalog model stored before its entry carried settings gets them now)."""
+    if not store.exists(model):
+        return None
+    manifest = store.read_manifest(model)
+    if not all(store.has_blob(digest) for digest in manifest.files.values()):
+        return None
+    entry = catalog_entry(model)
+    settings = entry is not None and (entry.parameters or entry.system)
+    if settings and not manifest.parameters and manifest.system is None:
+        manifest = with_catalog_settings(manifest, entry)
+        store.write_manifest(model, manifest)
+    return manifest
+
+
+def with_catalog_settings(manifest: Manifest, entry: CatalogEntry | None) -> Manifest:
+    """`manifest` with the catalog entry's parameters, system prompt and license."""
+    if entry is None:
+        return manifest
+    manifest.parameters = {k: list(v) if isinstance(v, list) else v
+                           for k, v in entry.parameters.items()}
+    manifest.system = entry.system
+    manifest.license = manifest.license or entry.license
+    return manifest
+
+
 def _stored_catalog_twin(store: ModelStore, model: ModelName) -> ModelName | None:
     """Another stored name of the same catalog model, when `model` itself is not stored."""
     entry = catalog_entry(model)
@@ -96,6 +129,18 @@ def download_dir(store: ModelStore, ref: str) -> Path:
     readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", ref)[:60].strip("-")
     digest = hashlib.sha256(ref.encode("utf-8")).hexdigest()[:12]
     return store.root / "downloads" / f"{readable}-{digest}"
+
+
+def _license_text(folder: Path) -> str | None:
+    """The text of a LICENSE file the model ships, if any (`show --license`)."""
+    for name in ("LICENSE", "LICENSE.txt", "LICENSE.md", "license.txt"):
+        path = Path(folder) / name
+        if path.is_file():
+            try:
+                return path.read_text(encoding="utf-8").strip() or None
+            except (OSError, UnicodeDecodeError):
+                return None
+    return None
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -140,6 +185,8 @@ def _store_fetched_locked(store: ModelStore, model: ModelName, ref: str,
             raise PullError(f"digest mismatch for {relpath}: expected {expected}, "
                             f"got {files.get(relpath, 'no file')}")
     report({"status": "writing manifest"})
-    manifest = Manifest(files=files, source={"ref": ref, **fetched.source_info})
+    manifest = Manifest(files=files, source={"ref": ref, **fetched.source_info},
+                        license=_license_text(fetched.folder))
+    manifest = with_catalog_settings(manifest, catalog_entry(model))
     store.write_manifest(model, manifest)
     return manifest

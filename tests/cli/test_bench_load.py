@@ -26,7 +26,7 @@ def test_load_run_reports_every_figure(daemon, api):
                                         "--requests", "6", "--api", api, "--num-predict", "5",
                                         "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)  # the report is stdout; notices may go to stderr
     assert report["model"] == "tiny:latest" and report["api"] == api  # the server's first
     assert report["requests"] == report["completed"] == 6 and report["errors"] == 0
     assert report["output_tokens"] == 6 * 5 and report["prompt_tokens"] > 0

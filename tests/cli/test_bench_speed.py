@@ -44,11 +44,9 @@ def test_synthetic_json_report_has_every_field():
         assert row["tok_s"] == pytest.approx(row["batch"] * 5 / row["seconds"])
         assert row["ms_per_step"] == pytest.approx(1e3 * row["seconds"] / 5)
         if row["batch"] == 1:
-            limit = report["copy_bandwidth_Bps"] / row["bytes_per_token"]
-            assert row["limit_tok_s"] == pytest.approx(limit)
-            assert row["fraction_of_limit"] == pytest.approx(row["tok_s"] / limit)
-        else:
-            assert "fraction_of_limit" not in row
+            assert row["bytes_per_token"] > 0
+        # A bandwidth limit is a GPU figure: on the CPU the weights sit in its caches.
+        assert "fraction_of_limit" not in row and "limit_tok_s" not in row
     assert report["memory"] is None and report["peak_memory_bytes"] is None  # CPU
     assert "gen b1@20" in report["summary"] and "gen b3@20" in report["summary"]
 
@@ -91,3 +89,25 @@ def test_bytes_per_token_counts_the_stored_trellis_and_the_cache(tiny_folder: Pa
     expected = trellis + scales + norms + config.hidden_size * element + 100 * per_position
     assert bytes_per_token(model, 100) == expected
     assert bytes_per_token(model, 101) - bytes_per_token(model, 100) == per_position
+
+
+def test_sigterm_removes_the_temporary_synthetic_model(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "exl3cli", "bench", "--synthetic", "tiny", "-b", "3.0",
+               "--prompt-lengths", "8", "--gen-tokens", "100000", "--batch", "1"]
+    proc = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(tmp_path)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("exl3-bench-*/tiny/config.json")):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # well into the measurement
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert not list(tmp_path.glob("exl3-bench-*"))

@@ -207,18 +207,20 @@ def test_create_from_a_gguf_file(workspace):
     assert "from-gguf:latest" in list_rows()
 
 
-def test_draft_and_adapter_paths_become_absolute(workspace):
+def test_draft_paths_become_absolute_and_adapter_is_refused(workspace):
     create_base(workspace)
     (workspace / "sub").mkdir()
-    (workspace / "sub" / "Mf").write_text("FROM smollm2:135m\nDRAFT ../hf\nADAPTER ./lora\n")
+    (workspace / "sub" / "Mf").write_text("FROM smollm2:135m\nDRAFT ../hf\n")
     assert exl3("create", "drafted", "-f", "sub/Mf").exit_code == 0
     manifest = ModelStore().read_manifest("drafted")
     assert manifest.draft == str(workspace / "hf")
-    assert manifest.adapter == str(workspace / "sub" / "lora")
     (workspace / "Mf2").write_text("FROM drafted\nDRAFT smollm2:135m\n")
     assert exl3("create", "drafted2", "-f", "Mf2").exit_code == 0
-    manifest = ModelStore().read_manifest("drafted2")
-    assert (manifest.draft, manifest.adapter) == ("smollm2:135m", str(workspace / "sub" / "lora"))
+    assert ModelStore().read_manifest("drafted2").draft == "smollm2:135m"
+    (workspace / "Mf3").write_text("FROM drafted\nADAPTER ./lora\n")
+    refused = exl3("create", "adapted", "-f", "Mf3")
+    assert refused.exit_code == 1 and "line 2" in refused.stderr
+    assert "ADAPTER is not supported" in refused.stderr and not ModelStore().exists("adapted")
 
 
 def test_create_pulls_a_missing_from_model_first(workspace, monkeypatch):
@@ -273,3 +275,16 @@ def test_table_columns_are_left_aligned_without_borders():
     assert [line.index(cell) for line, cell in zip(lines, ["ID", "abc", "def"], strict=True)] \
         == [len("a-long-name:latest") + 4] * 3
     assert not any(char in table for char in "|+")
+
+
+def test_show_template_prints_the_models_own_template_without_a_TEMPLATE(workspace):
+    from exl3cli.engine.chat_template import ChatTemplate
+    from tests.fixtures.tiny_store import write_tiny_chat_model
+
+    folder = write_tiny_chat_model(workspace / "chat")
+    (workspace / "Chat.Modelfile").write_text("FROM ./chat\n")
+    assert exl3("create", "chat", "-f", "Chat.Modelfile").exit_code == 0
+    own = ChatTemplate.from_folder(folder).source
+    assert own and exl3("show", "chat", "--template").stdout == own + "\n"
+    modelfile = exl3("show", "chat", "--modelfile").stdout
+    assert "TEMPLATE" not in modelfile  # the model's own template is not copied into it

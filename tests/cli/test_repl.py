@@ -213,3 +213,23 @@ def test_ctrl_c_stops_an_answer_but_keeps_the_session(client, store):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+class _StoppedClient:
+    """Answers "partial" and is then interrupted (Ctrl-C) mid-answer."""
+
+    def chat(self, req):
+        yield {"message": {"role": "assistant", "content": "partial"}, "done": False}
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_answer_stays_in_the_chat_but_not_in_save(tmp_path):
+    repl = Repl(_StoppedClient(), ReplOptions(model="tiny"), stdout=io.StringIO(),
+                stderr=io.StringIO(), history_file=tmp_path / "history")
+    repl.session.messages = [{"role": "user", "content": "hello"},
+                             {"role": "assistant", "content": "hi there"}]
+    repl.answer("tell me a long story")
+    assert repl.session.messages[-1] == {"role": "assistant", "content": "partial"}
+    saved = parse_modelfile(repl.session.modelfile_text())
+    assert saved.messages == [{"role": "user", "content": "hello"},
+                              {"role": "assistant", "content": "hi there"}]

@@ -149,3 +149,23 @@ def test_run_gives_the_same_answer_with_and_without_a_daemon(store):
         while daemon.manager.stats()["completed"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert daemon.manager.stats()["completed"] >= 1
+
+
+def test_serve_help_lists_every_environment_variable_the_daemon_reads():
+    import re
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from exl3cli.cli import main
+
+    shown = CliRunner().invoke(main, ["serve", "--help"]).output
+    server = Path(__file__).parents[2] / "exl3cli"
+    read = set()
+    for folder in ("server", "client", "cli/serve.py"):
+        for path in ([server / folder] if folder.endswith(".py")
+                     else sorted((server / folder).glob("*.py"))):
+            read |= set(re.findall(r"\"(EXL3_[A-Z_]+)\"", path.read_text()))
+    assert read and {"EXL3_API_KEY", "EXL3_ADMIN_KEY", "EXL3_MAX_QUEUE"} <= read
+    missing = sorted(name for name in read if name not in shown)
+    assert not missing, f"serve --help does not mention {missing}"

@@ -80,7 +80,7 @@ def test_create_with_a_relative_from_path_copy_delete_ps(http, tmp_path, monkeyp
     assert "made2:latest" in {m["name"] for m in http.list()["models"]}
     http.delete({"model": "made2"})
     list(http.generate({"model": "tiny", "prompt": "", "keep_alive": "1m"}))
-    assert [m["name"] for m in http.ps()["models"]] == ["tiny"]
+    assert [m["name"] for m in http.ps()["models"]] == ["tiny:latest"]
 
 
 def test_closing_a_stream_early_cancels_the_job(http, daemon):

@@ -183,7 +183,7 @@ def test_empty_prompt_loads_keep_alive_zero_unloads_and_ps_reports(store):
     [loaded] = list(runner.generate({"model": "tiny", "prompt": ""}))
     assert loaded["done"] is True and loaded["done_reason"] == "load"
     [entry] = runner.ps()["models"]
-    assert entry["name"] == "tiny" and entry["size"] > 0 and entry["size_vram"] == 0
+    assert entry["name"] == "tiny:latest" and entry["size"] > 0 and entry["size_vram"] == 0
     assert entry["details"]["family"] == "llama"
     assert entry["expires_at"].endswith("Z")
     [unloaded] = list(runner.chat({"model": "tiny", "messages": [], "keep_alive": 0}))

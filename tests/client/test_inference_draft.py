@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from exl3cli.cli.output import format_stats
@@ -51,12 +49,13 @@ def test_draft_num_predict_zero_turns_it_off_and_bad_values_are_refused(runner):
         _final_and_text(runner, "tiny-ngram", draft_num_predict=100)
 
 
-def test_a_missing_draft_model_is_warned_about_and_decoding_goes_on(runner, caplog):
-    with caplog.at_level(logging.WARNING):
-        final, text = _final_and_text(runner, "tiny-missing-draft")
+def test_a_missing_draft_model_is_refused_by_name_unless_drafting_is_off(runner):
+    # create refuses such a DRAFT; this is a draft removed from the store afterwards
+    with pytest.raises(InvalidOption, match="DRAFT no-such-model:1b cannot be used"):
+        _final_and_text(runner, "tiny-missing-draft")
+    final, text = _final_and_text(runner, "tiny-missing-draft", draft_num_predict=0)
     _, plain_text = _final_and_text(runner, "tiny")
     assert text == plain_text and "draft_count" not in final
-    assert "DRAFT no-such-model:1b unusable" in caplog.text
 
 
 def test_a_draft_model_drafts_and_the_text_stays_the_same(runner):

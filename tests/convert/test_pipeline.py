@@ -99,3 +99,39 @@ def test_kill_then_resume_gives_identical_files(converted, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == expected
     for name in expected:
         assert (out / name).read_bytes() == (converted["out"] / name).read_bytes(), name
+
+
+def test_progress_says_what_it_does_and_how_long_is_left(converted):
+    output = converted["output"]
+    assert "quantizing 2 layers to 4.0 bits per weight" in output
+    first = next(line for line in output.splitlines() if line.startswith("layer 1/2"))
+    assert "ETA " in first  # the last layer needs no estimate
+    assert "ETA" not in next(line for line in output.splitlines() if line.startswith("layer 2/2"))
+
+
+def test_eta_averages_the_quantized_layers_and_skips_resumed_ones():
+    from exl3cli.convert.report import LayerClock, LayerReport, format_eta
+
+    clock = LayerClock(5)
+    assert clock.remaining(LayerReport(0, {}, {}, 0.0, resumed=True)) is None
+    assert clock.remaining(LayerReport(1, {}, {}, 10.0)) == 30.0
+    assert clock.remaining(LayerReport(2, {}, {}, 20.0)) == 30.0  # 15 s a layer, 2 left
+    assert [format_eta(s) for s in (8, 125, 3725)] == ["8s", "2m05s", "1h02m"]
+
+
+def test_a_rerun_without_resume_keeps_finished_layers_unless_forced(converted, tmp_path):
+    from exl3cli.convert.pipeline import JOB_FILE, _prepare_work_dir
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / JOB_FILE).write_text("{}")
+    finished = work / "layer-0000.safetensors"
+    finished.write_bytes(b"a finished layer")
+    result = CliRunner().invoke(main, ["convert", str(converted["src"]), *FAST_ARGS, "--out",
+                                       str(tmp_path / "out"), "--work", str(work)],
+                                env=converted["env"])
+    assert result.exit_code == 1 and finished.read_bytes() == b"a finished layer"
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: ") and "--resume" in error and "--force" in error
+    _prepare_work_dir(work, {"job": 1}, resume=False, force=True)
+    assert not finished.exists() and (work / JOB_FILE).is_file()

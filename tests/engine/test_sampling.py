@@ -34,7 +34,8 @@ def _kept(logits):
 
 def test_builtin_steps_and_order():
     names = [step.name for step in collect_steps()]
-    assert names == ["penalties", "top_k", "typical_p", "top_p", "min_p", "temperature"]
+    assert names == ["penalties", "dry", "top_k", "typical_p", "top_p", "min_p", "xtc",
+                     "temperature"]
 
 
 def test_defaults_follow_the_interface_spec():
@@ -168,3 +169,67 @@ def test_bad_option_values_raise(options):
 def test_unknown_options_are_reported_not_fatal():
     sampler = build_sampler({"temperature": 0.1, "mirostat": 2, "num_ctx": 2048, "stop": ["x"]})
     assert sampler.unknown_options == ["mirostat"]
+
+
+def _dry_reference(history, vocab, multiplier, base, allowed):
+    """DRY penalties written out loop by loop (the definition)."""
+    penalty = [0.0] * vocab
+    size = len(history)
+    for i in range(1, size):
+        n = 0
+        while n < i and history[i - 1 - n] == history[size - 1 - n]:
+            n += 1
+        if n >= allowed:
+            penalty[history[i]] = max(penalty[history[i]], multiplier * base ** (n - allowed))
+    return penalty
+
+
+def test_dry_penalises_the_token_that_would_extend_a_repeat():
+    logits = torch.zeros(6)
+    history = [1, 2, 3, 4, 5, 1, 2, 3]  # "1 2 3" was followed by 4 before
+    out = _apply("dry", logits, history, dry_multiplier=0.8, dry_base=1.75,
+                 dry_allowed_length=2)
+    assert out[4] == pytest.approx(-0.8 * 1.75 ** (3 - 2))
+    assert [out[t].item() for t in (0, 1, 2, 3, 5)] == [0.0] * 5
+    off = _apply("dry", logits, history, dry_multiplier=0.0, dry_base=1.75,
+                 dry_allowed_length=2)
+    assert torch.equal(off, logits)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dry_matches_the_definition_on_random_histories(seed):
+    rng = torch.Generator().manual_seed(seed)
+    history = torch.randint(0, 4, (60,), generator=rng).tolist()
+    out = _apply("dry", torch.zeros(4), history, dry_multiplier=0.5, dry_base=1.5,
+                 dry_allowed_length=2)
+    expected = _dry_reference(history, 4, 0.5, 1.5, 2)
+    assert (-out).tolist() == pytest.approx(expected)
+
+
+def test_dry_changes_a_greedy_choice():
+    history = [1, 2, 3, 1, 2]  # greedy would say 3 again
+    logits = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.5])
+    sampler = build_sampler({"temperature": 0, "dry_multiplier": 2.0})
+    assert build_sampler({"temperature": 0}).sample(logits, history) == 3
+    assert sampler.sample(logits, history) == 4
+
+
+def test_xtc_removes_the_top_choices_but_the_least_likely_of_them():
+    logits = _logits([0.4, 0.3, 0.2, 0.1])
+    out = _apply("xtc", logits, xtc_probability=1.0, xtc_threshold=0.15)
+    assert _kept(out) == [2, 3]  # 0.4 and 0.3 go; 0.2 is the least likely top choice
+    single = _apply("xtc", logits, xtc_probability=1.0, xtc_threshold=0.35)
+    assert _kept(single) == [0, 1, 2, 3]  # one top choice: nothing to exclude
+    never = _apply("xtc", logits, xtc_probability=0.0, xtc_threshold=0.15)
+    assert _kept(never) == [0, 1, 2, 3]
+
+
+def test_xtc_acts_at_about_its_probability_and_never_when_greedy():
+    logits = _logits([0.4, 0.3, 0.2, 0.1])
+    options = {**NEUTRAL, "xtc_probability": 0.5, "xtc_threshold": 0.15, "seed": 7}
+    sampler = build_sampler(options)
+    firsts = sum(sampler.sample(logits, []) in (0, 1) for _ in range(2000))
+    # without XTC tokens 0/1 come 70% of the time; with it half the steps cannot pick them
+    assert 0.30 < firsts / 2000 < 0.40
+    greedy = build_sampler({**options, "temperature": 0})
+    assert all(greedy.sample(logits, []) == 0 for _ in range(50))

@@ -140,3 +140,24 @@ def test_real_smollm2_gguf_converts_to_a_working_model(tmp_path):
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def test_quantized_ggufs_are_stored_at_16_bits_full_precision_ones_exactly(tmp_path):
+    from exl3cli.gguf.convert import storage_dtype
+
+    reference, _ = write_tiny_gguf(tmp_path / "q8.gguf", quant="Q8_0")
+    folder = gguf_to_hf_folder(tmp_path / "q8.gguf", tmp_path / "q8")
+    weights = load_file(folder / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float16}
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "float16"
+    write_tiny_gguf(tmp_path / "f32.gguf", quant="F32")
+    full = gguf_to_hf_folder(tmp_path / "f32.gguf", tmp_path / "f32")
+    # half the bytes of the float32 folder (the same model, dequantised)
+    ratio = (folder / "model.safetensors").stat().st_size / (full / "model.safetensors").stat().st_size
+    assert 0.49 < ratio < 0.52
+    for name, tensor in reference.state_dict().items():  # still within the Q8 error
+        error = (weights[name].float() - tensor).abs().max().item()
+        assert error < 0.01 * tensor.abs().max().item() + 1e-6, (name, error)
+    assert storage_dtype(["Q4_K", "F32", "Q6_K"]) == torch.float16
+    assert storage_dtype(["BF16", "F32", "Q8_0"]) == torch.bfloat16
+    assert storage_dtype(["F32"]) == torch.float32

@@ -47,20 +47,39 @@ def long_chat() -> dict:
     return {"model": "tiny", "messages": HELLO, "options": {"num_predict": 200}}
 
 
+def hold_long_chats(daemon: Daemon, release: threading.Event) -> None:
+    """Make the daemon's long chats (num_predict 200) wait after their first object until
+    `release` is set, so a test does not race a tiny model that answers in milliseconds
+    (a fast machine) against a client that takes seconds to start (a busy one)."""
+    runner = daemon.manager.runner
+    chat = runner.chat
+
+    def held(req: dict):
+        for index, item in enumerate(chat(req)):
+            yield item
+            if index == 0 and req.get("options", {}).get("num_predict") == 200:
+                release.wait(120)
+
+    runner.chat = held
+
+
 def test_a_full_queue_answers_503(store):
     with Daemon(store, num_parallel=1, max_queue=1) as daemon:
+        release = threading.Event()
+        hold_long_chats(daemon, release)
         running, response = open_stream(daemon.url, long_chat())
         assert response.status == 200 and json.loads(response.readline())["done"] is False
         queued_result: list = []
         waiter = threading.Thread(target=lambda: queued_result.append(ollama.Client(
             host=daemon.url).chat(model="tiny", messages=HELLO, options={"num_predict": 2})))
         waiter.start()
-        wait_for(lambda: stats(daemon.url)["queued"] == 1)
+        wait_for(lambda: stats(daemon.url)["queued"] == 1, timeout=120)
         with pytest.raises(ollama.ResponseError) as busy:
             ollama.Client(host=daemon.url).chat(model="tiny", messages=HELLO)
         assert busy.value.status_code == 503 and "busy" in busy.value.error
+        release.set()
         running.close()  # frees the slot: the queued request runs
-        waiter.join(60)
+        waiter.join(120)
         assert queued_result and queued_result[0].done
 
 

@@ -60,7 +60,7 @@ def test_empty_prompt_loads_and_keep_alive_zero_unloads(client):
     loaded = client.generate(model="tiny", prompt="", keep_alive="10m")
     assert loaded.done and loaded.done_reason == "load"
     names = [m.model for m in client.ps().models]
-    assert "tiny" in names
+    assert "tiny:latest" in names
     unloaded = client.generate(model="tiny", prompt="", keep_alive=0)
     assert unloaded.done_reason == "unload"
     assert client.ps().models == []
@@ -70,10 +70,27 @@ def test_ps_reports_the_loaded_model_and_its_expiry(client):
     client.generate(model="tiny", prompt="hi", keep_alive="7m",
                     options={"num_predict": 1, "num_ctx": 128})
     (model,) = client.ps().models
-    assert model.model == "tiny" and model.size > 0 and model.size_vram == 0
+    assert model.model == "tiny:latest" and model.size > 0 and model.size_vram == 0
     assert model.context_length == 128
     left = (model.expires_at - datetime.now(timezone.utc)).total_seconds()
     assert 6 * 60 < left <= 7 * 60
+
+
+def test_ps_and_tags_agree_on_name_digest_and_details(client):
+    client.generate(model="tiny", prompt="", keep_alive="1m")
+    (running,) = client.ps().models
+    (stored,) = [m for m in client.list().models if m.model == "tiny:latest"]
+    assert (running.name, running.model, running.digest) == (stored.model, stored.model,
+                                                            stored.digest)
+    assert running.details == stored.details
+    assert running.details.parameter_size  # was empty in /api/ps
+    client.generate(model="tiny", prompt="", keep_alive=0)
+
+
+def test_push_is_refused_as_not_supported(client):
+    with pytest.raises(ollama.ResponseError) as error:
+        client.push("tiny")
+    assert error.value.status_code == 501 and "not supported" in error.value.error
 
 
 def test_list_show_copy_delete(client):

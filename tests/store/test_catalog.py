@@ -24,3 +24,19 @@ def test_unknown_or_foreign_names_are_not_in_the_catalog():
     assert catalog_sources("smollm2:7b") is None
     assert catalog_sources("someone/smollm2:135m") is None
     assert catalog_sources("hf.co/library/smollm2:135m") is None
+
+
+def test_the_catalog_entry_carries_its_modelfiles_settings():
+    """modelfiles/smollm2-135m.Modelfile and the catalog entry say the same thing, so a
+    pulled `smollm2` answers with the recommended parameters, stops and system prompt."""
+    from pathlib import Path
+
+    from exl3cli.store.catalog import catalog_entry
+    from exl3cli.store.modelfile import parse_modelfile
+
+    text = (Path(__file__).parents[2] / "modelfiles" / "smollm2-135m.Modelfile").read_text()
+    modelfile = parse_modelfile(text)
+    entry = catalog_entry(modelfile.from_)
+    assert entry is not None and entry.parameters == modelfile.parameters
+    assert entry.system == modelfile.system and [entry.license] == modelfile.license
+    assert "stop" in entry.parameters and entry.parameters["temperature"] < 0.8

@@ -196,3 +196,10 @@ def test_smollm2_modelfile_stops_at_chatml_markers():
     parsed = parse_modelfile((MODELFILES_DIR / "smollm2-135m.Modelfile").read_text())
     assert parsed.from_ == "smollm2:135m"
     assert parsed.parameters["stop"] == ["<|im_start|>", "<|im_end|>"]
+
+
+def test_mirostat_is_refused_by_name_with_what_to_use_instead():
+    with pytest.raises(ModelfileError) as error:
+        parse_modelfile("FROM m\nPARAMETER mirostat 2\n")
+    assert error.value.line == 2 and "not supported" in str(error.value)
+    assert "dry_" in str(error.value)

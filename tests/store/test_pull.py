@@ -112,3 +112,34 @@ def test_a_second_alias_of_a_stored_catalog_model_reuses_it(tmp_path, monkeypatc
     assert second.files == first.files
     assert "using existing layers" in [e["status"] for e in events]
     assert {str(m.name) for m in store.list_models()} == {"twincat:latest", "twincat:1m"}
+
+
+def test_a_catalog_pull_stores_the_entrys_settings(tmp_path, monkeypatch):
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    entry = catalog.CatalogEntry("setcat:1m", (f"gguf:{gguf_path}",), "test model", "mit",
+                                 parameters={"temperature": 0.2, "stop": ["<|im_end|>"]},
+                                 system="Be brief.")
+    monkeypatch.setitem(catalog.CATALOG, "setcat:1m", entry)
+    manifest = pull_model(ModelStore(tmp_path / "store"), "setcat:1m")
+    assert manifest.parameters == {"temperature": 0.2, "stop": ["<|im_end|>"]}
+    assert manifest.system == "Be brief." and manifest.license == "mit"
+
+
+def test_pulling_a_present_model_fetches_nothing_and_keeps_its_date(tmp_path, monkeypatch):
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    entry = catalog.CatalogEntry("herecat:1m", (f"gguf:{gguf_path}",), "test model", "mit")
+    monkeypatch.setitem(catalog.CATALOG, "herecat:1m", entry)
+    store = ModelStore(tmp_path / "store")
+    first = pull_model(store, "herecat:1m")
+    modified = store.modified("herecat:1m")
+    gguf_path.unlink()  # a second fetch would fail: proves nothing is fetched
+    events = []
+    second = pull_model(store, "herecat:1m", events.append)
+    assert second.files == first.files and store.modified("herecat:1m") == modified
+    assert [e["status"] for e in events] == ["pulling manifest", "using existing layers",
+                                             "success"]
+    store.blob_path(first.files["config.json"]).unlink()  # incomplete: fetched again
+    with pytest.raises(ModelNotFound, match="tiny.gguf"):
+        pull_model(store, "herecat:1m")
