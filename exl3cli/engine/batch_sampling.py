@@ -21,9 +21,10 @@ import torch
 
 from exl3cli.engine.sampling import Sampler
 
-# Steps the batched path reproduces, and the options under which each is a no-op.
+# Built-in steps the batched path reproduces, and those it may pass over when the
+# request leaves them off.
 _BUILTIN_MODULE = "exl3_plugins.samplers"
-_BATCHED_STEPS = {"penalties", "top_k", "typical_p", "top_p", "min_p", "temperature"}
+_BATCHED_STEPS = {"top_k", "top_p", "min_p", "temperature"}
 
 
 def _penalties_off(options: dict) -> bool:
@@ -33,19 +34,30 @@ def _penalties_off(options: dict) -> bool:
                 and options.get("frequency_penalty", 0.0) == 0.0))
 
 
+_OFF_WHEN = {
+    "penalties": _penalties_off,
+    "typical_p": lambda options: float(options.get("typical_p", 1.0)) >= 1.0,
+    "dry": lambda options: float(options.get("dry_multiplier", 0.0)) == 0.0,
+    "xtc": lambda options: float(options.get("xtc_probability", 0.0)) == 0.0,
+}
+
+
 def batchable(sampler: Sampler) -> bool:
-    """Whether `sample_rows` may sample this row with the batched tensor pipeline."""
-    if sampler.seed is not None:
+    """Whether `sample_rows` may sample this row with the batched tensor pipeline: a
+    plain Sampler (not a wrapper that watches its own calls), no seed, and every
+    built-in step either reproduced here or off for this request."""
+    if type(sampler) is not Sampler or sampler.seed is not None:
         return False
+    greedy = sampler.greedy
     for step in sampler.steps:
-        if type(step).__module__ != _BUILTIN_MODULE or step.name not in _BATCHED_STEPS:
+        if type(step).__module__ != _BUILTIN_MODULE:
             return False
-    options = sampler.options
-    if not _penalties_off(options):
-        return False
-    if sampler.greedy:
-        return True
-    return float(options.get("typical_p", 1.0)) >= 1.0
+        if (greedy and step.skip_when_greedy) or step.name in _BATCHED_STEPS:
+            continue
+        off = _OFF_WHEN.get(step.name)
+        if off is None or not off(sampler.options):
+            return False
+    return True
 
 
 @dataclass

@@ -70,3 +70,19 @@ def test_batched_draws_follow_the_distribution():
     tokens = sample_rows(logits, [sampler] * 4000, [[]] * 4000)
     counts = torch.bincount(torch.tensor(tokens), minlength=5).float() / 4000
     assert torch.allclose(counts, torch.softmax(logits[0], -1), atol=0.03)
+
+
+def test_wrapped_samplers_and_inactive_steps():
+    from exl3cli.client.logprobs import LogprobRecorder
+
+    plain = build_sampler({"temperature": 0.7})
+    assert batchable(plain)  # DRY and XTC are off by default: the batch may take it
+    assert not batchable(build_sampler({"temperature": 0.7, "dry_multiplier": 0.8}))
+    assert not batchable(build_sampler({"temperature": 0.7, "xtc_probability": 0.5}))
+    # A wrapper that records what it samples must see every row it samples.
+    recorder = LogprobRecorder(build_sampler({"temperature": 0}), top=2)
+    assert not batchable(recorder)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    tokens = sample_rows(logits, [recorder, plain], [[], []])
+    assert tokens[0] == int(logits[0].argmax())
+    assert [token for token, _, _ in recorder.take(5)] == [tokens[0]]
