@@ -412,7 +412,7 @@ class InferenceRunner:
             return loaded
 
     def _load(self, key: str, name: str) -> LoadedModel:
-        from exl3cli.client.local import model_details
+        from exl3cli.client.model_info import model_details
         from exl3cli.engine.textmodel import TextModel
 
         folder = Path(self.store.model_folder(name))

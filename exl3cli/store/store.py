@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound
+from exl3cli.store.atomic import FILE_MODE, atomic_write_bytes, fsync_dir
 from exl3cli.store.names import ModelName
 from exl3cli.store.store_lock import (
     hold_store_lock,
@@ -42,7 +43,6 @@ MANIFEST_SCHEMA = 1
 
 _CHUNK = 1 << 20
 # mkstemp makes 0600 files; store files are meant to be readable like any download.
-_FILE_MODE = 0o644
 _DIR_MODE = 0o755
 
 
@@ -110,36 +110,6 @@ class StoredModel:
     @property
     def id(self) -> str:
         return self.digest[:12]
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write a file so that readers see either the old or the complete new content."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        os.chmod(tmp, _FILE_MODE)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _check_digest(digest: str) -> str:
@@ -213,7 +183,7 @@ class ModelStore:
         hasher = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=self.blobs_dir, prefix=".tmp-")
         try:
-            os.chmod(tmp, _FILE_MODE)
+            os.chmod(tmp, FILE_MODE)
             with open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
                 while chunk := src.read(_CHUNK):
                     hasher.update(chunk)
@@ -226,7 +196,7 @@ class ModelStore:
                 Path(tmp).unlink()
             else:
                 os.replace(tmp, target)
-                _fsync_dir(self.blobs_dir)
+                fsync_dir(self.blobs_dir)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -16,24 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import Exl3Error
+from exl3cli.store.atomic import FILE_MODE, atomic_write_bytes, fsync_dir
 from exl3cli.store.store_lock import LEFTOVER_PREFIXES
 
 UPLOAD_GRACE_SECONDS = 3600.0
-_FILE_MODE = 0o644
 
 
 def add_uploaded_blob(store: Any, chunks: Iterator[bytes], expected: str) -> str:
     """Write `chunks` as the blob `expected` of `store` (a ModelStore); Exl3Error when
     the content's digest differs (nothing is kept then)."""
-    from exl3cli.store.store import _fsync_dir, atomic_write_bytes
-
     target = store.blob_path(expected)
     store.blobs_dir.mkdir(parents=True, exist_ok=True)
     with store.writing():
         hasher = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=store.blobs_dir, prefix=".tmp-")
         try:
-            os.chmod(tmp, _FILE_MODE)
+            os.chmod(tmp, FILE_MODE)
             with os.fdopen(fd, "wb") as handle:
                 for chunk in chunks:
                     hasher.update(chunk)
@@ -48,7 +46,7 @@ def add_uploaded_blob(store: Any, chunks: Iterator[bytes], expected: str) -> str
                 Path(tmp).unlink()
             else:
                 os.replace(tmp, target)
-                _fsync_dir(store.blobs_dir)
+                fsync_dir(store.blobs_dir)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
