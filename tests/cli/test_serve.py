@@ -110,7 +110,7 @@ def test_ps_and_stop_through_the_daemon(store, monkeypatch):
                                               "keep_alive": "10m"}))
         header, row = runner.invoke(ps, []).stdout.splitlines()
         assert header.split()[:3] == ["NAME", "ID", "SIZE"]
-        assert row.startswith("tiny ") and "100% CPU" in row
+        assert row.startswith("tiny:latest ") and "100% CPU" in row  # as `exl3 list` names it
         assert row.rstrip().endswith("minutes from now")
         assert runner.invoke(stop, ["tiny:latest"]).exit_code == 0
         assert HttpClient(daemon.url).ps()["models"] == []
