@@ -259,17 +259,12 @@ def exl3_gemm(
     if out is None:
         out = torch.empty(*lead, n_out, dtype=x.dtype, device=x.device)
     if rows <= FUSED_MAX_ROWS:
+        # Rows 33..64 run as one launch of 8 row groups (two launches of 32 rows measured
+        # 10% slower at 64 jobs: bench/NOTES-gpu.md, run 4).
         splits = choose_splits(kb, nb, x.device)
-        # Rows 33..64 run as one launch of 8 row groups, or (EXL3_GEMM_WIDE=halves) as two
-        # launches of at most 32 rows, which keep more warps resident.
-        parts = 2 if rows > 32 and os.environ.get("EXL3_GEMM_WIDE") == "halves" else 1
-        out2 = out.view(rows, n_out)
-        for begin in range(0, rows, -(-rows // parts)):
-            end = min(rows, begin + -(-rows // parts))
-            acc = torch.empty(splits, end - begin, pad_out, dtype=torch.float32,
-                              device=x.device)
-            ext.gemm_partial(xh[begin:end], trellis.contiguous(), k2, cb, acc)
-            ext.hadamard(acc, None, svh32, _as_f32(bias), out2[begin:end], pad_out)
+        acc = torch.empty(splits, rows, pad_out, dtype=torch.float32, device=x.device)
+        ext.gemm_partial(xh, trellis.contiguous(), k2, cb, acc)
+        ext.hadamard(acc, None, svh32, _as_f32(bias), out.view(rows, n_out), pad_out)
         return out
     else:
         weight = torch.empty(pad_in, pad_out, dtype=torch.float16, device=x.device)

@@ -19,40 +19,31 @@ def _serve_help() -> str:
     rows = [("EXL3_HOST", "where to listen (default 127.0.0.1:11435)"),
             ("EXL3_MODELS", "the model store (default ~/.exl3/models)"),
             ("EXL3_API_KEY", "require Authorization: Bearer <key>"),
+            ("EXL3_ADMIN_KEY", "when set, loading models and store writes need this key"),
             ("EXL3_ORIGINS", "browser origins allowed besides the local ones "
                              "(comma-separated, * wildcards); others get 403"),
             ("EXL3_KEEP_ALIVE", "how long an idle model stays loaded (default 5m)"),
             ("EXL3_NUM_PARALLEL", "jobs one model runs at once (default 4)"),
             ("EXL3_MAX_QUEUE", "jobs that may wait per model weights (default 512; then 503)"),
+            ("EXL3_MAX_LOADED_MODELS", "models loaded at once (default 1)"),
+            ("EXL3_KV_CACHE_TYPE", "fp16, q8, q6, q4 or e.g. k8v4 (default fp16)"),
+            ("EXL3_DECODE_MODE", "graph (GPU default), static or off (CPU default)"),
+            ("EXL3_CPU_WEIGHTS", "fp32, bf16 or int8 weights on the CPU (default fp32)"),
+            ("EXL3_NO_EXT", "1: pure-PyTorch paths, no compiled kernels"),
             *LIMIT_VARIABLES,
             ("EXL3_TEMPLATE_TIMEOUT", "seconds a chat template may render (default 5)"),
             ("EXL3_TEMPLATE_MAX_BYTES", "characters a chat template may produce "
-                                        "(default 32 MiB)")]
+                                        "(default 32 MiB)"),
+            ("HF_TOKEN, HF_ENDPOINT", "passed to huggingface_hub for pulls")]
     lines = "\n".join(f"  {name}: {meaning}" for name, meaning in rows)
-    return ("Start the daemon (Ollama and OpenAI APIs) on EXL3_HOST.\n\n"
+    return ("Start the daemon (Ollama, OpenAI and TabbyAPI routes) on EXL3_HOST.\n\n"
             f"\b\nEnvironment:\n{lines}\n\nOn SIGTERM running streams get "
             f"{SHUTDOWN_SECONDS} s to finish.")
 
 
 @click.command("serve", help=_serve_help())
 def serve() -> None:
-    """Start the daemon (Ollama, OpenAI and TabbyAPI routes) on EXL3_HOST.
-
-    \b
-    Environment:
-      EXL3_HOST              where to listen (default 127.0.0.1:11435)
-      EXL3_MODELS            the model store (default ~/.exl3/models)
-      EXL3_KEEP_ALIVE        how long an idle model stays loaded (default 5m)
-      EXL3_NUM_PARALLEL      requests one model serves at once (default 4)
-      EXL3_MAX_QUEUE         requests that may wait per model; past it, 503 (default 512)
-      EXL3_MAX_LOADED_MODELS models loaded at once (default 1)
-      EXL3_KV_CACHE_TYPE     fp16, q8, q6, q4 or e.g. k8v4 (default fp16)
-      EXL3_API_KEY           when set, requests need Authorization: Bearer <key>
-      EXL3_ADMIN_KEY         when set, loading and store writes need this key
-      EXL3_CPU_WEIGHTS       fp32, bf16 or int8 weights on the CPU (default fp32)
-      EXL3_NO_EXT            1: pure-PyTorch paths, no compiled kernels
-      HF_TOKEN, HF_ENDPOINT  passed to huggingface_hub for pulls
-    """
+    """Start the daemon (its help, with the environment it reads: _serve_help)."""
     from aiohttp import web
 
     from exl3cli import __version__

@@ -108,7 +108,7 @@ class _Job:
             raise InvalidOption(f"invalid format: {fmt!r} (use \"json\" or a JSON schema)")
         messages = req.get("messages") if isinstance(req.get("messages"), list) else []
         if req.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
-            raise InvalidOption("the model cannot read images (text-only models only)")
+            raise InvalidOption("this model does not support images (it reads text only)")
 
     def thinking_splitter(self) -> ThinkingSplitter:
         return ThinkingSplitter(self.think)

@@ -206,7 +206,7 @@ def check_images(images: Any, where: str = "images") -> None:
             base64.b64decode(image, validate=True)
         except (binascii.Error, ValueError, TypeError):
             raise BadRequest(f"{where}[{index}] is not valid base64") from None
-    raise BadRequest(f"{where}: the model cannot read images (text-only models only)")
+    raise BadRequest(f"{where}: this model does not support images (it reads text only)")
 
 
 def ollama_error(error: Exception) -> web.Response:

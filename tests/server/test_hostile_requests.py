@@ -286,12 +286,13 @@ def test_a_client_that_leaves_is_one_log_line_not_a_traceback(tmp_path, caplog):
 
 def test_shutdown_gives_streams_their_grace_then_a_final_line(tmp_path):
     """Item 7: SIGTERM cut running streams with no final line."""
-    store = make_tiny_store(tmp_path)
+    # A context long enough that the answer cannot end inside the grace period.
+    store = make_tiny_store(tmp_path, max_position_embeddings=16384)
     daemon = Daemon(store, shutdown_grace=0.2).__enter__()
     try:
         connection, response = open_stream(daemon.url, "/api/generate", {
             "model": "tiny", "prompt": "go", "options": {"num_predict": 100_000,
-                                                        "num_ctx": 1024}})
+                                                        "num_ctx": 16384}})
         first = json.loads(response.readline())
         assert first["done"] is False
         stopper = threading.Thread(target=daemon.stop)
