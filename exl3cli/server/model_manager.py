@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,8 @@ from typing import Any
 
 from exl3cli.client.inference import InferenceRunner, weights_key
 from exl3cli.client.local import LocalClient
-from exl3cli.errors import Exl3Error, ServerBusy
+from exl3cli.errors import ServerBusy
+from exl3cli.server.limits import env_int
 from exl3cli.store.names import ModelName
 
 log = logging.getLogger(__name__)
@@ -29,16 +29,6 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_PARALLEL = 4
 DEFAULT_MAX_QUEUE = 512
 SWEEP_SECONDS = 1.0
-
-
-def _env_int(name: str, default: int, minimum: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return max(minimum, int(text))
-    except ValueError:
-        raise Exl3Error(f"{name} must be an integer, got {text!r}") from None
 
 
 @dataclass
@@ -177,11 +167,11 @@ class ModelManager:
                  max_queue: int | None = None, runner: InferenceRunner | None = None,
                  max_loaded: int | None = None, max_client_jobs: int = 0):
         self.store = store
-        self.num_parallel = num_parallel or _env_int("EXL3_NUM_PARALLEL",
+        self.num_parallel = num_parallel or env_int("EXL3_NUM_PARALLEL",
                                                      DEFAULT_NUM_PARALLEL, 1)
-        self.max_queue = max_queue if max_queue is not None else _env_int(
+        self.max_queue = max_queue if max_queue is not None else env_int(
             "EXL3_MAX_QUEUE", DEFAULT_MAX_QUEUE, 0)
-        loaded = max_loaded or _env_int("EXL3_MAX_LOADED_MODELS", 1, 1)
+        loaded = max_loaded or env_int("EXL3_MAX_LOADED_MODELS", 1, 1)
         # One generator per loaded model batches up to num_parallel jobs (the slots),
         # stepped on its own thread; each job's worker thread only relays its events.
         self.runner = runner or InferenceRunner(store, max_loaded=loaded,
