@@ -4,7 +4,9 @@ One command for every benchmark: with `--server` it replays chat requests agains
 running Ollama/OpenAI-compatible server (cli/bench_load.py); with MODEL (a folder or a
 stored name) or `--synthetic SHAPE -b BPW` it loads the model and measures prompt and
 generation tokens/s, peak GPU memory and (on a GPU) the fraction of the memory-bandwidth
-limit (cli/bench_speed.py). SIGTERM stops it as Ctrl-C does, temporary files removed.
+limit (cli/bench_speed.py); with `--ppl FILE` its perplexity (cli/bench_quality.py).
+`--plot DIR` draws the report as PNG charts (cli/bench_plot.py); with `--from-json` it
+draws earlier `--json` reports instead of running anything. SIGTERM stops it as Ctrl-C does, temporary files removed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import click
 
 
 @click.command("bench")
-@click.argument("model_arg", metavar="[MODEL]", required=False)
+@click.argument("model_args", metavar="[MODEL]", nargs=-1)
 @click.option("--server", metavar="URL",
               help="Benchmark a running server (ours, Ollama, or OpenAI-compatible).")
 @click.option("--model", "model_name", metavar="NAME",
@@ -67,26 +69,48 @@ import click
                    "against this reference model, on the same tokens.")
 @click.option("--windows", default=100, show_default=True, type=click.IntRange(1),
               help="Quality mode: how many windows (from the start of FILE).")
-def bench(model_arg: str | None, server: str | None, model_name: str | None,
+@click.option("--plot", "plot_dir", metavar="DIR", default=None,
+              help="Also draw the report as PNG charts in DIR (created if missing; their "
+                   "paths go to stderr): speed: tok/s vs concurrent jobs and prompt vs "
+                   "generation tok/s; --ppl: perplexity and KL; --server: tok/s and time "
+                   "to first token. Needs matplotlib (pip install 'exl3[plot]').")
+@click.option("--from-json", "from_json", metavar="REPORT.json", multiple=True,
+              help="With --plot: chart these earlier --json reports (several --ppl "
+                   "reports give perplexity vs bpw) and run nothing; "
+                   "`--from-json a.json b.json ...` takes them all.")
+def bench(model_args: tuple[str, ...], server: str | None, model_name: str | None,
           concurrency: int, num_requests: int, prompt: str | None, api: str,
           num_predict: int, temperature: float, timeout: float, api_key: str | None,
           as_json: bool, prompt_lengths: str, gen_tokens: int, batches: str,
           synthetic: str | None, bits: float, head_bits: int, device: str | None,
           memory_context: int, no_graphs: bool, ppl_text: str | None, kl_ref: str | None,
-          windows: int) -> None:
+          windows: int, plot_dir: str | None, from_json: tuple[str, ...]) -> None:
     """Benchmark a server under load (--server: requests/s, time to first token,
     latency percentiles, tokens/s, errors), or a model's speed (MODEL or --synthetic:
     prompt and generation tokens/s, peak GPU memory, fraction of the bandwidth limit),
-    or its quality (MODEL --ppl FILE [--kl-ref MODEL]: perplexity, KL divergence)."""
+    or its quality (MODEL --ppl FILE [--kl-ref MODEL]: perplexity, KL divergence).
+    --plot DIR draws the report as PNG charts; --plot DIR --from-json A.json [B.json ...]
+    charts earlier --json reports without running anything."""
     from exl3cli.cli.bench_load import LoadConfig, format_report, run_load
 
+    if from_json:
+        _plot_earlier_reports(plot_dir, [*from_json, *model_args],
+                              server or ppl_text or kl_ref or synthetic)
+        return
+    if len(model_args) > 1:
+        raise click.UsageError(f"give one MODEL, got {len(model_args)}: "
+                               f"{' '.join(model_args)}")
+    model_arg = model_args[0] if model_args else None
+    if plot_dir is not None:
+        _plots(None, plot_dir)  # matplotlib missing: say so before a long run
     if ppl_text or kl_ref:
-        _quality_command(model_arg, ppl_text, kl_ref, windows, device, as_json)
+        _plots(_quality_command(model_arg, ppl_text, kl_ref, windows, device, as_json),
+               plot_dir)
         return
     if not server:
-        _speed_command(model_arg, synthetic, bits, head_bits, _int_list(prompt_lengths),
-                       gen_tokens, _int_list(batches), device, memory_context,
-                       not no_graphs, as_json)
+        _plots(_speed_command(model_arg, synthetic, bits, head_bits, _int_list(prompt_lengths),
+                              gen_tokens, _int_list(batches), device, memory_context,
+                              not no_graphs, as_json), plot_dir)
         return
     if "://" not in server:
         server = "http://" + server
@@ -103,6 +127,42 @@ def bench(model_arg: str | None, server: str | None, model_name: str | None,
         click.echo(format_report(report))
     if report.completed == 0:
         raise SystemExit(1)
+    _plots(report.as_dict(), plot_dir)
+
+
+def _plots(report: dict[str, Any] | None, plot_dir: str | None) -> None:
+    """Draw `report` into `plot_dir` and name the files on stderr (no report: only check
+    that matplotlib is there). Errors are one line, whichever way bench is invoked."""
+    from exl3cli.cli import bench_plot
+    from exl3cli.errors import Exl3Error
+
+    if plot_dir is None:
+        return
+    try:
+        if report is None:
+            bench_plot.require_matplotlib()
+            return
+        for path in bench_plot.write_plots([report], plot_dir):
+            click.echo(f"wrote {path}", err=True)
+    except Exl3Error as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _plot_earlier_reports(plot_dir: str | None, paths: list[str], runs: str | None) -> None:
+    from exl3cli.cli import bench_plot
+    from exl3cli.errors import Exl3Error
+
+    if plot_dir is None:
+        raise click.UsageError("--from-json needs --plot DIR")
+    if runs:
+        raise click.UsageError("--from-json charts earlier reports and runs nothing; "
+                               "drop --server, --ppl, --kl-ref and --synthetic")
+    try:
+        bench_plot.require_matplotlib()
+        for path in bench_plot.write_plots(bench_plot.load_reports(paths), plot_dir):
+            click.echo(f"wrote {path}", err=True)
+    except Exl3Error as error:
+        raise click.ClickException(str(error)) from None
 
 
 def _first_model(server: str, api: str, api_key: str | None) -> str:
@@ -140,7 +200,7 @@ def _int_list(text: str) -> list[int]:
 def _speed_command(model_arg: str | None, synthetic: str | None, bits: float, head_bits: int,
                    prompt_lengths: list[int], gen_tokens: int, batches: list[int],
                    device: str | None, memory_context: int, graphs: bool,
-                   as_json: bool) -> None:
+                   as_json: bool) -> dict[str, Any]:
     import tempfile
     from pathlib import Path
 
@@ -164,6 +224,7 @@ def _speed_command(model_arg: str | None, synthetic: str | None, bits: float, he
                            batches=batches, device=device, memory_context=memory_context,
                            graphs=graphs, label=label)
     click.echo(json.dumps(report, indent=2) if as_json else format_speed_report(report))
+    return report
 
 
 @contextlib.contextmanager
@@ -185,7 +246,7 @@ def exit_on_sigterm() -> Iterator[None]:
 
 
 def _quality_command(model_arg: str | None, ppl_text: str | None, kl_ref: str | None,
-                     windows: int, device: str | None, as_json: bool) -> None:
+                     windows: int, device: str | None, as_json: bool) -> dict[str, Any]:
     from exl3cli.cli.bench_quality import format_quality_report, run_quality
 
     if model_arg is None or ppl_text is None:
@@ -194,6 +255,7 @@ def _quality_command(model_arg: str | None, ppl_text: str | None, kl_ref: str | 
     report = run_quality(_model_folder(model_arg), ppl_text, windows=windows,
                          reference=reference, device=device)
     click.echo(json.dumps(report, indent=2) if as_json else format_quality_report(report))
+    return report
 
 
 def _model_folder(model_arg: str):

@@ -34,7 +34,13 @@ def run_quality(folder: Path, text_path: Path, *, windows: int, reference: Path 
     model = load_causal_lm(folder, target)
     ref_model = load_causal_lm(reference, target, torch.float32) if reference else None
     result = evaluate(model, token_ids, ref_model)
-    report: dict[str, Any] = {"text": str(text_path), "windows": int(token_ids.shape[0]),
+    from exl3cli.engine.quant.format import read_quantization_config
+
+    quantization = read_quantization_config(folder) or {}
+    bits = quantization.get("bits")  # None for an unquantized model
+    report: dict[str, Any] = {"model": str(folder),
+                              "bits": bits if isinstance(bits, (int, float)) else None,
+                              "text": str(text_path), "windows": int(token_ids.shape[0]),
                               "window": window, "tokens": result.tokens,
                               "perplexity": result.perplexity}
     if ref_model is not None:

@@ -41,6 +41,7 @@ def test_perplexity_equals_a_direct_computation(models):
         logits = load_causal_lm(first, "cpu")(windows)[:, :-1]
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
     assert report["windows"] == 2 and report["tokens"] == 2 * 2047
+    assert report["model"] == str(first) and report["bits"] is None  # not quantized
     assert math.isclose(report["perplexity"], math.exp(nll.item()), rel_tol=1e-4)
 
 
