@@ -161,7 +161,7 @@ class ModelStore:
             places = [self.root, self.blobs_dir, self.folders_dir, self.manifests_dir,
                       self.uploads_dir]
             if self.manifests_dir.is_dir():
-                places += [p for p in self.manifests_dir.rglob("*") if p.is_dir()]
+                places += self._manifest_tree(files=False)
             return remove_leftover_files(places)
 
     def local_token(self) -> str:
@@ -317,10 +317,25 @@ class ModelStore:
             old.unlink(missing_ok=True)
             self._prune_empty_dirs(old.parent)
 
+    def _manifest_tree(self, files: bool) -> list[Path]:
+        """The folders (or the files) under manifests/. A folder that an `rm` removes
+        while this walks is passed over (os.walk ignores what vanished), where a glob
+        raised FileNotFoundError into a concurrent listing."""
+        found: list[Path] = []
+        for top, _dirs, names in os.walk(self.manifests_dir):
+            here = Path(top)
+            if files:
+                found += [here / name for name in names]
+            elif here != self.manifests_dir:
+                found.append(here)
+        return found
+
     def _iter_manifest_files(self) -> Iterator[tuple[ModelName, Path]]:
         if not self.manifests_dir.is_dir():
             return
-        for path in sorted(self.manifests_dir.glob("*/*/*/*")):
+        for path in sorted(self._manifest_tree(files=True)):
+            if len(path.relative_to(self.manifests_dir).parts) != 4:
+                continue
             if not path.is_file() or path.name.startswith(".tmp-"):
                 continue
             host, namespace, model, tag = path.relative_to(self.manifests_dir).parts
@@ -334,10 +349,13 @@ class ModelStore:
         """Every stored model, newest first."""
         rows = []
         for name, path in self._iter_manifest_files():
-            manifest = self.read_manifest(name)
-            size = sum(self.blob_path(d).stat().st_size for d in set(manifest.files.values())
-                       if self.has_blob(d))
-            modified = datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc)
+            try:
+                manifest = self.read_manifest(name)
+                size = sum(self.blob_path(d).stat().st_size
+                           for d in set(manifest.files.values()) if self.has_blob(d))
+                modified = datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc)
+            except (ModelNotFound, FileNotFoundError):
+                continue  # removed while this listed
             rows.append(StoredModel(name, manifest.digest(), size, modified))
         rows.sort(key=lambda row: row.modified, reverse=True)
         return rows
