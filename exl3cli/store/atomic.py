@@ -3,8 +3,10 @@ folder. Shared by the store and its uploads."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 FILE_MODE = 0o644
@@ -38,3 +40,35 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_hashed(folder: Path, chunks: Iterable[bytes], target_of: Callable[[str], Path],
+                 before_commit: Callable[[str], None] | None = None) -> str:
+    """Stream `chunks` into a temp file in `folder` while hashing them; then (after
+    `before_commit(digest)`, which may refuse by raising) move it to `target_of(digest)`
+    unless that file is already there. Returns `sha256:<hex>`; on any failure nothing
+    is left behind."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hasher = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        os.chmod(tmp, FILE_MODE)
+        with os.fdopen(fd, "wb") as handle:
+            for chunk in chunks:
+                hasher.update(chunk)
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        digest = f"sha256:{hasher.hexdigest()}"
+        if before_commit is not None:
+            before_commit(digest)
+        target = target_of(digest)
+        if target.is_file():
+            Path(tmp).unlink()
+        else:
+            os.replace(tmp, target)
+            fsync_dir(folder)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest

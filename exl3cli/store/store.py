@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound
-from exl3cli.store.atomic import FILE_MODE, atomic_write_bytes, fsync_dir
+from exl3cli.store.atomic import atomic_write_bytes, write_hashed
 from exl3cli.store.names import ModelName
 from exl3cli.store.store_lock import (
     hold_store_lock,
@@ -179,27 +179,12 @@ class ModelStore:
     def add_blob_from_file(self, path: str | os.PathLike[str]) -> str:
         """Copy a file into the store, hashing while copying; returns `sha256:<hex>`.
         A blob that is already there is kept as is (the copy is dropped)."""
-        self.blobs_dir.mkdir(parents=True, exist_ok=True)
-        hasher = hashlib.sha256()
-        fd, tmp = tempfile.mkstemp(dir=self.blobs_dir, prefix=".tmp-")
-        try:
-            os.chmod(tmp, FILE_MODE)
-            with open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
+        def chunks() -> Iterator[bytes]:
+            with open(path, "rb") as src:
                 while chunk := src.read(_CHUNK):
-                    hasher.update(chunk)
-                    dst.write(chunk)
-                dst.flush()
-                os.fsync(dst.fileno())
-            digest = f"sha256:{hasher.hexdigest()}"
-            target = self.blob_path(digest)
-            if target.is_file():
-                Path(tmp).unlink()
-            else:
-                os.replace(tmp, target)
-                fsync_dir(self.blobs_dir)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+                    yield chunk
+
+        digest = write_hashed(self.blobs_dir, chunks(), self.blob_path)
         return digest
 
     @contextmanager

@@ -7,16 +7,13 @@ UPLOAD_GRACE_SECONDS, so that the create naming it can come; stale pins are drop
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import Exl3Error
-from exl3cli.store.atomic import FILE_MODE, atomic_write_bytes, fsync_dir
+from exl3cli.store.atomic import atomic_write_bytes, write_hashed
 from exl3cli.store.store_lock import LEFTOVER_PREFIXES
 
 UPLOAD_GRACE_SECONDS = 3600.0
@@ -27,29 +24,13 @@ def add_uploaded_blob(store: Any, chunks: Iterator[bytes], expected: str) -> str
     the content's digest differs (nothing is kept then)."""
     target = store.blob_path(expected)
     store.blobs_dir.mkdir(parents=True, exist_ok=True)
+    def check_and_pin(digest: str) -> None:
+        if digest != expected:
+            raise Exl3Error(f"digest mismatch: the body's digest is {digest}")
+        atomic_write_bytes(store.uploads_dir / target.name, b"")  # the pin
+
     with store.writing():
-        hasher = hashlib.sha256()
-        fd, tmp = tempfile.mkstemp(dir=store.blobs_dir, prefix=".tmp-")
-        try:
-            os.chmod(tmp, FILE_MODE)
-            with os.fdopen(fd, "wb") as handle:
-                for chunk in chunks:
-                    hasher.update(chunk)
-                    handle.write(chunk)
-                handle.flush()
-                os.fsync(handle.fileno())
-            digest = f"sha256:{hasher.hexdigest()}"
-            if digest != expected:
-                raise Exl3Error(f"digest mismatch: the body's digest is {digest}")
-            atomic_write_bytes(store.uploads_dir / target.name, b"")  # the pin
-            if target.is_file():
-                Path(tmp).unlink()
-            else:
-                os.replace(tmp, target)
-                fsync_dir(store.blobs_dir)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_hashed(store.blobs_dir, chunks, store.blob_path, check_and_pin)
     return expected
 
 
