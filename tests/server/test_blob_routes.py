@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import ollama
 import pytest
 
 from exl3cli.client.http import LOCAL_TOKEN_HEADER, HttpClient
+from tests.fixtures.http_raw import raw_request
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 
 def call(url: str, method: str, path: str, body: bytes | None = None,
          headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
-    try:
-        connection.request(method, path, body=body, headers=headers or {})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
+    return raw_request(url, method, path, body, headers)
 
 
 def sha(data: bytes) -> str:

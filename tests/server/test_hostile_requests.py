@@ -13,20 +13,14 @@ import pytest
 
 from exl3cli.store.store import ModelStore
 from tests.fixtures.daemon import Daemon
+from tests.fixtures.http_raw import raw_request
 from tests.fixtures.tiny_store import TINY_VOCAB, make_tiny_store
 
 
 def call(url: str, method: str, path: str, body: object = None, raw: bytes | None = None,
          headers: dict[str, str] | None = None, timeout: float = 180) -> tuple[int, bytes]:
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    try:
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        connection.request(method, path, body=data, headers=headers or {})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    return raw_request(url, method, path, data, headers, timeout)
 
 
 def lines(raw: bytes) -> list[dict]:

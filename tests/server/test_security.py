@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 from urllib.parse import urlsplit
 
@@ -12,18 +11,12 @@ import pytest
 from exl3cli.server.security import _host_allowed
 from exl3cli.store.store import ModelStore
 from tests.fixtures.daemon import Daemon
+from tests.fixtures.http_raw import raw_request
 
 
 def request(url: str, method: str, path: str, body: bytes | None = None,
             headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
-    try:
-        connection.request(method, path, body=body, headers=headers or {})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
+    return raw_request(url, method, path, body, headers, timeout=10)
 
 
 @pytest.fixture(scope="module")
