@@ -55,6 +55,11 @@ def main(folder: Path) -> None:
         halves = ours(folder, f"{model}-halves").get(("fp16", 64))
         if halves:
             print(f"{model} 64 jobs, fp16, EXL3_GEMM_WIDE=halves: {halves:.1f} tok/s")
+        unfused, fused = ours(folder, f"{model}-unfused"), ours(folder, model)
+        for (kv, jobs), value in sorted(unfused.items()):
+            now = fused.get((kv, jobs))
+            print(f"{model} {jobs} jobs, {kv}, EXL3_FUSED_LAYER=0 (unfused layer): "
+                  f"{value:.1f} tok/s; fused {now or 0:.1f} ({ratio(now, value).strip()})")
     for jobs in (1, 16, 64):
         prof = _json(folder / f"profile-{jobs}.json")
         if prof and "kernel_us" in prof:

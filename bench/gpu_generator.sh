@@ -7,7 +7,9 @@
 #
 # Usage (repo root): bash bench/gpu_generator.sh        carry: [".whl"] where .whl/ holds
 # the peer's wheels, its prebuilt extension (*.so.xz) and peer_exllamav3_jobs.py
-# (shared/tools/README.md). STAGES="tests ours peer profile" picks stages.
+# (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" picks stages
+# ("unfused": the 1/16-job points again with EXL3_FUSED_LAYER=0, the before of the
+# fused decode layer).
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-gen-out}
 mkdir -p "$OUT"
@@ -16,7 +18,7 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=${MAX_JOBS:-16}
-STAGES=${STAGES:-"tests ours peer profile cli"}
+STAGES=${STAGES:-"tests ours unfused peer profile cli"}
 PEER_KV=${PEER_KV:-"16"}  # "16 4": also the peer with a 4-bit cache
 PROFILE_JOBS=${PROFILE_JOBS:-"1 64"}
 JOBS=${JOBS:-1,16,64}
@@ -45,7 +47,7 @@ print('BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.t
 stamp "$(grep BUILD "$OUT/build.log" || { echo 'FAIL: build crashed'; tail -20 "$OUT/build.log"; })"
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  timeout 240 python3 -m pytest -q -m cuda -p no:randomly tests/kernels \
+  timeout 300 python3 -m pytest -q -m cuda -p no:randomly tests/kernels \
     tests/engine/test_generator_cuda.py >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
@@ -61,6 +63,18 @@ if [[ " $STAGES " == *" ours "* ]]; then
       2>"$OUT/ours-$1.err" || { echo "FAIL: ours $1"; tail -8 "$OUT/ours-$1.err"; }
     stamp "ours $1 done"
   done
+fi
+
+if [[ " $STAGES " == *" unfused "* ]]; then
+  # Before/after of the fused decode layer (engine/fused_layer.py), same call.
+  for m in "8b $M8" "1b $M1"; do
+    set -- $m
+    EXL3_FUSED_LAYER=0 timeout 120 python3 bench/generator_throughput.py "$2" --device cuda \
+      --jobs "${UNFUSED_JOBS:-1,16}" --prompt 128 --gen 64 --kv fp16 --repeat 2 --json \
+      >"$OUT/ours-$1-unfused.json" 2>"$OUT/ours-$1-unfused.err" \
+      || { echo "FAIL: unfused $1"; tail -8 "$OUT/ours-$1-unfused.err"; }
+  done
+  stamp "unfused done"
 fi
 
 if [[ " $STAGES " == *" peer "* ]] && grep -q "peer install ok" "$OUT/peer-install.log" 2>/dev/null; then

@@ -54,35 +54,53 @@ void decode(const at::Tensor& trellis, int64_t k2, int64_t cb, at::Tensor& out) 
                "exl3 decode");
 }
 
-void gemm_partial(const at::Tensor& xh, const at::Tensor& trellis, int64_t k2, int64_t cb,
-                  at::Tensor& partial) {
-  check_trellis(trellis, (int)k2);
-  const int kb = (int)trellis.size(0), nb = (int)trellis.size(1);
-  check_cuda(xh, "xh");
-  TORCH_CHECK(xh.scalar_type() == at::kHalf && xh.is_contiguous() && xh.dim() == 2 &&
-                  xh.size(1) == 16 * kb,
-              "xh must be contiguous float16 (rows, 16*kb)");
-  const int rows = (int)xh.size(0);
+// One launch over parts with the same rows, kb, K and codebook (exl3_ops.h GemmParts).
+void gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& trellises,
+                int64_t k2, int64_t cb, const std::vector<at::Tensor>& partials) {
+  const size_t n = xhs.size();
+  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && trellises.size() == n &&
+                  partials.size() == n, "1..", exl3::kMaxParts, " parts, one xh, trellis and partial each");
+  exl3::GemmParts parts{};
+  parts.count = (int)n;
+  int kb = -1, rows = -1, splits = -1;
+  for (size_t p = 0; p < n; p++) {
+    const at::Tensor& xh = xhs[p];
+    const at::Tensor& trellis = trellises[p];
+    const at::Tensor& partial = partials[p];
+    check_trellis(trellis, (int)k2);
+    check_cuda(xh, "xh");
+    check_cuda(partial, "partial");
+    if (p == 0) {
+      kb = (int)trellis.size(0);
+      rows = (int)xh.size(0);
+      splits = (int)partial.size(0);
+    }
+    const int nb = (int)trellis.size(1);
+    TORCH_CHECK(trellis.size(0) == kb, "parts must share the input size (kb)");
+    TORCH_CHECK(xh.scalar_type() == at::kHalf && xh.is_contiguous() && xh.dim() == 2 &&
+                    xh.size(0) == rows && xh.size(1) == 16 * kb,
+                "xh must be contiguous float16 (rows, 16*kb)");
+    TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+                    partial.dim() == 3 && partial.size(0) == splits && partial.size(1) == rows &&
+                    partial.size(2) == 16 * nb,
+                "partial must be contiguous float32 (splits, rows, 16*nb)");
+    parts.part[p] = exl3::GemmPart{xh.data_ptr(), trellis.data_ptr(),
+                                   partial.data_ptr<float>(), nb};
+  }
   TORCH_CHECK(rows >= 1 && rows <= 64, "fused GEMM takes 1..64 rows, got ", rows);
-  check_cuda(partial, "partial");
-  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
-                  partial.dim() == 3 && partial.size(1) == rows && partial.size(2) == 16 * nb,
-              "partial must be contiguous float32 (splits, rows, 16*nb)");
-  const int splits = (int)partial.size(0);
   TORCH_CHECK(splits >= 1 && splits <= kb, "splits must be in 1..kb");
-  const c10::cuda::CUDAGuard guard(xh.device());
+  const c10::cuda::CUDAGuard guard(xhs[0].device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   bool ok = false;
-  if (cb == 2) ok = exl3::launch_gemm_mul1(xh.data_ptr(), trellis.data_ptr(),
-                                           partial.data_ptr<float>(), rows, kb, nb, (int)k2,
-                                           splits, stream);
-  else if (cb == 1) ok = exl3::launch_gemm_mcg(xh.data_ptr(), trellis.data_ptr(),
-                                               partial.data_ptr<float>(), rows, kb, nb, (int)k2,
-                                               splits, stream);
-  else if (cb == 0) ok = exl3::launch_gemm_3inst(xh.data_ptr(), trellis.data_ptr(),
-                                                 partial.data_ptr<float>(), rows, kb, nb,
-                                                 (int)k2, splits, stream);
+  if (cb == 2) ok = exl3::launch_gemm_mul1(parts, rows, kb, (int)k2, splits, stream);
+  else if (cb == 1) ok = exl3::launch_gemm_mcg(parts, rows, kb, (int)k2, splits, stream);
+  else if (cb == 0) ok = exl3::launch_gemm_3inst(parts, rows, kb, (int)k2, splits, stream);
   check_launch(ok, "exl3 gemm");
+}
+
+void gemm_partial(const at::Tensor& xh, const at::Tensor& trellis, int64_t k2, int64_t cb,
+                  at::Tensor& partial) {
+  gemm_parts({xh}, {trellis}, k2, cb, {partial});
 }
 
 const float* optional_vector(const c10::optional<at::Tensor>& t, int64_t width,
@@ -210,6 +228,123 @@ void kv_quant_write(const at::Tensor& x, const at::Tensor& slots, int64_t bits,
                "exl3 kv quant write");
 }
 
+
+// x: (rows, x_cols), unit column stride; pres: float32 (>= width); outs: (rows, width) fp16.
+void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight,
+                   double eps, bool unit_offset, const std::vector<at::Tensor>& pres,
+                   const std::vector<at::Tensor>& outs, int64_t width) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols) with unit column stride");
+  const size_t n = pres.size();
+  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && outs.size() == n, "1..4 parts");
+  const float* pre_ptr[exl3::kMaxParts] = {};
+  void* out_ptr[exl3::kMaxParts] = {};
+  for (size_t p = 0; p < n; p++) {
+    pre_ptr[p] = optional_vector(pres[p], width, "pre");
+    const at::Tensor& out = outs[p];
+    check_cuda(out, "out");
+    TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == x.size(0) && out.size(1) == width,
+                "out must be contiguous float16 (rows, width)");
+  }
+  for (size_t p = 0; p < n; p++) out_ptr[p] = outs[p].data_ptr();
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_norm_hadamard(
+                   dtype_code(x), x.data_ptr(), x.stride(0), (int)x.size(1), (int)width,
+                   optional_vector(norm_weight, x.size(1), "norm_weight"), (float)eps,
+                   unit_offset, (int)n, pre_ptr, out_ptr, (int)x.size(0), stream),
+               "exl3 norm hadamard");
+}
+
+// partials: (splits, rows, width) float32; outs: (rows, out_cols) column views in dtype.
+void hadamard_out(const std::vector<at::Tensor>& partials,
+                  const std::vector<c10::optional<at::Tensor>>& posts,
+                  const std::vector<c10::optional<at::Tensor>>& biases,
+                  const std::vector<at::Tensor>& outs, const std::vector<int64_t>& rope_cols,
+                  const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& cos,
+                  const c10::optional<at::Tensor>& sin, int64_t head_dim) {
+  const size_t n = partials.size();
+  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
+                  biases.size() == n && outs.size() == n && rope_cols.size() == n,
+              "1..4 parts, each with post, bias, out and rope_cols");
+  exl3::OutParts parts{};
+  parts.count = (int)n;
+  const int64_t rows = partials[0].size(1);
+  const auto dtype = outs[0].scalar_type();
+  for (size_t p = 0; p < n; p++) {
+    const at::Tensor& partial = partials[p];
+    const at::Tensor& out = outs[p];
+    check_contiguous(partial, "partial");
+    check_cuda(out, "out");
+    TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3 &&
+                    partial.size(1) == rows, "partials must be float32 (splits, rows, width)");
+    TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == rows &&
+                    out.scalar_type() == dtype, "outs must be (rows, cols) of one dtype");
+    const int64_t width = partial.size(2);
+    parts.part[p] = exl3::OutPart{partial.data_ptr<float>(), (int)partial.size(0), (int)width,
+                                  optional_vector(posts[p], width, "post"),
+                                  optional_vector(biases[p], out.size(1), "bias"),
+                                  out.data_ptr(), out.stride(0), (int)out.size(1),
+                                  (int)rope_cols[p]};
+  }
+  const void* res_ptr = nullptr;
+  int64_t res_stride = 0;
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->size(0) == rows &&
+                    residual->scalar_type() == dtype,
+                "residual must be (rows, cols) in the outputs' dtype");
+    for (size_t p = 0; p < n; p++)
+      TORCH_CHECK(residual->size(1) >= outs[p].size(1), "residual narrower than an output");
+    res_ptr = residual->data_ptr();
+    res_stride = residual->stride(0);
+  }
+  const void* cos_ptr = nullptr;
+  const void* sin_ptr = nullptr;
+  if (cos.has_value() || sin.has_value()) {
+    TORCH_CHECK(cos.has_value() && sin.has_value(), "cos and sin come together");
+    for (const auto* t : {&*cos, &*sin}) {
+      check_contiguous(*t, "cos/sin");
+      TORCH_CHECK(t->scalar_type() == dtype && t->numel() == rows * head_dim,
+                  "cos/sin must be (rows, head_dim) in the outputs' dtype");
+    }
+    cos_ptr = cos->data_ptr();
+    sin_ptr = sin->data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(partials[0].device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_hadamard_out(dtype_code(outs[0]), parts, (int)rows, res_ptr,
+                                         res_stride, cos_ptr, sin_ptr, (int)head_dim, stream),
+               "exl3 hadamard out");
+}
+
+// gate/up: (splits, rows, width) float32; out: (rows, width) float16; dtype: rounding.
+void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
+                  const c10::optional<at::Tensor>& post_gate,
+                  const c10::optional<at::Tensor>& post_up,
+                  const c10::optional<at::Tensor>& bias_gate,
+                  const c10::optional<at::Tensor>& bias_up, int64_t inter, int64_t act,
+                  const at::Tensor& pre, at::Tensor& out, int64_t dtype) {
+  check_contiguous(gate, "gate");
+  check_contiguous(up, "up");
+  check_contiguous(out, "out");
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && gate.dim() == 3 && up.sizes() == gate.sizes() &&
+                  up.scalar_type() == at::kFloat, "gate and up must be float32 (splits, rows, width)");
+  const int64_t rows = gate.size(1), width = gate.size(2);
+  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == width, "out must be contiguous float16 (rows, width)");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_glu_hadamard(
+                   (int)dtype, gate.data_ptr<float>(), up.data_ptr<float>(), (int)gate.size(0),
+                   (int)width, optional_vector(post_gate, width, "post_gate"),
+                   optional_vector(post_up, width, "post_up"),
+                   optional_vector(bias_gate, inter, "bias_gate"),
+                   optional_vector(bias_up, inter, "bias_up"), (int)inter, (int)act,
+                   optional_vector(pre, width, "pre"), out.data_ptr(), (int)rows, stream),
+               "exl3 glu hadamard");
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -220,6 +355,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "xh (rows<=64, 16kb) float16 x decoded trellis -> partial (splits, rows, 16nb) float32",
         py::arg("xh"), py::arg("trellis"), py::arg("k2"), py::arg("codebook"),
         py::arg("partial"));
+  m.def("gemm_parts", &gemm_parts,
+        "gemm_partial for up to 4 parts (same rows, kb, K, codebook) in one launch",
+        py::arg("xhs"), py::arg("trellises"), py::arg("k2"), py::arg("codebook"),
+        py::arg("partials"));
+  m.def("norm_hadamard", &norm_hadamard,
+        "outs[p] = f16(H128(rmsnorm(x) * pres[p])) (norm optional)", py::arg("x"),
+        py::arg("norm_weight"), py::arg("eps"), py::arg("unit_offset"), py::arg("pres"),
+        py::arg("outs"), py::arg("width"));
+  m.def("hadamard_out", &hadamard_out,
+        "split sum + H128 + post + bias (+ rotary, + residual) for up to 4 parts",
+        py::arg("partials"), py::arg("posts"), py::arg("biases"), py::arg("outs"),
+        py::arg("rope_cols"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
+        py::arg("head_dim"));
+  m.def("glu_hadamard", &glu_hadamard,
+        "act(gate) * up from their partials, then the down projection's input Hadamard",
+        py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),
+        py::arg("bias_gate"), py::arg("bias_up"), py::arg("inter"), py::arg("act"),
+        py::arg("pre"), py::arg("out"), py::arg("dtype"));
   m.def("hadamard", &hadamard,
         "out = H128(sum_s x[s] * pre) * post + bias, per 128 columns over width",
         py::arg("x"), py::arg("pre"), py::arg("post"), py::arg("bias"), py::arg("out"),

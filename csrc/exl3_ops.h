@@ -18,12 +18,25 @@ bool launch_decode(const void* trellis, void* out, int kb, int nb, int k2, int c
 
 // partial[s, r, n] = sum over the s-th run of input tiles of xh[r, k] * Ŵ[k, n].
 // xh: (rows, 16*kb) float16; partial: (splits, rows, 16*nb) float32; rows <= 64.
-bool launch_gemm_mul1(const void* xh, const void* trellis, float* partial, int rows, int kb,
-                      int nb, int k2, int splits, cudaStream_t stream);
-bool launch_gemm_mcg(const void* xh, const void* trellis, float* partial, int rows, int kb,
-                     int nb, int k2, int splits, cudaStream_t stream);
-bool launch_gemm_3inst(const void* xh, const void* trellis, float* partial, int rows, int kb,
-                       int nb, int k2, int splits, cudaStream_t stream);
+// Up to kMaxParts parts with the same rows, kb, K and codebook run in one launch
+// (q/k/v or gate/up: each its own xh, trellis, partial and nb).
+constexpr int kMaxParts = 4;
+struct GemmPart {
+  const void* xh;
+  const void* trellis;
+  float* partial;
+  int nb;
+};
+struct GemmParts {
+  GemmPart part[kMaxParts];
+  int count;
+};
+bool launch_gemm_mul1(const GemmParts& parts, int rows, int kb, int k2, int splits,
+                      cudaStream_t stream);
+bool launch_gemm_mcg(const GemmParts& parts, int rows, int kb, int k2, int splits,
+                     cudaStream_t stream);
+bool launch_gemm_3inst(const GemmParts& parts, int rows, int kb, int k2, int splits,
+                       cudaStream_t stream);
 
 // out[r, c] = (H128(sum_s x[s, r, :] * pre)[c]) * post[c] + bias[c] for c < out_cols,
 // H128 applied per 128 columns over `width` columns (x columns >= x_cols read as 0).
@@ -54,5 +67,48 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
 bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int rows,
                            int channels, int bits, void* codes, void* scales,
                            cudaStream_t stream);
+
+// Fused decode-layer kernels (layer_fused.cu), rows <= 64, `dtype` the activations'.
+//
+// norm_hadamard: for each part p, out[p][r, :] = float16(H128(n(x[r]) * pre[p])) over
+// `width` columns, n = RMSNorm with float32 weight norm_w (rounded to dtype as
+// engine/norm.py does; unit_offset: one rounding after the weight) or, with norm_w null,
+// the identity. x: (rows, x_cols) with row stride; out[p]: (rows, width) contiguous.
+bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_cols,
+                          int width, const float* norm_w, float eps, bool unit_offset,
+                          int nparts, const float* const* pre, void* const* out, int rows,
+                          cudaStream_t stream);
+
+// hadamard_out: for each part, y = H128(sum of its splits) * post + bias rounded to
+// dtype; columns below rope_cols rotated per head (rotate-half, cos/sin (rows, head_dim)
+// in dtype; head_dim 64 or 128); plus residual (rows, *) when given; written to out
+// (rows, out_cols) with out_row_stride.
+struct OutPart {
+  const float* partial;  // (splits, rows, width)
+  int splits;
+  int width;
+  const float* post;
+  const float* bias;
+  void* out;
+  int64_t out_row_stride;
+  int out_cols;
+  int rope_cols;
+};
+struct OutParts {
+  OutPart part[kMaxParts];
+  int count;
+};
+bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
+                         int64_t residual_stride, const void* cos, const void* sin,
+                         int head_dim, cudaStream_t stream);
+
+// glu_hadamard: gate and up partials (splits, rows, width) -> their outputs as
+// hadamard_out computes them, a = act(gate) * up (act 0: SiLU, 1: GELU tanh; columns
+// >= inter are 0), then out = float16(H128(a * pre)) (rows, width): the next (down)
+// projection's rotated input.
+bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
+                         int width, const float* post_gate, const float* post_up,
+                         const float* bias_gate, const float* bias_up, int inter, int act,
+                         const float* pre, void* out, int rows, cudaStream_t stream);
 
 }  // namespace exl3

@@ -6,6 +6,8 @@
 // into an m16n8k16 A fragment (Ŵᵀ, see exl3_trellis.cuh) and multiplies it with the
 // x fragment of 8 rows (B = xhᵀ), accumulating in float32. Splits write separate
 // partial sums; the output Hadamard kernel adds them (deterministic, no atomics).
+// One launch may run several parts on the same rows and tile-row count (q/k/v, gate/up:
+// one xh, trellis and partial buffer each), blockIdx.z picking the part.
 #pragma once
 
 #include "exl3_ops.h"
@@ -39,9 +41,13 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 // NG: groups of 8 rows handled (1 for rows <= 8, 4 for rows <= 32, 8 for rows <= 64).
 template <int K2, int CB, int NG>
 __global__ void __launch_bounds__(kWarps * 32)
-    gemm_kernel(const __half* __restrict__ xh, const uint32_t* __restrict__ trellis,
-                float* __restrict__ partial, int rows, int kb_total, int nb_total,
+    gemm_kernel(const __grid_constant__ GemmParts parts, int rows, int kb_total,
                 int kb_per_split) {
+  const GemmPart& mine = parts.part[blockIdx.z];
+  const __half* __restrict__ xh = static_cast<const __half*>(mine.xh);
+  const uint32_t* __restrict__ trellis = static_cast<const uint32_t*>(mine.trellis);
+  float* __restrict__ partial = mine.partial;
+  const int nb_total = mine.nb;
   constexpr int W = TileBits<K2>::kWords;
   constexpr int kStageWords = kTN * W;
   extern __shared__ __align__(16) uint32_t smem[];
@@ -151,23 +157,19 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 template <int K2, int CB>
-void run_gemm(const void* xh, const void* trellis, float* partial, int rows, int kb, int nb,
-              int splits, cudaStream_t stream) {
+void run_gemm(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t stream) {
   const size_t smem = (size_t)kWarps * kStages * kTN * TileBits<K2>::kWords * 4;
-  const int groups = (nb + kTN - 1) / kTN;
+  int nb_max = 0;
+  for (int p = 0; p < parts.count; p++) nb_max = max(nb_max, parts.part[p].nb);
+  const int groups = (nb_max + kTN - 1) / kTN;
   const int kb_per_split = (kb + splits - 1) / splits;
-  dim3 grid((groups + kWarps - 1) / kWarps, splits);
-  const auto* x = static_cast<const __half*>(xh);
-  const auto* t = static_cast<const uint32_t*>(trellis);
+  dim3 grid((groups + kWarps - 1) / kWarps, splits, parts.count);
   if (rows <= 8)
-    gemm_kernel<K2, CB, 1><<<grid, kWarps * 32, smem, stream>>>(x, t, partial, rows, kb, nb,
-                                                                 kb_per_split);
+    gemm_kernel<K2, CB, 1><<<grid, kWarps * 32, smem, stream>>>(parts, rows, kb, kb_per_split);
   else if (rows <= 32)
-    gemm_kernel<K2, CB, 4><<<grid, kWarps * 32, smem, stream>>>(x, t, partial, rows, kb, nb,
-                                                                 kb_per_split);
+    gemm_kernel<K2, CB, 4><<<grid, kWarps * 32, smem, stream>>>(parts, rows, kb, kb_per_split);
   else
-    gemm_kernel<K2, CB, 8><<<grid, kWarps * 32, smem, stream>>>(x, t, partial, rows, kb, nb,
-                                                                 kb_per_split);
+    gemm_kernel<K2, CB, 8><<<grid, kWarps * 32, smem, stream>>>(parts, rows, kb, kb_per_split);
 }
 
 }  // namespace gemm
@@ -176,9 +178,10 @@ void run_gemm(const void* xh, const void* trellis, float* partial, int rows, int
 // Defines launch_gemm_<NAME> for codebook CB_ over the K2 values in FOR_K2.
 #define EXL3_DEFINE_GEMM_LAUNCHER(NAME, CB_, FOR_K2)                                       \
   namespace exl3 {                                                                         \
-  bool launch_gemm_##NAME(const void* xh, const void* trellis, float* partial, int rows,   \
-                          int kb, int nb, int k2, int splits, cudaStream_t stream) {       \
+  bool launch_gemm_##NAME(const GemmParts& parts, int rows, int kb, int k2, int splits,    \
+                          cudaStream_t stream) {                                           \
     if (rows < 1 || rows > 64 || splits < 1) return false;                                 \
+    if (parts.count < 1 || parts.count > kMaxParts) return false;                          \
     switch (k2) {                                                                          \
       FOR_K2(EXL3_GEMM_CASE_##NAME)                                                        \
       default:                                                                             \

@@ -3,7 +3,7 @@
 
 #define EXL3_GEMM_CASE_mul1(K2_)                                                        \
   case K2_:                                                                             \
-    gemm::run_gemm<K2_, CB_MUL1>(xh, trellis, partial, rows, kb, nb, splits, stream);   \
+    gemm::run_gemm<K2_, CB_MUL1>(parts, rows, kb, splits, stream);   \
     return true;
 #define EXL3_MUL1_K2(X) EXL3_FOR_INTEGER_K2(X) EXL3_FOR_HALF_K2(X)
 

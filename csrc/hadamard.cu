@@ -1,10 +1,10 @@
 // 128-point block Hadamard with fused scales, bias and split-sum (EXL3-FORMAT.md 4).
-// One warp per (row, 128-column block); lane l holds columns 4l..4l+3. Butterflies of
-// stride 1 and 2 stay inside a lane, strides 4..64 pair lanes l and l^(stride/4).
+// One warp per (row, 128-column block): the butterfly of exl3_hadamard.cuh.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "exl3_convert.cuh"
+#include "exl3_hadamard.cuh"
 #include "exl3_ops.h"
 
 namespace exl3 {
@@ -37,21 +37,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     v[e] = s;
   }
-  float t0 = v[0] + v[1], t1 = v[0] - v[1], t2 = v[2] + v[3], t3 = v[2] - v[3];
-  v[0] = t0 + t2;
-  v[2] = t0 - t2;
-  v[1] = t1 + t3;
-  v[3] = t1 - t3;
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const float p = __shfl_xor_sync(0xffffffffu, v[e], m);
-      v[e] = upper ? p - v[e] : v[e] + p;
-    }
-  }
-  const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
+  hadamard128_warp(v, lane);
+  const float scale = kHadamardScale;
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     const int c = base + e;

@@ -32,8 +32,7 @@ from .extension_loader import LazyExtension, build_extension
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("bindings.cpp", "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu",
-            "paged_attention.cu",
-            "hadamard.cu")
+            "paged_attention.cu", "hadamard.cu", "layer_fused.cu")
 _CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 FUSED_MAX_ROWS = 64
 
@@ -82,7 +81,7 @@ def _build() -> ModuleType:
         "exl3_kernels", [CSRC / s for s in _SOURCES],
         f"{torch.__version__}|{torch.version.cuda}",
         hashed=[CSRC / h for h in ("exl3_ops.h", "exl3_trellis.cuh", "gemm_impl.cuh",
-                                    "exl3_convert.cuh")],
+                                    "exl3_convert.cuh", "exl3_hadamard.cuh")],
         cuda_cflags=["-O3", "-lineinfo", *flags])
 
 

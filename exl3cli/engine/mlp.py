@@ -27,6 +27,7 @@ class GatedMLP(nn.Module):
             raise UnsupportedArchitecture(f"unsupported activation {activation!r}")
         self.gate_up = gate_up
         self.down = down
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
         self._silu = activation in ("silu", "swish")
         self._fused_silu: bool | None = None  # decided on the first CPU float32 call

@@ -12,6 +12,7 @@ from exl3cli import cpu_kernels
 from exl3cli.engine.architecture import ArchitectureSpec
 from exl3cli.engine.attention import Attention, AttentionStep
 from exl3cli.engine.config import ModelConfig
+from exl3cli.engine.fused_layer import FusedDecodeLayer
 from exl3cli.engine.linear import GEMV_MAX_ROWS, DenseLinear, Linear
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.norm import RMSNorm
@@ -39,9 +40,15 @@ class DecoderLayer(nn.Module):
         self.attention_out_norm = attention_out_norm
         self.mlp_out_norm = mlp_out_norm
         self._plan: _DecodePlan | None | bool = False  # False: not looked at yet
+        self._fused: FusedDecodeLayer | None | bool = False  # the GPU decode path
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         batch, steps, hidden = x.shape
+        if x.is_cuda:
+            if self._fused is False:
+                self._fused = FusedDecodeLayer.of(self)
+            if self._fused is not None and self._fused.accepts(x):  # type: ignore[union-attr]
+                return self._fused.forward(x, step)  # type: ignore[union-attr]
         if (batch * steps <= GEMV_MAX_ROWS and x.dtype == torch.float32
                 and x.device.type == "cpu"):
             plan = self._decode_plan()

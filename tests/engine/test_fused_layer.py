@@ -1,0 +1,88 @@
+"""The fused decode layer (engine/fused_layer.py) on CPU, with the PyTorch twins of its
+kernels: it must give what DecoderLayer gives, for every rounding dtype, head size and
+GQA shape it accepts, and refuse the layers it does not cover. The CUDA kernels are
+checked against the same twins in tests/kernels/test_layer_kernels.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exl3cli.engine.fused_layer import FusedDecodeLayer
+from exl3cli.engine.loader import load_causal_lm
+from exl3cli.engine.quant.synthetic import SHAPES, write_synthetic_model
+
+SHAPE_128 = dict(SHAPES["tiny"], hidden_size=256, intermediate_size=384,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+SHAPE_64 = dict(SHAPES["tiny"], hidden_size=320, intermediate_size=640,
+                num_attention_heads=5, num_key_value_heads=1, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(SHAPES, "test-hd128", SHAPE_128)
+        patch.setitem(SHAPES, "test-hd64", SHAPE_64)
+        for name in ("tiny", "test-hd128", "test-hd64"):
+            out[name] = write_synthetic_model(tmp_path_factory.mktemp(name), name, bits=4.0,
+                                              seed=7)
+    return out
+
+
+def _layer_io(model, batch: int, steps: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    x = (torch.randn(batch, steps, hidden, generator=gen) * 0.5).to(model.dtype)
+    return x, model._plan_step(batch, steps)
+
+
+@pytest.mark.parametrize("name", ["tiny", "test-hd128", "test-hd64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_matches_the_decoder_layer(folders, name, dtype):
+    model = load_causal_lm(folders[name], device="cpu", dtype=dtype, linear_mode="trellis")
+    x, step = _layer_io(model, batch=2, steps=3, seed=1)
+    for layer in model.layers:
+        plan = FusedDecodeLayer.of(layer, force=True)
+        assert plan is not None
+        assert plan.fused_rope == (layer.attention.head_dim in (64, 128))
+        want = layer(x, step)
+        got = plan.forward(x, step)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        scale = want.float().abs().max().item()
+        diff = (got.float() - want.float()).abs().max().item()
+        # float32: the rotated input xh is float16 (as the CUDA GEMM reads it), ~5e-4
+        # relative; bfloat16: a few values one rounding apart. A wrong scale, head or
+        # rotation is off by O(1).
+        assert diff <= (2e-3 if dtype == torch.float32 else 3e-2) * scale, diff
+        x = want
+
+
+def test_whole_model_logits_through_fused_layers(folders):
+    model = load_causal_lm(folders["test-hd64"], device="cpu", dtype=torch.float32,
+                           linear_mode="trellis")
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    want = model(ids)
+    for layer in model.layers:
+        layer._fused = FusedDecodeLayer.of(layer, force=True)
+    # DecoderLayer takes the fused path on CUDA only: call it as the model would there.
+    step = model._plan_step(1, ids.shape[1])
+    hidden = model._embed(ids)
+    for layer in model.layers:
+        hidden = layer._fused.forward(hidden, step)
+    got = model._project(model.final_norm(hidden)).float()
+    assert torch.allclose(got, want, atol=1e-3 * want.abs().max().item())
+
+
+def test_layers_it_does_not_cover_are_refused(folders):
+    dense = load_causal_lm(folders["tiny"], device="cpu", dtype=torch.float32,
+                           linear_mode="dense")
+    assert FusedDecodeLayer.of(dense.layers[0], force=True) is None
+    model = load_causal_lm(folders["tiny"], device="cpu", dtype=torch.float32,
+                           linear_mode="trellis")
+    layer = model.layers[0]
+    assert FusedDecodeLayer.of(layer) is None  # CPU: no kernels to fuse
+    layer.mlp.activation = "gelu"  # exact GELU: no fused activation for it
+    assert FusedDecodeLayer.of(layer, force=True) is None
