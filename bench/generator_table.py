@@ -55,16 +55,21 @@ def main(folder: Path) -> None:
         halves = ours(folder, f"{model}-halves").get(("fp16", 64))
         if halves:
             print(f"{model} 64 jobs, fp16, EXL3_GEMM_WIDE=halves: {halves:.1f} tok/s")
+        pdl, plain = ours(folder, f"{model}-pdl"), ours(folder, model)
+        for (kv, jobs), value in sorted(pdl.items()):
+            before = plain.get((kv, jobs))
+            print(f"{model} {jobs} jobs, {kv}, EXL3_PDL=1: {value:.1f} tok/s; plain launches "
+                  f"{before or 0:.1f} ({ratio(value, before).strip()})")
         unfused, fused = ours(folder, f"{model}-unfused"), ours(folder, model)
         for (kv, jobs), value in sorted(unfused.items()):
             now = fused.get((kv, jobs))
             print(f"{model} {jobs} jobs, {kv}, EXL3_FUSED_LAYER=0 (unfused layer): "
                   f"{value:.1f} tok/s; fused {now or 0:.1f} ({ratio(now, value).strip()})")
-    for jobs in (1, 16, 64):
-        prof = _json(folder / f"profile-{jobs}.json")
+    for jobs, kv in [(j, kv) for j in (1, 16, 64) for kv in ("", "-q4")]:
+        prof = _json(folder / f"profile-{jobs}{kv}.json")
         if prof and "kernel_us" in prof:
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["kernel_us"].items())
-            print(f"8b {jobs} jobs, {prof['mode']}: {prof['step_us']:.0f} us/step ({prof['tok_s']:.1f} "
+            print(f"8b {jobs} jobs{kv}, {prof['mode']}: {prof['step_us']:.0f} us/step ({prof['tok_s']:.1f} "
                   f"tok/s), {prof['kernels_per_step']:.0f} kernels/step; GPU busy "
                   f"{prof['gpu_busy_us']:.0f} us, waiting {prof['gpu_wait_us']:.0f} us; "
                   f"kernel us/step: {kinds}")

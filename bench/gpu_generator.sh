@@ -51,6 +51,11 @@ if [[ " $STAGES " == *" tests "* ]]; then
     tests/engine/test_generator_cuda.py >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
+  # The same kernels launched with programmatic dependent launch (csrc/exl3_launch.cuh).
+  EXL3_PDL=1 timeout 200 python3 -m pytest -q -m cuda -p no:randomly tests/kernels \
+    tests/engine/test_generator_cuda.py >"$OUT/tests-cuda-pdl.log" 2>&1
+  stamp "cuda tests, EXL3_PDL=1: $(tail -1 "$OUT/tests-cuda-pdl.log")"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda-pdl.log" | head -12
 fi
 wait
 stamp "models: $(ls $M8 $M1 2>/dev/null | grep -c safetensors) shards"
@@ -63,6 +68,18 @@ if [[ " $STAGES " == *" ours "* ]]; then
       2>"$OUT/ours-$1.err" || { echo "FAIL: ours $1"; tail -8 "$OUT/ours-$1.err"; }
     stamp "ours $1 done"
   done
+fi
+
+if [[ " $STAGES " == *" pdl "* ]]; then
+  # Programmatic dependent launch (EXL3_PDL=1) against the plain launches of "ours".
+  for m in "8b $M8" "1b $M1"; do
+    set -- $m
+    EXL3_PDL=1 timeout 200 python3 bench/generator_throughput.py "$2" --device cuda \
+      --jobs "$JOBS" --prompt 128 --gen 64 --kv fp16,q4 --repeat 3 --json \
+      >"$OUT/ours-$1-pdl.json" 2>"$OUT/ours-$1-pdl.err" \
+      || { echo "FAIL: pdl $1"; tail -8 "$OUT/ours-$1-pdl.err"; }
+  done
+  stamp "pdl done"
 fi
 
 if [[ " $STAGES " == *" unfused "* ]]; then
@@ -109,11 +126,23 @@ fi
 
 if [[ " $STAGES " == *" profile "* ]]; then
   for jobs in $PROFILE_JOBS; do
-    timeout 90 python3 bench/decode_profile.py "$M8" --jobs "$jobs" --json \
-      >"$OUT/profile-$jobs.json" 2>"$OUT/profile-$jobs.err" \
-      || { echo "FAIL: profile $jobs jobs"; tail -5 "$OUT/profile-$jobs.err"; }
+    for kv in ${PROFILE_KV:-fp16}; do
+      suffix=$([ "$kv" = fp16 ] && echo "" || echo "-$kv")
+      timeout 90 python3 bench/decode_profile.py "$M8" --jobs "$jobs" --kv "$kv" --json \
+        >"$OUT/profile-$jobs$suffix.json" 2>"$OUT/profile-$jobs$suffix.err" \
+        || { echo "FAIL: profile $jobs jobs $kv"; tail -5 "$OUT/profile-$jobs$suffix.err"; }
+    done
   done
   stamp "profile done"
+fi
+
+if [[ " $STAGES " == *" sweep "* ]]; then
+  # The fused GEMM per decode group, K = 2..6, split heuristics (bench/gemm_sweep.py).
+  timeout 200 python3 bench/gemm_sweep.py --json "$OUT/gemm-sweep.json" \
+    >"$OUT/gemm-sweep.txt" 2>"$OUT/gemm-sweep.err" || { echo "FAIL: sweep"; \
+    tail -5 "$OUT/gemm-sweep.err"; }
+  cat "$OUT/gemm-sweep.txt"
+  stamp "sweep done"
 fi
 
 python3 bench/generator_table.py "$OUT" | tee "$OUT/table.txt"

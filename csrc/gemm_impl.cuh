@@ -10,6 +10,7 @@
 // one xh, trellis and partial buffer each), blockIdx.z picking the part.
 #pragma once
 
+#include "exl3_launch.cuh"
 #include "exl3_ops.h"
 #include "exl3_trellis.cuh"
 
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const uint32_t* __restrict__ trellis = static_cast<const uint32_t*>(mine.trellis);
   float* __restrict__ partial = mine.partial;
   const int nb_total = mine.nb;
+  pdl_trigger();
   constexpr int W = TileBits<K2>::kWords;
   constexpr int kStageWords = kTN * W;
   extern __shared__ __align__(16) uint32_t smem[];
@@ -83,6 +85,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     next_src += row_bytes;
     cp_async_commit();
   }
+
+  pdl_wait();  // the weights are in flight; xh (and the partial buffer) belong to the step
 
   float acc[NG][kTN][4];
 #pragma unroll
@@ -165,11 +169,14 @@ void run_gemm(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t
   const int kb_per_split = (kb + splits - 1) / splits;
   dim3 grid((groups + kWarps - 1) / kWarps, splits, parts.count);
   if (rows <= 8)
-    gemm_kernel<K2, CB, 1><<<grid, kWarps * 32, smem, stream>>>(parts, rows, kb, kb_per_split);
+    launch(gemm_kernel<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
+           kb_per_split);
   else if (rows <= 32)
-    gemm_kernel<K2, CB, 4><<<grid, kWarps * 32, smem, stream>>>(parts, rows, kb, kb_per_split);
+    launch(gemm_kernel<K2, CB, 4>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
+           kb_per_split);
   else
-    gemm_kernel<K2, CB, 8><<<grid, kWarps * 32, smem, stream>>>(parts, rows, kb, kb_per_split);
+    launch(gemm_kernel<K2, CB, 8>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
+           kb_per_split);
 }
 
 }  // namespace gemm

@@ -5,6 +5,7 @@
 
 #include "exl3_convert.cuh"
 #include "exl3_hadamard.cuh"
+#include "exl3_launch.cuh"
 #include "exl3_ops.h"
 
 namespace exl3 {
@@ -19,6 +20,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                     int nslices, int x_cols, int width, const float* __restrict__ pre,
                     const float* __restrict__ post, const float* __restrict__ bias,
                     Tout* __restrict__ out, int64_t out_row_stride, int out_cols, int rows) {
+  pdl_trigger();
+  pdl_wait();
   const int lane = threadIdx.x & 31;
   const int blocks_per_row = width / 128;
   const int64_t id = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -56,9 +59,9 @@ void run(const void* x, int64_t slice_stride, int64_t row_stride, int nslices, i
          int64_t out_row_stride, int out_cols, int rows, cudaStream_t stream) {
   const int64_t warps = (int64_t)rows * (width / 128);
   const int64_t blocks = (warps + kWarps - 1) / kWarps;
-  hadamard_kernel<Tin, Tout><<<(unsigned)blocks, kWarps * 32, 0, stream>>>(
-      static_cast<const Tin*>(x), slice_stride, row_stride, nslices, x_cols, width, pre, post,
-      bias, static_cast<Tout*>(out), out_row_stride, out_cols, rows);
+  launch(hadamard_kernel<Tin, Tout>, dim3((unsigned)blocks), dim3(kWarps * 32), 0, stream,
+         static_cast<const Tin*>(x), slice_stride, row_stride, nslices, x_cols, width, pre, post,
+         bias, static_cast<Tout*>(out), out_row_stride, out_cols, rows);
 }
 
 template <typename Tin>

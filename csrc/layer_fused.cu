@@ -12,6 +12,7 @@
 
 #include "exl3_convert.cuh"
 #include "exl3_hadamard.cuh"
+#include "exl3_launch.cuh"
 #include "exl3_ops.h"
 
 namespace exl3 {
@@ -61,6 +62,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     norm_hadamard_kernel(const T* __restrict__ x, int64_t row_stride, int x_cols, int width,
                          const float* __restrict__ norm_w, float eps, bool unit_offset,
                          const __grid_constant__ InParts parts) {
+  pdl_trigger();
+  pdl_wait();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int row = blockIdx.z;
@@ -109,6 +112,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     hadamard_out_kernel(const __grid_constant__ OutParts parts, int rows,
                         const T* __restrict__ residual, int64_t residual_stride,
                         const T* __restrict__ cos, const T* __restrict__ sin, int head_dim) {
+  pdl_trigger();
+  pdl_wait();
   const OutPart& part = parts.part[blockIdx.y];
   const int lane = threadIdx.x & 31;
   const int blocks_per_row = part.width / 128;
@@ -168,6 +173,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                         const float* __restrict__ post_up, const float* __restrict__ bias_gate,
                         const float* __restrict__ bias_up, int inter, int act,
                         const float* __restrict__ pre, __half* __restrict__ out, int rows) {
+  pdl_trigger();
+  pdl_wait();
   const int lane = threadIdx.x & 31;
   const int blocks_per_row = width / 128;
   const int id = blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -210,8 +217,8 @@ void run_norm(const void* x, int64_t row_stride, int x_cols, int width, const fl
               float eps, bool unit_offset, const InParts& parts, int nparts, int rows,
               cudaStream_t stream) {
   dim3 grid(warp_blocks(width / 128), nparts, rows);
-  norm_hadamard_kernel<T><<<grid, kWarps * 32, 0, stream>>>(
-      static_cast<const T*>(x), row_stride, x_cols, width, norm_w, eps, unit_offset, parts);
+  launch(norm_hadamard_kernel<T>, grid, dim3(kWarps * 32), 0, stream, static_cast<const T*>(x),
+         row_stride, x_cols, width, norm_w, eps, unit_offset, parts);
 }
 
 template <typename T>
@@ -220,18 +227,18 @@ void run_out(const OutParts& parts, int rows, const void* residual, int64_t resi
   int width = 0;
   for (int p = 0; p < parts.count; p++) width = max(width, parts.part[p].width);
   dim3 grid(warp_blocks((int64_t)rows * (width / 128)), parts.count);
-  hadamard_out_kernel<T><<<grid, kWarps * 32, 0, stream>>>(
-      parts, rows, static_cast<const T*>(residual), residual_stride,
-      static_cast<const T*>(cos), static_cast<const T*>(sin), head_dim);
+  launch(hadamard_out_kernel<T>, grid, dim3(kWarps * 32), 0, stream, parts, rows,
+         static_cast<const T*>(residual), residual_stride, static_cast<const T*>(cos),
+         static_cast<const T*>(sin), head_dim);
 }
 
 template <typename T>
 void run_glu(const float* gate, const float* up, int splits, int width, const float* post_gate,
              const float* post_up, const float* bias_gate, const float* bias_up, int inter,
              int act, const float* pre, void* out, int rows, cudaStream_t stream) {
-  glu_hadamard_kernel<T><<<warp_blocks((int64_t)rows * (width / 128)), kWarps * 32, 0,
-                           stream>>>(gate, up, splits, width, post_gate, post_up, bias_gate,
-                                     bias_up, inter, act, pre, static_cast<__half*>(out), rows);
+  launch(glu_hadamard_kernel<T>, dim3(warp_blocks((int64_t)rows * (width / 128))),
+         dim3(kWarps * 32), 0, stream, gate, up, splits, width, post_gate, post_up, bias_gate,
+         bias_up, inter, act, pre, static_cast<__half*>(out), rows);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <math_constants.h>
 
 #include "exl3_convert.cuh"
+#include "exl3_launch.cuh"
 #include "exl3_ops.h"
 
 namespace exl3 {
@@ -110,6 +111,8 @@ __device__ __forceinline__ void load_row(const void* base, const __half* scales,
 // row it reads (coalesced); warps take positions in turn.
 template <typename T, bool KQ, bool VQ, int D>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
+  pdl_trigger();
+  pdl_wait();
   constexpr int CPL = D / 32;
   constexpr int kMaxG = 64 / CPL < 16 ? 64 / CPL : 16;  // accumulators: G * CPL <= 64, G <= 16
   extern __shared__ float smem[];
@@ -277,6 +280,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
 template <typename T>
 __global__ void combine_chunks_kernel(const float* part_acc, const float* part_ml, T* out,
                                       int chunks, int dim) {
+  pdl_trigger();
+  pdl_wait();
   const int64_t bh = blockIdx.x;
   const float* ml = part_ml + bh * chunks * 2;
   float m = -CUDART_INF_F;
@@ -307,10 +312,10 @@ bool launch_dim(const Args& a, cudaStream_t stream, int batch) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
           cudaSuccess)
     return false;
-  kernel<<<grid, kThreads, smem, stream>>>(a);
+  launch(kernel, grid, dim3(kThreads), smem, stream, a);
   if (a.chunks > 1) {
-    combine_chunks_kernel<T><<<batch * a.heads, D < 128 ? D : 128, 0, stream>>>(
-        a.part_acc, a.part_ml, reinterpret_cast<T*>(a.out), a.chunks, D);
+    launch(combine_chunks_kernel<T>, dim3(batch * a.heads), dim3(D < 128 ? D : 128), 0, stream,
+           a.part_acc, a.part_ml, reinterpret_cast<T*>(a.out), a.chunks, D);
   }
   return true;
 }
@@ -329,6 +334,8 @@ bool launch_typed(const Args& a, cudaStream_t stream, int batch) {
 template <typename T>
 __global__ void kv_quant_write_kernel(const T* x, const int64_t* slots, int rows, int channels,
                                       int bits, uint8_t* codes, __half* scales) {
+  pdl_trigger();
+  pdl_wait();
   const int warp_global = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int groups = channels / 32;
@@ -402,14 +409,14 @@ bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int r
   auto* c = reinterpret_cast<uint8_t*>(codes);
   auto* s = reinterpret_cast<__half*>(scales);
   if (dtype == DT_HALF)
-    kv_quant_write_kernel<__half><<<blocks, threads, 0, stream>>>(
-        reinterpret_cast<const __half*>(x), slots, rows, channels, bits, c, s);
+    launch(kv_quant_write_kernel<__half>, dim3(blocks), dim3(threads), 0, stream,
+           reinterpret_cast<const __half*>(x), slots, rows, channels, bits, c, s);
   else if (dtype == DT_BF16)
-    kv_quant_write_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(x), slots, rows, channels, bits, c, s);
+    launch(kv_quant_write_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream,
+           reinterpret_cast<const __nv_bfloat16*>(x), slots, rows, channels, bits, c, s);
   else if (dtype == DT_FLOAT)
-    kv_quant_write_kernel<float><<<blocks, threads, 0, stream>>>(
-        reinterpret_cast<const float*>(x), slots, rows, channels, bits, c, s);
+    launch(kv_quant_write_kernel<float>, dim3(blocks), dim3(threads), 0, stream,
+           reinterpret_cast<const float*>(x), slots, rows, channels, bits, c, s);
   else
     return false;
   return true;

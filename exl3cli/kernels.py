@@ -185,12 +185,14 @@ def hadamard128(
     return out.view(*x.shape[:-1], width)
 
 
-def choose_splits(kb: int, nb: int, device: torch.device) -> int:
-    """Runs of tile rows for the fused GEMM: enough warps to fill the GPU (~16 per SM),
-    each run at least 8 tile rows long."""
+def choose_splits(kb: int, nb: int, device: torch.device, warps_per_sm: int | None = None) -> int:
+    """Runs of tile rows for the fused GEMM: enough warps to fill the GPU (``warps_per_sm``,
+    default ``EXL3_GEMM_WARPS_PER_SM`` or 16), each run at least 8 tile rows long."""
+    if warps_per_sm is None:
+        warps_per_sm = int(os.environ.get("EXL3_GEMM_WARPS_PER_SM", "") or 16)
     sms = _sm_count(device)
     groups = -(-nb // 4)
-    want = -(-16 * sms // groups)
+    want = -(-warps_per_sm * sms // groups)
     return max(1, min(want, kb // 8 if kb >= 8 else 1))
 
 
