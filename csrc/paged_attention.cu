@@ -33,9 +33,16 @@ constexpr int kMaxGroupDim = 2048;  // G * D held in shared memory
 constexpr unsigned kFull = 0xffffffffu;
 
 
-// Sylvester Hadamard entry (i, j) of the 32x32 matrix divided by sqrt(32).
-__device__ __forceinline__ float hadamard32(int i, int j) {
-  return (__popc(i & j) & 1) ? -0.17677669529663687f : 0.17677669529663687f;
+// The 32-point Sylvester Hadamard transform divided by sqrt(32) of the values held by
+// the 32 lanes of a warp (lane e gets sum_j v_j (-1)^popc(j & e) / sqrt(32)): the
+// rotation kv_quant.py applies per 32 channels. Every lane must take part.
+__device__ __forceinline__ float hadamard32_warp(float v, int lane) {
+#pragma unroll
+  for (int h = 1; h < 32; h <<= 1) {
+    const float other = __shfl_xor_sync(kFull, v, h);
+    v = (lane & h) ? other - v : v + other;
+  }
+  return v * 0.17677669529663687f;
 }
 
 struct Args {
@@ -74,13 +81,22 @@ __device__ __forceinline__ void load_row(const void* base, const __half* scales,
 #pragma unroll
       for (int i = 0; i < CPL; ++i) out[i] = ((float)row[c + i] - (half_range - 0.5f)) * step;
     } else {
+      // The b bytes of this lane's 8-channel group as one word (one load for 2 and 4 bits).
+      const uint8_t* planes = row + (c >> 3) * bits;
+      uint64_t word = 0;
+      if (bits == 4) {
+        word = *reinterpret_cast<const uint32_t*>(planes);
+      } else if (bits == 2) {
+        word = *reinterpret_cast<const uint16_t*>(planes);
+      } else {
+        for (int j = 0; j < bits; ++j) word |= (uint64_t)planes[j] << (8 * j);
+      }
+      const int sub = c & 7;
       int codes[CPL];
 #pragma unroll
       for (int i = 0; i < CPL; ++i) codes[i] = 0;
-      const uint8_t* planes = row + (c >> 3) * bits;
-      const int sub = c & 7;
       for (int j = 0; j < bits; ++j) {
-        const int byte = planes[j] >> sub;
+        const int byte = (int)(word >> (8 * j + sub));
 #pragma unroll
         for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
       }
@@ -149,16 +165,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
                     : 0;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += kThreads) {
-    if (KQ) {
-      const int base = i & ~31, e = i & 31;
-      float sum = 0.f;
-      for (int j = 0; j < 32; ++j) sum += red[base + j] * hadamard32(j, e);
-      qs[i] = sum;
-    } else {
-      qs[i] = red[i];
-    }
-  }
+  // G * D is a multiple of 32: each warp's lanes hold one whole 32-channel group.
+  for (int i = threadIdx.x; i < G * D; i += kThreads)
+    qs[i] = KQ ? hadamard32_warp(red[i], i & 31) : red[i];
   __syncthreads();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -256,12 +265,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
   // Un-rotate quantized values per 32 channels, then write the row or the chunk's part.
   for (int i = threadIdx.x; i < G * D; i += kThreads) {
     const int g = i / D, d = i % D;
-    float value = red[i];
-    if (VQ) {
-      const int base = i & ~31, e = d & 31;
-      value = 0.f;
-      for (int j = 0; j < 32; ++j) value += red[base + j] * hadamard32(j, e);
-    }
+    const float value = VQ ? hadamard32_warp(red[i], i & 31) : red[i];
     const int64_t bh = (int64_t)b * a.heads + head0 + g;
     if (a.chunks == 1) {
       const float l = stat_l[g];
