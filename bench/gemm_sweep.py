@@ -1,7 +1,7 @@
 """The fused GEMM per Llama-3.1-8B decode group at one row, K = 2..6, against the copy
 rate, for several split heuristics (warps per SM the splits aim for).
 
-Usage: python3 bench/gemm_sweep.py [--json OUT.json] [--warps 8,16,32,64] [--rows 1]
+Usage: python3 bench/gemm_sweep.py [--json OUT.json] [--warps 0,16,64] [--rows 1] (0: default)
 
 Groups are the launches of engine/fused_layer.py: q/k/v as one 3-part launch, o,
 gate/up as one 2-part launch, down, and the 6-bit head. Each case rotates over enough
@@ -39,7 +39,7 @@ def bench(in_f: int, outs: list[int], k2: int, warps: int, rows: int
     sets = [[torch.randint(-32768, 32768, (kb, nb, words), dtype=torch.int16, device="cuda",
                            generator=gen) for nb in nbs] for _ in range(copies)]
     xhs = [torch.randn(rows, in_f, device="cuda").half() for _ in nbs]
-    splits = kernels.choose_splits(kb, sum(nbs), torch.device("cuda"), warps)
+    splits = kernels.choose_splits(kb, sum(nbs), torch.device("cuda"), warps or None, rows)
     fns = [lambda t=t: layer_kernels.gemm_parts(xhs, t, k2, "mul1", splits) for t in sets]
     seconds = graph_time(fns)
     del sets
@@ -50,7 +50,7 @@ def bench(in_f: int, outs: list[int], k2: int, warps: int, rows: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
-    parser.add_argument("--warps", default="8,16,32,64")
+    parser.add_argument("--warps", default="0,16,64", help="0: the default heuristic")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--ks", default="2,3,4,5,6")
     args = parser.parse_args()

@@ -185,15 +185,23 @@ def hadamard128(
     return out.view(*x.shape[:-1], width)
 
 
-def choose_splits(kb: int, nb: int, device: torch.device, warps_per_sm: int | None = None) -> int:
-    """Runs of tile rows for the fused GEMM: enough warps to fill the GPU (``warps_per_sm``,
-    default ``EXL3_GEMM_WARPS_PER_SM`` or 16), each run at least 8 tile rows long."""
+def choose_splits(kb: int, nb: int, device: torch.device, warps_per_sm: int | None = None,
+                  rows: int = 1) -> int:
+    """Runs of tile rows ("splits") for the fused GEMM of ``rows`` rows over kb x nb tiles.
+
+    Up to 8 rows a warp's run is latency-bound: aim for ``warps_per_sm`` (default
+    ``EXL3_GEMM_WARPS_PER_SM`` or 64) warps per SM, each run at least 12 tile rows long;
+    the H200 sweep (bench/NOTES-gpu.md, run 7) had gate/up at 43.4 -> 42.9 us and the head
+    at 190 -> 174 us against the earlier 16. More rows multiply the partial sums each
+    split writes: there 16 warps per SM and runs of at least 8 tile rows."""
+    few = rows <= 8
     if warps_per_sm is None:
-        warps_per_sm = int(os.environ.get("EXL3_GEMM_WARPS_PER_SM", "") or 16)
+        warps_per_sm = int(os.environ.get("EXL3_GEMM_WARPS_PER_SM", "") or (64 if few else 16))
+    min_run = 12 if few else 8
     sms = _sm_count(device)
     groups = -(-nb // 4)
     want = -(-warps_per_sm * sms // groups)
-    return max(1, min(want, kb // 8 if kb >= 8 else 1))
+    return max(1, min(want, kb // min_run if kb >= min_run else 1))
 
 
 _SMS: dict[torch.device, int] = {}
@@ -262,7 +270,7 @@ def exl3_gemm(
     if rows <= FUSED_MAX_ROWS:
         # Rows 33..64 run as one launch of 8 row groups (two launches of 32 rows measured
         # 10% slower at 64 jobs: bench/NOTES-gpu.md, run 4).
-        splits = choose_splits(kb, nb, x.device)
+        splits = choose_splits(kb, nb, x.device, rows=rows)
         acc = torch.empty(splits, rows, pad_out, dtype=torch.float32, device=x.device)
         ext.gemm_partial(xh, trellis.contiguous(), k2, cb, acc)
         ext.hadamard(acc, None, svh32, _as_f32(bias), out.view(rows, n_out), pad_out)

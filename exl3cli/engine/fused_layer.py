@@ -54,7 +54,7 @@ class _Parts(NamedTuple):
     k2: int
     codebook: str
     pad_in: int
-    splits: int
+    splits: dict[int, int]  # by row count, filled on first use
 
     @staticmethod
     def of(layers: list[Linear]) -> _Parts | None:
@@ -69,20 +69,23 @@ class _Parts(NamedTuple):
             return None
         if parts[0].padded_in % 128:
             return None
-        device = parts[0].trellis.device
-        kb = parts[0].trellis.shape[0]
-        nb = sum(p.trellis.shape[1] for p in parts)
-        splits = kernels.choose_splits(kb, nb, device) if device.type == "cuda" else 1
         return _Parts(
             trellises=[p.trellis.contiguous() for p in parts],
             pres=[_f32(p, "suh") for p in parts], posts=[_f32(p, "svh") for p in parts],
             biases=[None if p.bias is None else p.bias.float().contiguous() for p in parts],
             widths=[p.out_features for p in parts], k2=k2s.pop(), codebook=parts[0].codebook,
-            pad_in=parts[0].padded_in, splits=splits)
+            pad_in=parts[0].padded_in, splits={})
 
     def gemm(self, xhs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook,
-                                        self.splits)
+        rows = xhs[0].shape[0]
+        splits = self.splits.get(rows)
+        if splits is None:
+            device = self.trellises[0].device
+            kb, nb = self.trellises[0].shape[0], sum(t.shape[1] for t in self.trellises)
+            splits = (kernels.choose_splits(kb, nb, device, rows=rows)
+                      if device.type == "cuda" else 1)
+            self.splits[rows] = splits
+        return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook, splits)
 
 
 def _f32(layer: Exl3Linear, name: str) -> torch.Tensor:
