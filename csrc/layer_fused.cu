@@ -38,6 +38,7 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
   const size_t slice = (size_t)rows * width;
   const float* p = partial + (size_t)row * width + col;
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
   for (int sl = 0; sl < splits; sl++) {
     const float4 t = __ldg(reinterpret_cast<const float4*>(p + sl * slice));
     s.x += t.x;

@@ -95,10 +95,18 @@ __device__ __forceinline__ void load_row(const void* base, const __half* scales,
       int codes[CPL];
 #pragma unroll
       for (int i = 0; i < CPL; ++i) codes[i] = 0;
-      for (int j = 0; j < bits; ++j) {
-        const int byte = (int)(word >> (8 * j + sub));
+      if (bits == 4) {  // the common q4 cache: fully unrolled
+        const uint32_t w32 = (uint32_t)word >> sub;
 #pragma unroll
-        for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int i = 0; i < CPL; ++i) codes[i] |= ((w32 >> (8 * j + i)) & 1) << j;
+      } else {
+        for (int j = 0; j < bits; ++j) {
+          const int byte = (int)(word >> (8 * j + sub));
+#pragma unroll
+          for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
+        }
       }
 #pragma unroll
       for (int i = 0; i < CPL; ++i) out[i] = ((float)codes[i] - (half_range - 0.5f)) * step;

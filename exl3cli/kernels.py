@@ -187,21 +187,23 @@ def hadamard128(
 
 def choose_splits(kb: int, nb: int, device: torch.device, warps_per_sm: int | None = None,
                   rows: int = 1) -> int:
-    """Runs of tile rows ("splits") for the fused GEMM of ``rows`` rows over kb x nb tiles.
+    """Runs of tile rows ("splits") for the fused GEMM of ``rows`` rows over kb x nb tiles:
+    enough warps to fill the GPU (``warps_per_sm``, default ``EXL3_GEMM_WARPS_PER_SM``),
+    each run at least 8 tile rows long.
 
-    Up to 8 rows a warp's run is latency-bound: aim for ``warps_per_sm`` (default
-    ``EXL3_GEMM_WARPS_PER_SM`` or 64) warps per SM, each run at least 12 tile rows long;
-    the H200 sweep (bench/NOTES-gpu.md, run 7) had gate/up at 43.4 -> 42.9 us and the head
-    at 190 -> 174 us against the earlier 16. More rows multiply the partial sums each
-    split writes: there 16 warps per SM and runs of at least 8 tile rows."""
+    Up to 8 rows a warp's run is latency-bound and more warps in flight pay: 64 per SM,
+    at most 32 splits (the output kernels sum every split: bench/NOTES-gpu.md, runs 7-8,
+    gate/up 48.9 -> 40.4 us and the head 190 -> 174 us against 16 warps per SM). More
+    rows multiply the partial sums each split writes: 16 warps per SM there."""
     few = rows <= 8
     if warps_per_sm is None:
         warps_per_sm = int(os.environ.get("EXL3_GEMM_WARPS_PER_SM", "") or (64 if few else 16))
-    min_run = 12 if few else 8
     sms = _sm_count(device)
     groups = -(-nb // 4)
     want = -(-warps_per_sm * sms // groups)
-    return max(1, min(want, kb // min_run if kb >= min_run else 1))
+    if few:
+        want = min(want, 32)
+    return max(1, min(want, kb // 8 if kb >= 8 else 1))
 
 
 _SMS: dict[torch.device, int] = {}
