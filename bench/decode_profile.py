@@ -39,6 +39,11 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def _short(name: str) -> str:
+    """A kernel's name without its argument list: 'exl3::...::gemm_kernel<6, 2, 1>'."""
+    return name.split("(")[0][:90]
+
+
 def union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
@@ -86,8 +91,13 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
     if not kernels:
         return {"mode": generator.decode.mode, "steps": steps, "error": "no CUDA kernels seen"}
     by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + e.time_range.elapsed_us()
+        entry = by_name.setdefault(_short(e.name), [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:12]
     busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     per_token = {k: v / steps for k, v in sorted(by_kind.items())}
     return {
@@ -95,6 +105,8 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
         "step_us": plain_s * 1e6 / steps, "kernel_us": per_token,
         "gpu_busy_us": busy / steps, "gpu_wait_us": (plain_s * 1e6 - busy) / steps,
         "kernels_per_step": len(kernels) / steps,
+        "top_kernels": [{"name": name, "us_per_step": total / steps, "per_step": count / steps}
+                        for name, (total, count) in top],
         "tok_s_profiled": jobs * steps / window_s, "tok_s": jobs * steps / plain_s,
     }
 

@@ -73,6 +73,9 @@ def main(folder: Path) -> None:
                   f"tok/s), {prof['kernels_per_step']:.0f} kernels/step; GPU busy "
                   f"{prof['gpu_busy_us']:.0f} us, waiting {prof['gpu_wait_us']:.0f} us; "
                   f"kernel us/step: {kinds}")
+            for top in prof.get("top_kernels", [])[:8]:
+                print(f"    {top['us_per_step']:8.1f} us/step  x{top['per_step']:5.1f}  "
+                      f"{top['name']}")
         elif prof:
             print(f"profile {jobs} jobs: {prof}")
 
