@@ -121,6 +121,13 @@ class FixedDecodeStep:
             self.ids[: len(rows)].copy_(ids)
         self.rows = len(rows)
 
+    def load_padding(self) -> None:
+        """Host data of a step whose rows are all padding (the scratch page, length 0):
+        what a graph is captured from before any job needs its bucket."""
+        self.buffer.fill_(0)
+        self.page_table.fill_(self.pool.scratch_page)
+        self.rows = 0
+
     # ---- what CausalLM.forward and the layers call --------------------------------------
 
     def prepare(self) -> tuple[torch.Tensor, int]:
@@ -204,6 +211,28 @@ class DecodeRunner:
             return False
         size = self.pool.page_size
         return all(pages_for(table.length + 1, size) <= self.max_pages for table, _ in rows)
+
+    def warm(self, keys: Sequence[tuple[int, int]] | None = None) -> int:
+        """Capture the graphs of these (B, P) buckets now (default: one row over one and
+        two pages, where a single chat starts), so a job's first tokens are not paid for
+        with captures; padding rows only touch the scratch page. Returns the graphs held."""
+        if self.mode != "graph":
+            return 0
+        if keys is None:
+            keys = sorted({(1, 1), (1, bucket(min(2, self.max_pages), self.max_pages))})
+        for key in keys:
+            if self.mode != "graph":
+                break  # a capture failed: decoding goes on without graphs
+            if key in self._graphs or not (0 < key[0] <= self.max_batch
+                                           and 0 < key[1] <= self.max_pages):
+                continue
+            step = self._steps.get(key)
+            if step is None:
+                step = self._steps[key] = FixedDecodeStep(self.pool, *key)
+            step.load_padding()
+            if self._capture(key, step) is None:
+                self.mode = "static"
+        return len(self._graphs)
 
     def run(self, rows: Sequence[tuple[PageTable, int | None]],
             ids: torch.Tensor | None = None) -> torch.Tensor:

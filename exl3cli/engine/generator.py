@@ -114,6 +114,7 @@ class Generator:
         )
         # Decode-only steps: fixed shapes, replayed from CUDA graphs (decode_step.py).
         self.decode = DecodeRunner(model, self.pool, self.max_batch, self.num_ctx, decode_mode)
+        self.decode.warm()  # one job's first graphs, captured at load rather than mid-answer
         self.background = False  # True while a GeneratorThread runs this generator
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)

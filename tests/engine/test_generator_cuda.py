@@ -110,3 +110,22 @@ def test_one_step_logits_match_the_general_path(folders):
         want, got = logits["off"], logits["graph"]
         error = (got - want).norm() / want.norm()
         assert error < 2e-2, (cache, float(error))
+
+
+def test_one_jobs_graphs_are_captured_at_load_and_reused(folders):
+    # float32: the graph and the general path agree to the token.
+    model = load_causal_lm(folders["tiny"], device="cuda", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder(folders["tiny"])
+    generator = Generator(model, tokenizer, decode_mode="graph", num_ctx=1024, max_batch=4)
+    warmed = generator.decode.graph_count
+    assert warmed == 2  # one row over one page and over two
+    job = _jobs(model.config.vocab_size, 1, seed=4)[0]
+    job.num_predict = 40
+    got = generator.submit(job)
+    generator.run_until_done()
+    plain = Generator(model, tokenizer, decode_mode="off", num_ctx=1024, max_batch=4)
+    want = plain.submit(job)
+    plain.run_until_done()
+    assert got.token_ids == want.token_ids
+    # A short prompt's decode steps ran on the captured (1, 1) or (1, 2) graphs.
+    assert generator.decode.graph_count == warmed or len(job.prompt) > 2 * 256
