@@ -41,14 +41,14 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = mlp_out_norm
         self._plan: _DecodePlan | None | bool = False  # False: not looked at yet
         self._fused: FusedDecodeLayer | None | bool = False  # the GPU decode path
+        self._fused_modules: tuple[Any, ...] = (None, None, None, None)
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         batch, steps, hidden = x.shape
         if x.is_cuda:
-            if self._fused is False:
-                self._fused = FusedDecodeLayer.of(self)
-            if self._fused is not None and self._fused.accepts(x):  # type: ignore[union-attr]
-                return self._fused.forward(x, step)  # type: ignore[union-attr]
+            fused = self._fused_plan()
+            if fused is not None and fused.accepts(x):
+                return fused.forward(x, step)
         if (batch * steps <= GEMV_MAX_ROWS and x.dtype == torch.float32
                 and x.device.type == "cpu"):
             plan = self._decode_plan()
@@ -61,6 +61,18 @@ class DecoderLayer(nn.Module):
         # The residual add and the second norm are one pass (RMSNorm.add_and_norm).
         x, normed = self.post_attention_norm.add_and_norm(x, self.attention(self.input_norm(x), step))
         return x + self.mlp(normed)
+
+    def _fused_plan(self) -> FusedDecodeLayer | None:
+        """The GPU decode path of this layer, decided again whenever one of its
+        projections was replaced (a LoRA adapter wraps them: the fused path then
+        steps aside rather than skip the adapter)."""
+        modules = (self.attention.qkv, self.attention.o, getattr(self.mlp, "gate_up", None),
+                   getattr(self.mlp, "down", None))
+        if self._fused is False or any(a is not b for a, b in zip(modules, self._fused_modules,
+                                                                   strict=True)):
+            self._fused = FusedDecodeLayer.of(self)
+            self._fused_modules = modules
+        return self._fused  # type: ignore[return-value]
 
     def _decode_rows(self, plan: _DecodePlan, rows: torch.Tensor,
                      step: AttentionStep) -> torch.Tensor:

@@ -86,3 +86,16 @@ def test_layers_it_does_not_cover_are_refused(folders):
     assert FusedDecodeLayer.of(layer) is None  # CPU: no kernels to fuse
     layer.mlp.activation = "gelu"  # exact GELU: no fused activation for it
     assert FusedDecodeLayer.of(layer, force=True) is None
+
+
+def test_a_replaced_projection_makes_the_layer_decide_again(folders):
+    # A LoRA adapter wraps a layer's projections: a plan made before must not skip it.
+    model = load_causal_lm(folders["tiny"], device="cpu", dtype=torch.float32,
+                           linear_mode="trellis")
+    layer = model.layers[0]
+    layer._fused = plan = FusedDecodeLayer.of(layer, force=True)
+    layer._fused_modules = (layer.attention.qkv, layer.attention.o, layer.mlp.gate_up,
+                            layer.mlp.down)
+    assert layer._fused_plan() is plan
+    layer.attention.o = torch.nn.Identity()  # what an adapter wrapper does to the module
+    assert layer._fused_plan() is None
