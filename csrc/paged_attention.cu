@@ -66,66 +66,110 @@ struct Args {
 };
 
 
-// CPL channels of one position's row for this lane, as floats: channels c0 .. c0 + CPL - 1
-// of the kv head's D (c0 = lane * CPL). Quantized rows are bit-planed codes + scales.
+// A quantized row's bytes for this lane and its scale, loaded before any unpacking so a
+// warp's loads of all its rows are in flight together. bits == 8: the lane's CPL code
+// bytes; else the `bits` bit-plane bytes of its 8-channel group (one load for 2 and 4).
+struct RawRow {
+  uint64_t word;
+  float scale;
+};
+
+template <int CPL>
+__device__ __forceinline__ RawRow load_raw(const void* base, const __half* scales, int bits,
+                                           int64_t slot, int C, int c) {
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(base) + slot * (C / 8 * bits);
+  RawRow raw;
+  raw.scale = __half2float(scales[slot * (C / 32) + (c >> 5)]);
+  if (bits == 8) {
+    if constexpr (CPL == 8) raw.word = *reinterpret_cast<const uint64_t*>(row + c);
+    else if constexpr (CPL == 4) raw.word = *reinterpret_cast<const uint32_t*>(row + c);
+    else raw.word = *reinterpret_cast<const uint16_t*>(row + c);
+    return raw;
+  }
+  const uint8_t* planes = row + (c >> 3) * bits;
+  if (bits == 4) {
+    raw.word = *reinterpret_cast<const uint32_t*>(planes);
+  } else if (bits == 2) {
+    raw.word = *reinterpret_cast<const uint16_t*>(planes);
+  } else {
+    raw.word = 0;
+    for (int j = 0; j < bits; ++j) raw.word |= (uint64_t)planes[j] << (8 * j);
+  }
+  return raw;
+}
+
+template <int CPL>
+__device__ __forceinline__ void unpack_raw(const RawRow& raw, int bits, int c,
+                                           float (&out)[CPL]) {
+  const float half_range = (float)(1 << (bits - 1));
+  const float step = raw.scale / half_range;
+  int codes[CPL];
+  if (bits == 8) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) codes[i] = (int)((raw.word >> (8 * i)) & 0xffu);
+  } else {
+    const int sub = c & 7;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) codes[i] = 0;
+    if (bits == 4) {  // the common q4 cache: fully unrolled
+      const uint32_t w32 = (uint32_t)raw.word >> sub;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) codes[i] |= ((w32 >> (8 * j + i)) & 1) << j;
+    } else {
+      for (int j = 0; j < bits; ++j) {
+        const int byte = (int)(raw.word >> (8 * j + sub));
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) out[i] = ((float)codes[i] - (half_range - 0.5f)) * step;
+}
+
+// The kPerWarp rows a warp reads (positions warp, warp + kWarps, ... of the chunk), CPL
+// channels each for this lane (c0 = lane * CPL of the kv head's D), as floats. Every
+// load is issued before any row is converted.
 template <typename T, bool Q, int CPL>
-__device__ __forceinline__ void load_row(const void* base, const __half* scales, int bits,
-                                         int64_t slot, int kv_heads, int kvh, int D, int C,
-                                         int c0, float (&out)[CPL]) {
+__device__ __forceinline__ void load_rows(const void* base, const __half* scales, int bits,
+                                          const int* slots, int t0, int t_lo, int t_hi,
+                                          int warp, int kv_heads, int kvh, int D, int C,
+                                          int c0, float (&out)[kPerWarp][CPL]) {
   if constexpr (Q) {
     const int c = kvh * D + c0;
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(base) + slot * (C / 8 * bits);
-    const float half_range = (float)(1 << (bits - 1));
-    const float step = __half2float(scales[slot * (C / 32) + (c >> 5)]) / half_range;
-    if (bits == 8) {
+    RawRow raw[kPerWarp];
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) out[i] = ((float)row[c + i] - (half_range - 0.5f)) * step;
-    } else {
-      // The b bytes of this lane's 8-channel group as one word (one load for 2 and 4 bits).
-      const uint8_t* planes = row + (c >> 3) * bits;
-      uint64_t word = 0;
-      if (bits == 4) {
-        word = *reinterpret_cast<const uint32_t*>(planes);
-      } else if (bits == 2) {
-        word = *reinterpret_cast<const uint16_t*>(planes);
-      } else {
-        for (int j = 0; j < bits; ++j) word |= (uint64_t)planes[j] << (8 * j);
-      }
-      const int sub = c & 7;
-      int codes[CPL];
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int tl = warp + j * kWarps, t = t0 + tl;
+      if (t >= t_lo && t < t_hi) raw[j] = load_raw<CPL>(base, scales, bits, slots[tl], C, c);
+    }
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) codes[i] = 0;
-      if (bits == 4) {  // the common q4 cache: fully unrolled
-        const uint32_t w32 = (uint32_t)word >> sub;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int i = 0; i < CPL; ++i) codes[i] |= ((w32 >> (8 * j + i)) & 1) << j;
-      } else {
-        for (int j = 0; j < bits; ++j) {
-          const int byte = (int)(word >> (8 * j + sub));
-#pragma unroll
-          for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < CPL; ++i) out[i] = ((float)codes[i] - (half_range - 0.5f)) * step;
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int tl = warp + j * kWarps, t = t0 + tl;
+      if (t >= t_lo && t < t_hi) unpack_raw<CPL>(raw[j], bits, c, out[j]);
     }
   } else {
-    const T* row = reinterpret_cast<const T*>(base) + (slot * kv_heads + kvh) * D + c0;
-    if constexpr (CPL * sizeof(T) == 16) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(row);
-      const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) out[i] = to_f32(v[i]);
-    } else if constexpr (CPL * sizeof(T) == 8) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(row);
-      const T* v = reinterpret_cast<const T*>(&raw);
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int tl = warp + j * kWarps, t = t0 + tl;
+      if (t < t_lo || t >= t_hi) continue;
+      const T* row = reinterpret_cast<const T*>(base) + ((int64_t)slots[tl] * kv_heads + kvh) * D + c0;
+      if constexpr (CPL * sizeof(T) == 16) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(row);
+        const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) out[i] = to_f32(v[i]);
-    } else {
+        for (int i = 0; i < CPL; ++i) out[j][i] = to_f32(v[i]);
+      } else if constexpr (CPL * sizeof(T) == 8) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(row);
+        const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) out[i] = to_f32(row[i]);
+        for (int i = 0; i < CPL; ++i) out[j][i] = to_f32(v[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) out[j][i] = to_f32(row[i]);
+      }
     }
   }
 }
@@ -184,13 +228,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
   // warp issues the loads of all its kPerWarp rows before any arithmetic.
   {
     float k[kPerWarp][CPL];
-#pragma unroll
-    for (int j = 0; j < kPerWarp; ++j) {
-      const int tl = warp + j * kWarps, t = t0 + tl;
-      if (t >= t_lo && t < t_hi)
-        load_row<T, KQ, CPL>(a.k, a.k_scales, a.k_bits, slots[tl], a.kv_heads, kvh, D, C, c0,
-                             k[j]);
-    }
+    load_rows<T, KQ, CPL>(a.k, a.k_scales, a.k_bits, slots, t0, t_lo, t_hi, warp, a.kv_heads,
+                          kvh, D, C, c0, k);
 #pragma unroll
     for (int j = 0; j < kPerWarp; ++j) {
       const int tl = warp + j * kWarps, t = t0 + tl;
@@ -242,13 +281,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
     for (int i = 0; i < CPL; ++i) acc[g][i] = 0.f;
   {
     float v[kPerWarp][CPL];
-#pragma unroll
-    for (int j = 0; j < kPerWarp; ++j) {
-      const int tl = warp + j * kWarps, t = t0 + tl;
-      if (t >= t_lo && t < t_hi)
-        load_row<T, VQ, CPL>(a.v, a.v_scales, a.v_bits, slots[tl], a.kv_heads, kvh, D, C, c0,
-                             v[j]);
-    }
+    load_rows<T, VQ, CPL>(a.v, a.v_scales, a.v_bits, slots, t0, t_lo, t_hi, warp, a.kv_heads,
+                          kvh, D, C, c0, v);
 #pragma unroll
     for (int j = 0; j < kPerWarp; ++j) {
       const int tl = warp + j * kWarps, t = t0 + tl;
