@@ -31,11 +31,14 @@ class TextModel:
         tokenizer: Tokenizer,
         chat_template: ChatTemplate,
         folder: Path | None = None,
+        vision: Any = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.folder = folder
+        # engine/vision/loader.VisionModel of an image-text model; None: text only.
+        self.vision = vision
         self._generator: Generator | None = None
         self._lock = threading.Lock()
 
@@ -52,12 +55,14 @@ class TextModel:
         `template` (a Modelfile TEMPLATE) replaces the folder's chat template.
         """
         from exl3cli.engine.loader import load_causal_lm  # heavy: only when loading
+        from exl3cli.engine.vision.loader import load_vision
 
         folder = Path(folder)
         tokenizer = Tokenizer.from_folder(folder)
         chat_template = ChatTemplate.from_folder(folder, template=template)
         model = load_causal_lm(folder, device=device, dtype=dtype)
-        return cls(model, tokenizer, chat_template, folder)
+        return cls(model, tokenizer, chat_template, folder,
+                   vision=load_vision(folder, model, tokenizer))
 
     @property
     def max_context(self) -> int:
