@@ -279,7 +279,7 @@ class GenerateJob(_Job):
         return 0
 
     def is_load_only(self) -> bool:
-        return not self.req.get("prompt")
+        return not self.req.get("prompt") and not self.req.get("images")
 
     def prompt_ids(self, text_model: Any, manifest: dict[str, Any]) -> list[int]:
         prompt = self.req.get("prompt") or ""

@@ -42,29 +42,16 @@ def image_bytes(value: Any, where: str) -> bytes:
 
 def with_image_placeholders(text_model: Any, messages: list[dict[str, Any]]
                             ) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Messages whose images are written as the model's image placeholders ahead of
-    their text (as Ollama places them), and the images in prompt order. Messages
-    keep no `images` key (chat templates never see bytes)."""
-    out: list[dict[str, Any]] = []
-    images: list[bytes] = []
-    for index, message in enumerate(messages):
-        given = message.get("images")
-        if not given:
-            out.append({k: v for k, v in message.items() if k != "images"})
-            continue
-        vision = getattr(text_model, "vision", None)
-        if vision is None:
-            raise InvalidOption("this model does not support images (it reads text only)")
-        if not isinstance(given, list):
-            raise InvalidOption(f"messages[{index}].images must be a list")
-        images.extend(image_bytes(value, f"messages[{index}].images[{i}]")
-                      for i, value in enumerate(given))
-        content = message.get("content") or ""
-        if not isinstance(content, str):
-            raise InvalidOption(f"messages[{index}].content must be a string")
-        out.append({**{k: v for k, v in message.items() if k != "images"},
-                    "content": vision.placeholder * len(given) + content})
-    return out, images
+    """Messages whose base64 images are written as the model's image placeholders
+    ahead of their text, and the images' bytes in prompt order (vision/loader.py)."""
+    from exl3cli.engine.vision.loader import place_images
+
+    if not any(message.get("images") for message in messages):
+        return [{k: v for k, v in m.items() if k != "images"} for m in messages], []
+    vision = getattr(text_model, "vision", None)
+    if vision is None:
+        raise InvalidOption("this model does not support images (it reads text only)")
+    return place_images(messages, vision.placeholder, image_bytes)
 
 
 def image_prompt_ids(text_model: Any, text: str, images: list[bytes],

@@ -100,6 +100,44 @@ class VisionModel:
         return out
 
 
+def read_image(value: Any, where: str = "image") -> bytes:
+    """An image given to the Python API or the CLI: bytes, or a file path."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, (str, Path)):
+        path = Path(value).expanduser()
+        try:
+            return path.read_bytes()
+        except OSError as error:
+            raise InvalidOption(f"{where}: cannot read image file {path}: "
+                                f"{error.strerror or error}") from None
+    raise InvalidOption(f"{where} must be bytes or a file path, got {type(value).__name__}")
+
+
+def place_images(messages: Sequence[dict[str, Any]], placeholder: str,
+                 to_bytes: Callable[[Any, str], bytes]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Messages whose `images` are written as `placeholder`s ahead of their text (as
+    Ollama places them), without the `images` key, and the images' bytes in prompt
+    order; `to_bytes(value, where)` reads one image."""
+    out: list[dict[str, Any]] = []
+    images: list[bytes] = []
+    for index, message in enumerate(messages):
+        given = message.get("images") or []
+        rest = {k: v for k, v in message.items() if k != "images"}
+        if not given:
+            out.append(rest)
+            continue
+        if not isinstance(given, (list, tuple)):
+            raise InvalidOption(f"messages[{index}].images must be a list")
+        images.extend(to_bytes(value, f"messages[{index}].images[{i}]")
+                      for i, value in enumerate(given))
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            raise InvalidOption(f"messages[{index}].content must be a string")
+        out.append({**rest, "content": placeholder * len(given) + content})
+    return out, images
+
+
 def load_vision(folder: str | Path, model: Any, tokenizer: Any,
                 capacity: int | None = None) -> VisionModel | None:
     """The folder's vision model on the language model's device and dtype, attached to
