@@ -30,6 +30,15 @@ _TOWERS = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
            "vision_tower.", "model.vision_tower.")
 
 
+def exllamav3_name(name: str) -> str:
+    """A tower or projector tensor under the name ExLlamaV3's Gemma 3 reads (the hub
+    checkpoints' names): "vision_tower.vision_model.*", "multi_modal_projector.*"."""
+    name = name.removeprefix("model.")
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        return "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+    return name
+
+
 class Gemma3Projector(nn.Module):
     """[N, patches, vision hidden] -> [N, tokens, text hidden]."""
 

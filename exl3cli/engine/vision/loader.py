@@ -18,7 +18,7 @@ import torch
 
 from exl3cli.engine.vision.gemma3 import ARCHITECTURE as GEMMA3
 from exl3cli.engine.vision.gemma3 import PROCESSOR_DEFAULTS as GEMMA3_PROCESSOR
-from exl3cli.engine.vision.gemma3 import load_gemma3_vision
+from exl3cli.engine.vision.gemma3 import exllamav3_name, load_gemma3_vision
 from exl3cli.engine.vision.image_processor import ImageProcessor, decode_image
 from exl3cli.engine.vision.image_tokens import ImageTokens
 from exl3cli.errors import InvalidOption, ModelLoadError
@@ -27,6 +27,17 @@ from exl3cli.errors import InvalidOption, ModelLoadError
 VISION_FAMILIES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     GEMMA3: (load_gemma3_vision, GEMMA3_PROCESSOR),
 }
+
+
+# How a converted folder names a family's tower and projector tensors (ExLlamaV3's
+# layout, so the folder loads in both).
+STORED_NAMES: dict[str, Callable[[str], str]] = {GEMMA3: exllamav3_name}
+
+
+def stored_tensor_name(architecture: str, name: str) -> str:
+    """The name `exl3 convert` writes a wrapper tensor (vision tower, projector) under."""
+    rename = STORED_NAMES.get(architecture)
+    return rename(name) if rename is not None else name
 
 
 def reads_images(raw_config: dict[str, Any]) -> bool:
