@@ -50,6 +50,11 @@ def _encoded(daemon) -> int:
     return loaded.text_model.model.images.encoded
 
 
+def test_show_names_the_vision_capability(client):
+    assert client.show("vision").capabilities == ["completion", "vision"]
+    assert client.show("tiny").capabilities == ["completion"]
+
+
 def test_ollama_generate_with_an_image_file(client, png):
     plain = client.generate(model="vision", prompt="what is in this?", options=GREEDY)
     answer = client.generate(model="vision", prompt="what is in this?", images=[png],
