@@ -9,6 +9,9 @@
     reply = llm.chat([{"role": "user", "content": "Hello!"}], max_tokens=16)
     jobs = [llm.submit(p, max_tokens=8) for p in ["One", "Two", "Three"]]
     answers = [job.text() for job in jobs]  # the three ran as one batch
+    # image-text models (Gemma 3): images as file paths or bytes
+    llm.generate("What is in this picture?", images=["cat.png"], max_tokens=32)
+    llm.chat([{"role": "user", "content": "Describe it.", "images": [png_bytes]}])
 
 `model` is a model folder (Hugging Face layout) or a name in the local model store
 (`exl3 pull` puts models there). Every call goes through one `Generator`
@@ -63,16 +66,18 @@ class LLM:
         seed: int | None = None,
         stop: list[str] | None = None,
         truncate: bool = False,
+        images: list[Any] | None = None,
         **options: Any,
     ) -> JobHandle:
         """Start one request and return its handle (iterate it for events, or
-        `.text()`); a text prompt is encoded as is, a message list through the chat
+        `.text()`); a text prompt is encoded as is (`images`, file paths or bytes, go ahead
+        of it), a message list (each message may carry "images") through the chat
         template. `options` are further sampler options (min_p, repeat_penalty...)."""
         sampler_options = {name: value for name, value in
                            {"temperature": temperature, "top_p": top_p, "top_k": top_k,
                             "seed": seed, **options}.items() if value is not None}
         job = GenerationJob(
-            prompt_ids=self._prompt_ids(prompt), options=sampler_options,
+            prompt_ids=self._prompt_ids(prompt, images), options=sampler_options,
             stop=list(stop or ()), num_predict=max_tokens, truncate=truncate,
             # One drafter per job: a draft model keeps a cache of this job's text.
             drafter=make_drafter(self.draft) if self.draft else None,
@@ -111,9 +116,12 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prompt_ids(self, prompt: Prompt | Messages) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt | Messages, images: list[Any] | None = None) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.text_model.text_prompt(prompt, images)
+        if images:
+            raise TypeError("images= goes with a text prompt; in a conversation give each "
+                            "message its own 'images'")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             return self.text_model.chat_prompt(prompt)
         return [int(t) for t in prompt]

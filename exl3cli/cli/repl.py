@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from exl3cli.cli.image_paths import encode_image_file, extract_image_paths
 from exl3cli.cli.output import StreamWriter, format_stats, terminal_width
 from exl3cli.cli.repl_commands import ReplOptions, ReplProcessor, ReplSession, ReplStep
 from exl3cli.errors import Exl3Error
@@ -108,7 +109,19 @@ class Repl:
     def answer(self, text: str) -> None:
         """Send a user message, stream the reply; Ctrl-C stops it but keeps the session."""
         session = self.session
-        session.messages.append({"role": "user", "content": text})
+        message: dict[str, Any] = {"role": "user", "content": text}
+        text, paths = extract_image_paths(text)
+        try:
+            images = [encode_image_file(path) for path in [*session.pending_images, *paths]]
+        except Exl3Error as error:
+            self._print(f"Error: {error}\n\n")
+            return
+        if images:
+            for path in paths:
+                self._print(f"Added image '{path}'\n")
+            message = {"role": "user", "content": text, "images": images}
+        session.pending_images = []
+        session.messages.append(message)
         width = terminal_width(self.stdout) if session.wordwrap else None
         writer = StreamWriter(self.stdout, width)
         thinking = _ThinkingDisplay(self.stdout, show=not session.hide_thinking)

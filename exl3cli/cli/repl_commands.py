@@ -89,6 +89,7 @@ class ReplOptions:
     wordwrap: bool = True
     think: bool | None = None
     hide_thinking: bool = False
+    images: tuple[str, ...] = ()  # `run --image` files: sent with the first message
 
 
 @dataclass
@@ -109,12 +110,15 @@ class ReplSession:
     # Replies stopped with Ctrl-C: they stay in the conversation (the model sees what it
     # said), but /save leaves them, and the question they answer, out of the Modelfile.
     interrupted: list[dict[str, str]] = field(default_factory=list)
+    # Image files to send with the next message (`run --image` in the REPL).
+    pending_images: list[str] = field(default_factory=list)
 
     @classmethod
     def from_options(cls, opts: ReplOptions) -> ReplSession:
         return cls(model=opts.model, system=opts.system, format=opts.format,
                    keepalive=opts.keepalive, verbose=opts.verbose, wordwrap=opts.wordwrap,
-                   think=opts.think, hide_thinking=opts.hide_thinking)
+                   think=opts.think, hide_thinking=opts.hide_thinking,
+                   pending_images=list(opts.images))
 
     def chat_request(self) -> dict[str, Any]:
         """The /api/chat body for the conversation so far."""

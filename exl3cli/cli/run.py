@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import click
 
+from exl3cli.cli.image_paths import encode_image_file, extract_image_paths
 from exl3cli.cli.output import StreamWriter, format_stats, terminal_width
 from exl3cli.cli.progress import show_progress
 from exl3cli.errors import Exl3Error, ModelNotFound
@@ -59,8 +60,14 @@ def build_one_shot_prompt(stdin_text: str | None, prompt_args: tuple[str, ...]) 
 
 def run_one_shot(client: Any, model: str, prompt: str, *, system: str | None,
                  format_: str | None, keepalive: str | None, think: bool | None,
-                 hide_thinking: bool, verbose: bool, wordwrap: bool) -> None:
+                 hide_thinking: bool, verbose: bool, wordwrap: bool,
+                 images: tuple[str, ...] = ()) -> None:
     req: dict[str, Any] = {"model": model, "prompt": prompt, "stream": True}
+    prompt, paths = extract_image_paths(prompt)  # image files named in the prompt too
+    if paths:
+        req["prompt"] = prompt
+    if images or paths:
+        req["images"] = [encode_image_file(path) for path in [*images, *paths]]
     if system:
         req["system"] = system
     if format_:
@@ -72,7 +79,7 @@ def run_one_shot(client: Any, model: str, prompt: str, *, system: str | None,
     out = sys.stdout
     writer = StreamWriter(out, terminal_width(out) if wordwrap else None)
     chunks = client.generate(req)
-    if not prompt:
+    if not prompt and not req.get("images"):
         stream_answer(chunks, writer)  # an empty prompt only loads the model
         return
     thinking_shown = think and not hide_thinking
@@ -114,9 +121,13 @@ def _with_thinking(chunks: Iterator[dict], show: bool, stream: TextIO) -> Iterat
 @click.option("--hidethinking", is_flag=True,
               help="Hide the thinking output (thinking models).")
 @click.option("--system", metavar="TEXT", help="System message for this run.")
+@click.option("--image", "images", multiple=True, metavar="FILE",
+              type=click.Path(exists=True, dir_okay=False),
+              help="An image (PNG, JPEG, WebP) for an image-text model to look at; "
+                   "repeat for several. In the REPL, image paths in a message work too.")
 def run(model: str, prompt: tuple[str, ...], format_: str | None, keepalive: str | None,
         verbose: bool, nowordwrap: bool, think: bool | None, hidethinking: bool,
-        system: str | None) -> None:
+        system: str | None, images: tuple[str, ...]) -> None:
     """Run a model: answer PROMPT, or chat interactively when none is given."""
     from exl3cli.client import get_client
 
@@ -135,13 +146,13 @@ def run(model: str, prompt: tuple[str, ...], format_: str | None, keepalive: str
         run_repl(client, ReplOptions(model=model, system=system, format=format_ or None,
                                      keepalive=keepalive, verbose=verbose,
                                      wordwrap=not nowordwrap, think=think,
-                                     hide_thinking=hidethinking))
+                                     hide_thinking=hidethinking, images=images))
         return
     stdin_text = None if stdin_tty else sys.stdin.read()
     text = build_one_shot_prompt(stdin_text, prompt)
     run_one_shot(client, model, text, system=system, format_=format_, keepalive=keepalive,
                  think=think, hide_thinking=hidethinking, verbose=verbose,
-                 wordwrap=not nowordwrap and stdin_tty)
+                 wordwrap=not nowordwrap and stdin_tty, images=images)
 
 
 COMMANDS = [run]

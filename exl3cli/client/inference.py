@@ -200,6 +200,10 @@ class InferenceRunner:
         # at the first next(): that is where a CLI or HTTP handler expects errors.
         started = time.perf_counter_ns()
         manifest = self.store.read_manifest(job.model)
+        if job.has_images:  # refused before a text-only model is loaded for nothing
+            from exl3cli.client.request_images import refuse_images_unless_read
+
+            refuse_images_unless_read(job.model, self.store.model_folder(job.model))
         keep_alive = parse_keep_alive(job.req.get("keep_alive"))
         options, ignored = merge_options(manifest.get("parameters"), job.req.get("options"))
         from exl3cli.engine.structured import compile_format
@@ -228,10 +232,10 @@ class InferenceRunner:
         """Build the prompt (dropping old chat turns that do not fit) and the
         GenerationJob, and submit it to the model's generator."""
         from exl3cli.client.inference_jobs import fit_prompt
+        from exl3cli.client.request_images import check_prompt_ids
         from exl3cli.engine.generator_jobs import GenerationJob
         from exl3cli.engine.sampling import build_sampler
         from exl3cli.engine.structured import build_constraint
-        from exl3cli.engine.token_ids import check_token_ids
 
         text_model = loaded.text_model
         num_ctx = text_model.context_length(options)
@@ -240,7 +244,7 @@ class InferenceRunner:
         prompt_ids = fit_prompt(job, text_model, manifest, num_ctx, cancel)
         if not prompt_ids:
             raise InvalidOption("the prompt is empty once rendered (check the template)")
-        prompt_ids = check_token_ids(prompt_ids, text_model.model.config.vocab_size)
+        prompt_ids = check_prompt_ids(text_model, prompt_ids)
         if len(prompt_ids) >= num_ctx and not truncate:
             raise ContextOverflow(
                 f"the prompt is {len(prompt_ids)} tokens, which does not fit the context "

@@ -10,6 +10,12 @@ import json
 from typing import Any
 
 from exl3cli.client.logprobs import logprob_request
+from exl3cli.client.request_images import (
+    check_prompt_ids,
+    image_prompt_ids,
+    request_has_images,
+    with_image_placeholders,
+)
 from exl3cli.client.request_options import now_iso, refuse_unsupported
 from exl3cli.client.tool_calls import ToolCallParser
 from exl3cli.errors import ContextOverflow, InvalidOption
@@ -106,9 +112,7 @@ class _Job:
         fmt = req.get("format")
         if fmt not in (None, "", "json") and not isinstance(fmt, dict):
             raise InvalidOption(f"invalid format: {fmt!r} (use \"json\" or a JSON schema)")
-        messages = req.get("messages") if isinstance(req.get("messages"), list) else []
-        if req.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
-            raise InvalidOption("this model does not support images (it reads text only)")
+        self.has_images = request_has_images(req)
 
     def thinking_splitter(self) -> ThinkingSplitter:
         return ThinkingSplitter(self.think)
@@ -195,7 +199,11 @@ def render_prompt_ids(text_model: Any, messages: list[dict], tools: Any,
         raise InvalidOption("this model does not support thinking (its chat template has no "
                             "thinking switch); leave think unset or false")
     extra = {} if think is None else {"enable_thinking": think}
+    messages, images = with_image_placeholders(text_model, messages)
     text = chat_template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+    if images:
+        return image_prompt_ids(text_model, text, images,
+                                lambda t: encode_prompt(text_model.tokenizer, t, max_tokens))
     return encode_prompt(text_model.tokenizer, text, max_tokens)
 
 
@@ -271,11 +279,9 @@ class GenerateJob(_Job):
         return 0
 
     def is_load_only(self) -> bool:
-        return not self.req.get("prompt")
+        return not self.req.get("prompt") and not self.req.get("images")
 
     def prompt_ids(self, text_model: Any, manifest: dict[str, Any]) -> list[int]:
-        from exl3cli.engine.token_ids import check_token_ids
-
         prompt = self.req.get("prompt") or ""
         if not isinstance(prompt, str):
             raise InvalidOption("prompt must be a string")
@@ -283,16 +289,21 @@ class GenerateJob(_Job):
         if suffix:
             return fill_in_middle_ids(text_model.tokenizer, prompt, str(suffix))
         if self.req.get("raw"):
+            raw = {"role": "user", "content": prompt, "images": self.req.get("images")}
+            [raw], images = with_image_placeholders(text_model, [raw])
+            if images:
+                return image_prompt_ids(
+                    text_model, raw["content"], images,
+                    lambda t: encode_prompt(text_model.tokenizer, t, self.max_tokens))
             return encode_prompt(text_model.tokenizer, prompt, self.max_tokens)
-        context = check_token_ids(self.req.get("context") or [],
-                                  text_model.model.config.vocab_size, "context token")
+        context = check_prompt_ids(text_model, self.req.get("context") or [], "context token")
         messages: list[dict] = []
         system = self.req.get("system") or manifest.get("system")
         if system:
             messages.append({"role": "system", "content": system})
         if not context:  # a continued conversation already holds the model's MESSAGEs
             messages.extend(_message_list(manifest.get("messages")))
-        messages.append({"role": "user", "content": prompt})
+        messages.append({"role": "user", "content": prompt, "images": self.req.get("images")})
         template = self.req.get("template") or manifest.get("template")
         limit = None if self.max_tokens is None else max(1, self.max_tokens - len(context))
         ids = render_prompt_ids(text_model, messages, None, template,

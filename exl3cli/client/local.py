@@ -18,7 +18,7 @@ from typing import Any
 
 from exl3cli.client.base import Body
 from exl3cli.client.create_checks import check_new_model
-from exl3cli.client.model_info import model_facts
+from exl3cli.client.model_info import model_capabilities, model_facts
 from exl3cli.errors import Exl3Error, InvalidModelName, ModelfileError, ModelNotFound
 from exl3cli.store.modelfile import Modelfile, parse_modelfile
 from exl3cli.store.names import ModelName
@@ -61,6 +61,7 @@ class LocalClient:
             "draft": manifest.draft or "",
             "adapter": manifest.adapter or "",
             "modified_at": self.store.modified(name).isoformat(),
+            "capabilities": model_capabilities(self.store, manifest),
         }
 
     def copy(self, req: Body) -> Body:

@@ -13,6 +13,18 @@ from exl3cli.store.store import Manifest, ModelStore
 _EXL3_SIDE_TENSORS = (".suh", ".svh", ".su", ".sv", ".mul1", ".mcg")
 
 
+def model_capabilities(store: ModelStore, manifest: Manifest) -> list[str]:
+    """Ollama's `capabilities`: "completion", plus "vision" for image-text models."""
+    from exl3cli.engine.vision.loader import reads_images
+
+    try:
+        config = json.loads(store.blob_path(manifest.files["config.json"]).read_text())
+    except (KeyError, OSError, ValueError):
+        return ["completion"]
+    return ["completion", "vision"] if isinstance(config, dict) and reads_images(config) \
+        else ["completion"]
+
+
 def model_details(store: ModelStore, manifest: Manifest) -> dict[str, Any]:
     """Ollama's `details` of a stored model (what /api/tags and /api/ps show)."""
     return model_facts(store, manifest)[0]

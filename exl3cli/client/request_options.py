@@ -111,11 +111,8 @@ UNSUPPORTED_OPTIONS = {
 }
 def refuse_unsupported(req: dict[str, Any]) -> None:
     """InvalidOption for request fields that would otherwise be accepted and ignored:
-    images (exl3 runs text-only models), a nonzero mirostat."""
-    messages = req.get("messages") if isinstance(req.get("messages"), list) else []
-    if req.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
-        raise InvalidOption(f"model '{req.get('model') or req.get('name')}' does not support "
-                            "images (exl3 runs text-only models)")
+    a nonzero mirostat. (Images are refused by the runner for text-only models:
+    client/request_images.py.)"""
     options = req.get("options")
     if isinstance(options, dict):
         for name, message in UNSUPPORTED_OPTIONS.items():

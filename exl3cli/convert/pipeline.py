@@ -9,7 +9,7 @@ checkpoints, and everything random is seeded, so a killed and resumed run writes
 same bytes as an uninterrupted one. Families with Gemma's options (scaled embeddings,
 sandwich and 1 + w norms, caps, per-layer ropes) are calibrated through the engine's
 own blocks (engine_layer.py); a multimodal wrapper's text model is converted and its
-other tensors (vision tower) are copied as they are.
+other tensors (vision tower, projector) are kept at 16 bits under ExLlamaV3's names.
 
 Public API:
 - ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
@@ -37,6 +37,7 @@ from exl3cli.engine.architecture import get_architecture, load_family_config
 from exl3cli.engine.quant import dequantize_linear
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config, padded_size
 from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.vision.loader import stored_tensor_name
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import ConversionError
 
@@ -413,8 +414,8 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     else:
         stored, _ = _load_checkpoint(work_dir / "head.safetensors")
         writer.add_linear_tensors(head, _module_tensors(stored, head))
-    for name in _wrapper_tensors(conv):
-        writer.add_tensor(name, conv.reader.get(name))
+    for name in _wrapper_tensors(conv):  # 16-bit, under ExLlamaV3's names
+        writer.add_tensor(stored_tensor_name(conv.spec.name, name), conv.reader.get(name))
     qconfig = make_quantization_config(
         average_bits(shapes, bits), options.head_bits, options.codebook,
         {"rows": options.rows, "cols": options.cols},

@@ -40,6 +40,9 @@ class AttentionStep:
     # Rope tables of sliding layers when they have their own rope (Gemma 3), else None.
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
+    # [B, T] image run of each position (-1: text) when the step holds image tokens:
+    # those attend bidirectionally within their run (Gemma 3), else None.
+    blocks: torch.Tensor | None = None
     _masks: dict[int | None, tuple[torch.Tensor | None, bool]] = field(default_factory=dict)
 
     def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +61,7 @@ class AttentionStep:
 
     def _build_mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
         steps = self.positions.shape[1]
-        if self.start is not None:
+        if self.start is not None and self.blocks is None:
             last = self.start + steps - 1  # highest position any query has
             window_irrelevant = window is None or last < window
             if window_irrelevant and steps == 1:
@@ -68,6 +71,9 @@ class AttentionStep:
         keys = torch.arange(self.span, device=self.positions.device)
         queries = self.positions[:, :, None]
         allowed = keys <= queries
+        if self.blocks is not None and self.start == 0 and self.span == steps:
+            same = self.blocks[:, :, None] == self.blocks[:, None, :]
+            allowed = allowed | (same & (self.blocks[:, :, None] >= 0))
         if window is not None:
             allowed &= keys > queries - window
         return allowed[:, None], False

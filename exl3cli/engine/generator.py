@@ -152,7 +152,9 @@ class Generator:
 
     def _fit_prompt(self, job: GenerationJob) -> list[int]:
         # Ids past the vocabulary would fail the shared batch: refuse them here, alone.
-        prompt = check_token_ids(job.prompt_ids, self.model.config.vocab_size, "prompt token")
+        images = getattr(self.model, "images", None)  # image ids past the vocabulary
+        prompt = (images.check(job.prompt_ids) if images is not None else
+                  check_token_ids(job.prompt_ids, self.model.config.vocab_size, "prompt token"))
         if not prompt:
             raise ValueError("a generation job needs at least one prompt token")
         context = self._context_of(job)
@@ -398,6 +400,8 @@ class Generator:
                 handle=handle, table=table, prompt=prompt, sampler=build_job_sampler(job),
                 budget=budget, eos_ids=eos, tokenizer=self.tokenizer, stops=stops,
                 drafter=drafter, draft_tokens=job.draft_tokens,
+                keep_together=images.runs(prompt) if (images := getattr(
+                    self.model, "images", None)) is not None else [],
             ))
 
     def fail_all(self, error: BaseException) -> None:

@@ -170,6 +170,8 @@ class ActiveJob:
     draft_tokens: int = 0
     drafted: int = 0  # draft tokens fed for verification, and how many were kept
     draft_accepted: int = 0
+    # [begin, end) prompt spans fed in one step (an image's tokens attend to each other)
+    keep_together: list[tuple[int, int]] = field(default_factory=list)
     _draft: list[int] = field(default_factory=list)  # the drafts fed this step
     _decoder: Any = None
     _matcher: StopStringMatcher | None = None
@@ -198,7 +200,12 @@ class ActiveJob:
                 return []
             self._draft = self._propose()
             return [self.pending_token, *self._draft]
-        return self.prompt[self.cursor : self.cursor + prefill_room]
+        end = self.cursor + prefill_room
+        for begin, stop in self.keep_together:
+            if begin < end < stop:  # never split a span: stop before it or take it whole
+                end = begin if begin > self.cursor else stop
+                break
+        return self.prompt[self.cursor : end]
 
     def _propose(self) -> list[int]:
         # Every emitted token but the last must fit the reservation: k <= budget left - 1.

@@ -177,6 +177,9 @@ class CausalLM(nn.Module):
             if spec.embed_scale else None
         )
         self.final_softcap = config.final_logit_softcapping
+        # An image-text model's encoded images (vision/image_tokens.ImageTokens): token
+        # ids past the vocabulary that embed as image rows; None for text only.
+        self.images: Any = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor | None:
@@ -211,8 +214,10 @@ class CausalLM(nn.Module):
         batch, steps = input_ids.shape
         input_ids = input_ids.to(self.device)
         if cache is None:
-            step = self._plan_step(batch, steps)
+            step = self._plan_step(batch, steps, input_ids)
         else:
+            if self.images is not None:  # image runs in prompt chunks: bidirectional
+                cache = self.images.wrap_step(cache, input_ids)
             step = self._plan_paged_step(cache)
             cache.check_input(input_ids)
         hidden = self._embed(input_ids)
@@ -242,16 +247,21 @@ class CausalLM(nn.Module):
         """Final-norm hidden states [B, T, H] (float32) of input_ids [B, T], without a
         cache (embeddings pool these instead of projecting them to the vocabulary)."""
         batch, steps = input_ids.shape
-        step = self._plan_step(batch, steps)
-        hidden = self._embed(input_ids.to(self.device))
+        input_ids = input_ids.to(self.device)
+        step = self._plan_step(batch, steps, input_ids)
+        hidden = self._embed(input_ids)
         for layer in self.layers:
             hidden = layer(hidden, step)
         return self.final_norm(hidden).float()
 
-    def _plan_step(self, batch: int, steps: int) -> AttentionStep:
+    def _plan_step(self, batch: int, steps: int,
+                   input_ids: torch.Tensor | None = None) -> AttentionStep:
         """A whole sequence per row from position 0, no cache."""
         positions = torch.arange(steps, device=self.device).expand(batch, steps)
-        return self._step(positions, steps, 0, None)
+        step = self._step(positions, steps, 0, None)
+        if self.images is not None and input_ids is not None:
+            step.blocks = self.images.block_ids(input_ids)
+        return step
 
     def _plan_paged_step(self, batch: Any) -> AttentionStep:
         positions, span = batch.prepare()
@@ -270,6 +280,11 @@ class CausalLM(nn.Module):
         )
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.images is not None:  # image ids read their rows, text ids the table
+            return self.images.embed(input_ids, self._embed_text)
+        return self._embed_text(input_ids)
+
+    def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_weight)
         return hidden if self.embed_scale is None else hidden * self.embed_scale
 

@@ -17,6 +17,7 @@ from exl3cli.engine.sampling import ParamSpec, build_sampler
 from exl3cli.engine.structured import build_constraint
 from exl3cli.engine.text_events import TextEvent
 from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.errors import InvalidOption
 
 # Ollama's default context when a request does not set num_ctx.
 DEFAULT_NUM_CTX = 4096
@@ -31,11 +32,14 @@ class TextModel:
         tokenizer: Tokenizer,
         chat_template: ChatTemplate,
         folder: Path | None = None,
+        vision: Any = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.folder = folder
+        # engine/vision/loader.VisionModel of an image-text model; None: text only.
+        self.vision = vision
         self._generator: Generator | None = None
         self._lock = threading.Lock()
 
@@ -52,12 +56,14 @@ class TextModel:
         `template` (a Modelfile TEMPLATE) replaces the folder's chat template.
         """
         from exl3cli.engine.loader import load_causal_lm  # heavy: only when loading
+        from exl3cli.engine.vision.loader import load_vision
 
         folder = Path(folder)
         tokenizer = Tokenizer.from_folder(folder)
         chat_template = ChatTemplate.from_folder(folder, template=template)
         model = load_causal_lm(folder, device=device, dtype=dtype)
-        return cls(model, tokenizer, chat_template, folder)
+        return cls(model, tokenizer, chat_template, folder,
+                   vision=load_vision(folder, model, tokenizer))
 
     @property
     def max_context(self) -> int:
@@ -80,10 +86,34 @@ class TextModel:
     ) -> list[int]:
         """Token ids of the rendered conversation, BOS added only if the template
         did not already write it and the model wants one."""
+        images: list[bytes] = []
+        if any(message.get("images") for message in messages):
+            messages, images = self._placed_images(messages)
         text = self.chat_template.render(
             messages, add_generation_prompt=add_generation_prompt, tools=tools
         )
+        if images:
+            return self.vision.prompt_ids(text, images, self.tokenizer.encode)
         return self.tokenizer.encode(text)
+
+    def _placed_images(self, messages: list[dict[str, Any]]
+                       ) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """Messages with image placeholders, and the images (bytes or file paths)."""
+        from exl3cli.engine.vision.loader import place_images, read_image
+
+        if self.vision is None:
+            raise InvalidOption("this model does not support images (it reads text only)")
+        return place_images(messages, self.vision.placeholder, read_image)
+
+    def text_prompt(self, prompt: str, images: list[Any] | None = None) -> list[int]:
+        """Token ids of a plain text prompt; `images` (bytes or file paths) go ahead of
+        the text, or where the text already writes the model's image placeholders."""
+        if not images:
+            return self.tokenizer.encode(prompt)
+        messages, data = self._placed_images([{"role": "user", "content": "", "images": images}])
+        marked = prompt if prompt.count(self.vision.placeholder) == len(data) else \
+            messages[0]["content"] + prompt
+        return self.vision.prompt_ids(marked, data, self.tokenizer.encode)
 
     def generator(self, num_ctx: int) -> Generator:
         """This model's generator for `stream`, made on first use and made again for a

@@ -36,6 +36,7 @@ from exl3cli.server.validation import (
     check_list_of,
     check_options,
     check_tools,
+    data_url_image,
     openai_error_body,
     read_json,
 )
@@ -125,19 +126,23 @@ def _common(body: dict[str, Any], fields: dict[str, tuple[str, ...]]) -> dict[st
     return req
 
 
-def _message_text(content: Any, where: str) -> str:
-    """OpenAI content: a string, or a list of parts of which text parts are joined."""
+def _message_parts(content: Any, where: str) -> tuple[str, list[str]]:
+    """OpenAI content: a string, or a list of parts: text parts joined, image_url parts
+    as base64 images (data URLs; remote URLs are refused: exl3 does not fetch)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return content or "", []
     if not isinstance(content, list):
         raise BadRequest(f"{where}.content must be a string or a list of parts")
-    texts = []
-    for part in content:
+    texts, images = [], []
+    for index, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            images.append(data_url_image(part.get("image_url"), f"{where}.content[{index}]"))
+            continue
         if not isinstance(part, dict) or part.get("type") != "text" \
                 or not isinstance(part.get("text"), str):
-            raise BadRequest(f"{where}.content: only text parts are supported")
+            raise BadRequest(f"{where}.content: only text and image_url parts are supported")
         texts.append(part["text"])
-    return "".join(texts)
+    return "".join(texts), images
 
 
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +158,10 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
         role = message.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{where}.role must be one of {', '.join(_ROLES)}")
-        converted: dict[str, Any] = {"role": _ROLES[role],
-                                     "content": _message_text(message.get("content"), where)}
+        text, images = _message_parts(message.get("content"), where)
+        converted: dict[str, Any] = {"role": _ROLES[role], "content": text}
+        if images:
+            converted["images"] = images
         if isinstance(message.get("tool_calls"), list):
             converted["tool_calls"] = message["tool_calls"]
         if role == "tool" and isinstance(message.get("name"), str):

@@ -197,8 +197,8 @@ def check_tools(tools: Any, where: str = "tools") -> None:
 
 
 def check_images(images: Any, where: str = "images") -> None:
-    """Images must be base64 text; and no model this server runs reads images, so a
-    request that carries any is refused rather than answered as if they were seen."""
+    """Images must be base64 text. Whether the model reads them is the runner's call:
+    a text-only model refuses them with a 400 (client/request_images.py)."""
     if not images:
         return
     for index, image in enumerate(images):
@@ -206,7 +206,6 @@ def check_images(images: Any, where: str = "images") -> None:
             base64.b64decode(image, validate=True)
         except (binascii.Error, ValueError, TypeError):
             raise BadRequest(f"{where}[{index}] is not valid base64") from None
-    raise BadRequest(f"{where}: this model does not support images (it reads text only)")
 
 
 def ollama_error(error: Exception) -> web.Response:
@@ -230,3 +229,20 @@ def openai_error_body(error: Exception, status: int) -> dict[str, Any]:
 def openai_error(error: Exception) -> web.Response:
     status = getattr(error, "http_status", 400)
     return web.json_response(openai_error_body(error, status), status=status)
+
+
+def data_url_image(image_url: Any, where: str) -> str:
+    """The base64 payload of an OpenAI image_url part ({"url": "data:image/...;base64,
+    ..."} or the URL as a string). Remote URLs are refused: exl3 does not fetch them."""
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        raise BadRequest(f"{where}.image_url.url must be a data URL string")
+    if not url.startswith("data:"):
+        raise BadRequest(f"{where}.image_url: remote image URLs are not fetched; send the "
+                         "image inline as a data URL (data:image/png;base64,...)")
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise BadRequest(f"{where}.image_url: a data URL must be base64 "
+                         "(data:image/png;base64,...)")
+    check_images([payload], where=f"{where}.image_url")
+    return payload

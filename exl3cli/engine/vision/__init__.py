@@ -1,0 +1,13 @@
+"""Images in, text out: vision towers, their image preprocessing, and the image tokens
+they place in a language model's prompt.
+
+- `image_processor.py`: bytes -> Pillow image -> normalised pixel tensor (transformers'
+  processors, step for step).
+- `siglip.py`: the SigLIP vision encoder (patch embedding, encoder, post-layernorm).
+- `gemma3.py`: Gemma 3's projector (pool to 256 tokens, soft-embedding norm,
+  projection) and how its image tokens are spelled in the prompt.
+- `image_tokens.py`: encoded images as token ids past the vocabulary (so the paged cache
+  and prefix reuse treat them like text), their embeddings, and the bidirectional
+  attention over each image's tokens.
+- `loader.py`: the vision model of a folder, or None for a text-only one.
+"""
