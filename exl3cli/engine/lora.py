@@ -146,38 +146,9 @@ class AdapterBank:
 
     def check(self, adapter: PeftAdapter) -> None:
         """AdapterError naming the first module of `adapter` this model cannot take."""
-        self._check_target_names(adapter)
-        unknown = sorted(m for m in adapter.modules if m not in self._by_module)
-        if unknown:
-            raise AdapterError(
-                f"adapter {adapter.name}: targets {_few(unknown)}, which this "
-                f"{self.model.config.architecture} model has no adaptable projection for "
-                "(exl3 adapts the attention q/k/v/o and dense MLP gate/up/down "
-                "projections)")
-        for module, pair in adapter.modules.items():
-            target, index = self._by_module[module]
-            base = target.base()
-            want_out = target.parts[index][1]
-            got_in, got_out = pair.a.shape[1], pair.b.shape[0]
-            if (got_in, got_out) != (base.in_features, want_out):
-                raise AdapterError(
-                    f"adapter {adapter.name}: shape mismatch at {module}: the adapter maps "
-                    f"{got_in} -> {got_out} features, the model's layer {base.in_features} "
-                    f"-> {want_out} (an adapter trained for another base model?)")
-
-    def _check_target_names(self, adapter: PeftAdapter) -> None:
-        """Every name in a list of target_modules is a projection this model has."""
-        targets = adapter.target_modules
-        if not isinstance(targets, list):
-            return  # a regular expression, or "all-linear": the tensors say what it hit
-        unknown = [t for t in targets if not isinstance(t, str) or not any(
-            module == t or module.endswith("." + t) for module in self._by_module)]
-        if unknown:
-            raise AdapterError(
-                f"adapter {adapter.name}: target_modules names {_few(map(str, unknown))}, "
-                f"which this {self.model.config.architecture} model does not have as an "
-                "adaptable projection (exl3 adapts the attention q/k/v/o and dense MLP "
-                "gate/up/down projections)")
+        shapes = {module: (target.base().in_features, target.parts[index][1])
+                  for module, (target, index) in self._by_module.items()}
+        check_adapter_fits(adapter, shapes, self.model.config.architecture)
 
     # ---- per-row selection ---------------------------------------------------------------
 
@@ -258,6 +229,57 @@ class AdapterBank:
         layer = getattr(target.owner, target.attr)
         if isinstance(layer, AdaptedLinear):
             setattr(target.owner, target.attr, layer.inner)
+
+
+def check_adapter_fits(adapter: PeftAdapter, shapes: dict[str, tuple[int, int]],
+                       architecture: str) -> None:
+    """AdapterError unless every module `adapter` touches (and every name in a list of
+    target_modules) is one of `shapes` ({module: (in, out)}) with the same shape."""
+    what = (f"which this {architecture} model does not have as an adaptable projection "
+            "(exl3 adapts the attention q/k/v/o and dense MLP gate/up/down projections)")
+    targets = adapter.target_modules
+    if isinstance(targets, list):  # (a regular expression: the tensors say what it hit)
+        unknown = [t for t in targets if not isinstance(t, str) or not any(
+            module == t or module.endswith("." + t) for module in shapes)]
+        if unknown:
+            raise AdapterError(f"adapter {adapter.name}: target_modules names "
+                               f"{_few(map(str, unknown))}, {what}")
+    unknown = sorted(m for m in adapter.modules if m not in shapes)
+    if unknown:
+        raise AdapterError(f"adapter {adapter.name}: targets {_few(unknown)}, {what}")
+    for module, pair in adapter.modules.items():
+        got, want = (pair.a.shape[1], pair.b.shape[0]), shapes[module]
+        if got != want:
+            raise AdapterError(
+                f"adapter {adapter.name}: shape mismatch at {module}: the adapter maps "
+                f"{got[0]} -> {got[1]} features, the model's layer {want[0]} -> {want[1]} "
+                "(an adapter trained for another base model?)")
+
+
+def config_module_shapes(config: Any, spec: Any, names: Any) -> dict[str, tuple[int, int]]:
+    """{checkpoint module: (in, out)} of the projections an adapter may touch, from the
+    config alone (what `create` checks an ADAPTER against without loading the model)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, int]] = {}
+    for i in range(config.num_layers):
+        if names.qkv_fused:
+            shapes[names.qkv_fused.format(i=i)] = (hidden, q_size + 2 * kv_size)
+        else:
+            shapes[names.q_proj.format(i=i)] = (hidden, q_size)
+            shapes[names.k_proj.format(i=i)] = (hidden, kv_size)
+            shapes[names.v_proj.format(i=i)] = (hidden, kv_size)
+        shapes[names.o_proj.format(i=i)] = (q_size, hidden)
+        if spec.moe is not None and spec.moe.is_sparse(config, i):
+            continue
+        if names.gate_up_fused:
+            shapes[names.gate_up_fused.format(i=i)] = (hidden, 2 * inter)
+        else:
+            shapes[names.gate_proj.format(i=i)] = (hidden, inter)
+            shapes[names.up_proj.format(i=i)] = (hidden, inter)
+        shapes[names.down_proj.format(i=i)] = (inter, hidden)
+    return shapes
 
 
 def _target_block(target: _Target, adapter: PeftAdapter

@@ -175,7 +175,7 @@ def test_adapter_of_another_architecture_is_refused(llama, tmp_path):
         AdapterBank.of(llama[1]).load(read_peft_adapter(adapter, "phi"))
     _edit_config(adapter, target_modules=".*qkv_proj")  # a regex: the tensors tell
     with pytest.raises(AdapterError, match=r"adapter phi: targets model\.layers\.0\.self_attn"
-                                           r"\.qkv_proj.*no adaptable projection"):
+                                           r"\.qkv_proj.*does not have as an adaptable projection"):
         AdapterBank.of(llama[1]).load(read_peft_adapter(adapter, "phi"))
 
 
