@@ -82,7 +82,7 @@ def _indented(text: str) -> str:
 
 
 def _summary(info: dict[str, Any]) -> str:
-    """The `show` overview: Model, Parameters, System, License sections."""
+    """The `show` overview: Model, Adapter, Parameters, System, License sections."""
     details, model_info = info.get("details") or {}, info.get("model_info") or {}
     arch = model_info.get("general.architecture", details.get("family", ""))
     rows = [["architecture", arch], ["parameters", details.get("parameter_size", "")]]
@@ -92,6 +92,8 @@ def _summary(info: dict[str, Any]) -> str:
             rows.append([label, str(model_info[f"{arch}.{key}"])])
     rows.append(["quantization", details.get("quantization_level", "")])
     sections = [f"  Model\n{_indented(format_table(*_split(rows)))}"]
+    if info.get("adapter"):  # a LoRA adapter (Modelfile ADAPTER)
+        sections.append(f"  Adapter\n{_indented(info['adapter'])}")
     if info.get("parameters"):
         sections.append(f"  Parameters\n{_indented(info['parameters'])}")
     if info.get("system"):

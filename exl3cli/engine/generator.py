@@ -184,6 +184,11 @@ class Generator:
                     return
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held by every step: hold it to change the model between steps (adapters)."""
+        return self._lock
+
+    @property
     def has_work(self) -> bool:
         return bool(self._active or self._queue)
 

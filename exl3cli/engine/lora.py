@@ -29,6 +29,7 @@ shapes that differ from the base layer raise AdapterError naming the adapter.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from exl3cli.engine.linear import Linear
-from exl3cli.engine.lora_peft import PeftAdapter
+from exl3cli.engine.lora_peft import LoraPair, PeftAdapter
 from exl3cli.engine.paged_cache import ROOT_HASH
 from exl3cli.errors import AdapterError, InvalidOption
 
@@ -345,3 +346,44 @@ def _few(items: Any, shown: int = 3) -> str:
     items = list(items)
     text = ", ".join(items[:shown])
     return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+# ---- changing the adapters of a model that a generator is serving ----------------------
+
+def load_adapter(model: Any, adapter: PeftAdapter, generator: Any = None) -> None:
+    """Put `adapter` on `model` between two steps of `generator` (when one serves it)."""
+    bank = AdapterBank.of(model)
+    bank.check(adapter)  # a misfit fails before waiting for the step in progress
+    with generator.lock if generator is not None else contextlib.nullcontext():
+        bank.load(adapter)
+
+
+def unload_adapter(model: Any, name: str, generator: Any = None) -> bool:
+    """Take adapter `name` off `model`; InvalidOption while a job of `generator` uses it.
+    False when it was not loaded."""
+    bank = getattr(model, "adapters", None)
+    if bank is None:
+        return False
+    with generator.lock if generator is not None else contextlib.nullcontext():
+        if generator is not None and name in generator.adapters_in_use():
+            raise InvalidOption(f"adapter {name!r} is in use by running requests; unload it "
+                                "when they finish")
+        return bank.unload(name)
+
+
+def combine_adapters(adapters: list[PeftAdapter], name: str) -> PeftAdapter:
+    """One adapter that applies all of `adapters` at once (their sum: the ranks of a
+    module's pairs side by side), as TabbyAPI applies every loaded LoRA."""
+    modules: dict[str, LoraPair] = {}
+    for adapter in adapters:
+        for module, pair in adapter.modules.items():
+            if module in modules:
+                known = modules[module]
+                pair = LoraPair(torch.cat([known.a, pair.a]), torch.cat([known.b, pair.b], dim=1))
+            modules[module] = pair
+    targets: list[str] = sorted({t for a in adapters if isinstance(a.target_modules, list)
+                                 for t in a.target_modules})
+    return PeftAdapter(name=name, rank=sum(a.rank for a in adapters),
+                       alpha=sum(a.alpha for a in adapters), rslora=False, scale=1.0,
+                       target_modules=targets or None, modules=modules,
+                       source=" + ".join(a.source or a.name for a in adapters))
