@@ -10,13 +10,12 @@
     jobs = [llm.submit(p, max_tokens=8) for p in ["One", "Two", "Three"]]
     answers = [job.text() for job in jobs]  # the three ran as one batch
 
-    llm.load_adapter("./my-lora", name="mine")          # a PEFT LoRA folder
-    llm.generate("Hi", adapter="mine")                  # per request; None: the base
-
 `model` is a model folder (Hugging Face layout) or a name in the local model store
 (`exl3 pull` puts models there). Every call goes through one `Generator`
 (exl3cli/engine/generator.py): a paged, optionally quantized KV cache with continuous
 batching and prefix reuse, so concurrent callers (threads) share the model.
+LoRA adapters: `llm.load_adapter(folder, name)` (or `load(..., adapters={name: folder})`),
+then `adapter=name` per request; requests with different adapters share one batch.
 """
 
 from __future__ import annotations
