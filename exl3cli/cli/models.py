@@ -155,7 +155,12 @@ def remove(models: tuple[str, ...]) -> None:
 @click.option("-f", "--file", "modelfile", default="Modelfile", show_default=True,
               help="Path to the Modelfile.")
 def create(name: str, modelfile: str) -> None:
-    """Create a model from a Modelfile (weights are shared, never copied)."""
+    """Create a model from a Modelfile (weights are shared, never copied).
+
+    
+    ADAPTER applies a LoRA adapter: a PEFT folder (adapter_config.json +
+    adapter_model.safetensors) or a stored model made with one. Models that differ
+    only in ADAPTER share one loaded base model, and their requests one batch."""
     path = Path(modelfile).expanduser()
     try:
         text = path.read_text(encoding="utf-8")

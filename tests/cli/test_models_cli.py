@@ -289,3 +289,26 @@ def test_show_template_prints_the_models_own_template_without_a_TEMPLATE(workspa
     assert own and exl3("show", "chat", "--template").stdout == own + "\n"
     modelfile = exl3("show", "chat", "--modelfile").stdout
     assert "TEMPLATE" not in modelfile  # the model's own template is not copied into it
+
+
+def test_create_with_an_adapter_and_show_lists_it(tmp_path, monkeypatch):
+    from tests.engine.test_lora import make_adapter
+    from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
+
+    monkeypatch.setenv("EXL3_MODELS", str(tmp_path / "store"))
+    monkeypatch.chdir(tmp_path)
+    write_tiny_model(tmp_path / "base", "llama")
+    make_adapter(tiny_reference_model("llama"), tmp_path / "lora", seed=1)
+    make_adapter(tiny_reference_model("llama", hidden_size=96), tmp_path / "wide", seed=1)
+    (tmp_path / "Mf").write_text("FROM ./base\nADAPTER ./lora\n")
+    created = exl3("create", "adapted", "-f", "Mf")
+    assert created.exit_code == 0, created.stderr
+    shown = exl3("show", "adapted").stdout
+    assert f"  Adapter\n    {tmp_path / 'lora'}\n" in shown
+    assert f"ADAPTER {tmp_path / 'lora'}" in exl3("show", "adapted", "--modelfile").stdout
+    (tmp_path / "Mf2").write_text("FROM ./base\nADAPTER ./wide\n")
+    refused = exl3("create", "wide", "-f", "Mf2")
+    assert refused.exit_code == 1
+    assert "Error: Modelfile line 2: adapter " in refused.stderr
+    assert "shape mismatch at model.layers.0." in refused.stderr
+    assert "ADAPTER" in exl3("create", "--help").stdout
