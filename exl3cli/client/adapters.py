@@ -189,8 +189,8 @@ def load_default_loras(store: Any, loaded: Any, loras: list[dict[str, Any]],
     adapter of its own, together with those loaded before (their sum, as TabbyAPI
     applies every loaded LoRA). All or nothing: AdapterError names the first that
     cannot be read or does not fit."""
-    from exl3cli.engine.lora import AdapterBank, combine_adapters, load_adapter, unload_adapter
-    from exl3cli.engine.lora_peft import read_peft_adapter
+    from exl3cli.engine.lora import AdapterBank, load_adapter, unload_adapter
+    from exl3cli.engine.lora_peft import combine_adapters, read_peft_adapter
 
     wanted = {entry["name"]: entry for entry in (loaded.default_loras or [])}
     wanted.update({entry["name"]: entry for entry in loras})

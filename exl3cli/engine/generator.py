@@ -13,10 +13,11 @@ generator themselves), or from a `GeneratorThread`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,8 +228,9 @@ class Generator:
             report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
             if self._decode_only(fed):
-                self._route_adapters([(active, 1) for active, _ in fed])
-                logits = self.decode.run([(active.table, tokens[0]) for active, tokens in fed])
+                with self._adapters_for([(active, 1) for active, _ in fed]):
+                    logits = self.decode.run([(active.table, tokens[0])
+                                              for active, tokens in fed])
                 for active, tokens in fed:
                     active.table.commit(tokens)
                 flight = self._launch([active for active, _ in fed], logits, start, report)
@@ -236,7 +238,8 @@ class Generator:
                     return self._land(flight)
                 rows: list[Any] = list(range(len(fed)))
             else:
-                logits, rows = self._forward(fed)
+                with self._adapters_for([(active, len(tokens)) for active, tokens in fed]):
+                    logits, rows = self._forward(fed)
             tokens_of = self._sample(fed, logits, rows)
             elapsed = time.perf_counter_ns() - start
             for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
@@ -322,8 +325,8 @@ class Generator:
             start = time.perf_counter_ns()
             ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
                 0, torch.tensor(live, device=flight.tokens.device))
-            self._route_adapters([(job, 1) for job in jobs])
-            logits = self.decode.run([(job.table, None) for job in jobs], ids)
+            with self._adapters_for([(job, 1) for job in jobs]):
+                logits = self.decode.run([(job.table, None) for job in jobs], ids)
             following = self._launch(jobs, logits, start, StepReport(
                 decode_tokens=len(jobs), jobs=len(jobs),
                 job_ids=[job.handle.id for job in jobs]))
@@ -368,7 +371,6 @@ class Generator:
         an index, or a slice of 1 + k rows for a job verifying k drafts)."""
         decode = [(active.table, tokens[0]) for active, tokens in fed
                   if not active.prefilling and len(tokens) == 1]
-        self._route_adapters([(active, len(tokens)) for active, tokens in fed])
         if len(decode) == len(fed) and self.decode.fits(decode):
             return self.decode.run(decode), list(range(len(fed)))
         tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
@@ -384,13 +386,20 @@ class Generator:
                                  dtype=torch.long, device=self.model.device)
         return self.model.forward(input_ids, batch, last_logits_only=True)[0], rows
 
-    def _route_adapters(self, rows: list[tuple[ActiveJob, int]]) -> None:
-        """Tell the model's LoRA adapters (engine/lora.py), if it has any, which one each
-        row of the next forward uses: (job, its token count), in input order."""
+    @contextlib.contextmanager
+    def _adapters_for(self, rows: list[tuple[ActiveJob, int]]) -> Iterator[None]:
+        """Around a forward: tell the model's LoRA adapters (engine/lora.py), if it has
+        any, which one each row uses: (job, its token count), in input order."""
         adapters = getattr(self.model, "adapters", None)
-        if adapters is not None:
-            adapters.select_rows([active.handle.job.adapter for active, _ in rows],
-                                 [count for _, count in rows])
+        if adapters is None:
+            yield
+            return
+        adapters.select_rows([active.handle.job.adapter for active, _ in rows],
+                             [count for _, count in rows])
+        try:
+            yield
+        finally:
+            adapters.release()
 
     def adapters_in_use(self) -> set[str]:
         """The adapters of queued and running jobs (not to be unloaded under them)."""

@@ -16,9 +16,10 @@ with its slot, is two matmuls whatever the mix of adapters in the batch:
     y = y + h @ B_all^T
 
 so a row without an adapter adds exact zeros. `select_rows(names, counts)` sets the
-slot of every token of the next forward (the generator calls it before each step;
-rows past the selection, e.g. a decode step's padding, get slot 0); it writes into
-one persistent device buffer, so a captured decode graph reads the current slots.
+slot of every token of the next forward on the calling thread (the generator calls it
+before each step and `release()` after; rows past the selection, e.g. a decode step's
+padding, and forwards of other threads get slot 0); it writes into one persistent
+device buffer, so a captured decode graph reads the current slots.
 
 Fused projections (q|k|v, gate|up) get one block-diagonal B over their parts; a q/k
 head permutation of the loader (partial or interleaved rope) is applied to B's rows.
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from exl3cli.engine.linear import Linear
-from exl3cli.engine.lora_peft import LoraPair, PeftAdapter
+from exl3cli.engine.lora_peft import PeftAdapter
 from exl3cli.engine.paged_cache import ROOT_HASH
 from exl3cli.errors import AdapterError, InvalidOption
 
@@ -110,6 +111,8 @@ class AdapterBank:
         self._wrapped: dict[int, AdaptedLinear] = {}
         self._slots = torch.zeros(_SLOT_CAPACITY, dtype=torch.long, device=model.device)
         self._selected = 0  # rows of _slots set by the last selection
+        self._owner: int | None = None  # the thread whose forward the selection is for
+        self._base_slots = torch.zeros(_SLOT_CAPACITY, dtype=torch.long, device=model.device)
 
     @classmethod
     def of(cls, model: Any) -> AdapterBank:
@@ -176,23 +179,37 @@ class AdapterBank:
         total = sum(counts)
         if total > self._slots.numel():
             self._slots = torch.zeros(total, dtype=torch.long, device=self._slots.device)
+            self._invalidate_graphs()
         values = torch.tensor(slots, dtype=torch.long).repeat_interleave(
             torch.tensor(counts, dtype=torch.long))
         self._slots[:total].copy_(values, non_blocking=True)
         if self._selected > total:
             self._slots[total:self._selected].zero_()
         self._selected = total
+        self._owner = threading.get_ident()
+
+    def release(self) -> None:
+        """The selection is spent: forwards from here on (any thread) run the base
+        model until the next selection."""
+        self._owner = None
 
     def select(self, name: str | None, rows: int) -> None:
         """Every one of the next forward's `rows` token rows uses adapter `name`."""
         self.select_rows([name], [rows])
 
     def token_slots(self, rows: int) -> torch.Tensor:
-        """The slots of the current forward's `rows` token rows."""
+        """The slots of the current forward's `rows` token rows: the selection made on
+        this thread, else (another thread's forward, e.g. an embedding request, or
+        none made) slot 0 for every row."""
+        if self._owner != threading.get_ident():
+            if self._base_slots.numel() < rows:
+                self._base_slots = torch.zeros(rows, dtype=torch.long, device=self._slots.device)
+            return self._base_slots[:rows]
         if rows > self._slots.numel():  # rows past any selection: the base model
             grown = torch.zeros(rows, dtype=torch.long, device=self._slots.device)
             grown[: self._selected].copy_(self._slots[: self._selected])
             self._slots = grown
+            self._invalidate_graphs()
         return self._slots[:rows]
 
     # ---- the wrapped layers -----------------------------------------------------------
@@ -217,6 +234,14 @@ class AdapterBank:
         for layer in self.model.layers:  # CPU decode plans hold the unwrapped layers
             if hasattr(layer, "_plan"):
                 layer._plan = False
+        self._invalidate_graphs()
+
+    def _invalidate_graphs(self) -> None:
+        """Captured decode graphs (decode_step.py) hold the layers and tensors of their
+        capture: mark them stale the way a rebuilt rotary table does."""
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is not None and hasattr(rotary, "version"):
+            rotary.version += 1
 
     def _wrap(self, target: _Target) -> AdaptedLinear:
         layer = getattr(target.owner, target.attr)
@@ -369,21 +394,3 @@ def unload_adapter(model: Any, name: str, generator: Any = None) -> bool:
             raise InvalidOption(f"adapter {name!r} is in use by running requests; unload it "
                                 "when they finish")
         return bank.unload(name)
-
-
-def combine_adapters(adapters: list[PeftAdapter], name: str) -> PeftAdapter:
-    """One adapter that applies all of `adapters` at once (their sum: the ranks of a
-    module's pairs side by side), as TabbyAPI applies every loaded LoRA."""
-    modules: dict[str, LoraPair] = {}
-    for adapter in adapters:
-        for module, pair in adapter.modules.items():
-            if module in modules:
-                known = modules[module]
-                pair = LoraPair(torch.cat([known.a, pair.a]), torch.cat([known.b, pair.b], dim=1))
-            modules[module] = pair
-    targets: list[str] = sorted({t for a in adapters if isinstance(a.target_modules, list)
-                                 for t in a.target_modules})
-    return PeftAdapter(name=name, rank=sum(a.rank for a in adapters),
-                       alpha=sum(a.alpha for a in adapters), rslora=False, scale=1.0,
-                       target_modules=targets or None, modules=modules,
-                       source=" + ".join(a.source or a.name for a in adapters))

@@ -191,3 +191,21 @@ def _parse_key(key: str, name: str) -> tuple[str, str]:
         raise AdapterError(f"adapter {name}: unexpected tensor {key} (a LoRA adapter holds "
                            "<module>.lora_A.weight and <module>.lora_B.weight)")
     return match["module"].removeprefix(_PREFIX), match["half"]
+
+
+def combine_adapters(adapters: list[PeftAdapter], name: str) -> PeftAdapter:
+    """One adapter that applies all of `adapters` at once (their sum: the ranks of a
+    module's pairs side by side), as TabbyAPI applies every loaded LoRA."""
+    modules: dict[str, LoraPair] = {}
+    for adapter in adapters:
+        for module, pair in adapter.modules.items():
+            if module in modules:
+                known = modules[module]
+                pair = LoraPair(torch.cat([known.a, pair.a]), torch.cat([known.b, pair.b], dim=1))
+            modules[module] = pair
+    targets: list[str] = sorted({t for a in adapters if isinstance(a.target_modules, list)
+                                 for t in a.target_modules})
+    return PeftAdapter(name=name, rank=sum(a.rank for a in adapters),
+                       alpha=sum(a.alpha for a in adapters), rslora=False, scale=1.0,
+                       target_modules=targets or None, modules=modules,
+                       source=" + ".join(a.source or a.name for a in adapters))

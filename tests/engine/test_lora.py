@@ -217,3 +217,26 @@ def test_missing_and_foreign_files_are_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         read_peft_adapter(tmp_path / "empty", "e")
+
+
+def test_a_selection_holds_for_its_own_thread_until_released(llama, tmp_path):
+    """Forwards of other threads (an embedding request beside the generator) and
+    forwards after `release()` run the base model."""
+    import threading
+
+    model = llama[1]
+    bare = model(IDS)
+    bank = AdapterBank.of(model)
+    bank.load(read_peft_adapter(make_adapter(llama[0], tmp_path / "t", seed=5), "t"))
+    try:
+        bank.select("t", IDS.numel())
+        adapted = model(IDS)
+        elsewhere: list[torch.Tensor] = []
+        thread = threading.Thread(target=lambda: elsewhere.append(model(IDS)))
+        thread.start()
+        thread.join()
+        assert torch.equal(elsewhere[0], bare) and not torch.equal(adapted, bare)
+        bank.release()
+        assert torch.equal(model(IDS), bare)
+    finally:
+        bank.unload("t")
