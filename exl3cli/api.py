@@ -87,14 +87,25 @@ class LLM:
 
     def load_adapter(self, path: str | Path, name: str | None = None,
                      scaling: float = 1.0) -> str:
-        """Load a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) on
-        the model under `name` (default: the folder's name), its scale times `scaling`;
+        """Load a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), or
+        a GGUF LoRA file (llama.cpp's layout), on the model under `name` (default: the folder's name), its scale times `scaling`;
         requests choose it with `adapter=name`, each its own, in one batch. AdapterError
         when it does not fit the model. Returns the name."""
         from exl3cli.engine.lora import load_adapter
         from exl3cli.engine.lora_peft import read_peft_adapter
 
-        adapter = read_peft_adapter(path, name, scaling)
+        if Path(path).suffix.lower() == ".gguf":  # llama.cpp's layout: made a PEFT folder
+            import tempfile
+
+            from exl3cli.gguf.lora import gguf_lora_to_peft
+
+            config = self.model.config
+            with tempfile.TemporaryDirectory() as work:
+                folder = gguf_lora_to_peft(path, Path(work), name or Path(path).stem,
+                                           config.num_heads, config.num_kv_heads)
+                adapter = read_peft_adapter(folder, name or Path(path).stem, scaling)
+        else:
+            adapter = read_peft_adapter(path, name, scaling)
         load_adapter(self.model, adapter, self.generator)
         return adapter.name
 

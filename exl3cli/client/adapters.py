@@ -8,8 +8,9 @@ base model, and their requests run in one batch, each row with its own adapter
 (engine/lora.py). An adapter is loaded on the base model under a name made from its
 files' digests, once, when a request first needs it.
 
-`ADAPTER` takes a PEFT folder (adapter_config.json + adapter_model.safetensors) or the
-name of a stored model that has an adapter (its adapter is reused). `/api/create`'s
+`ADAPTER` takes a PEFT folder (adapter_config.json + adapter_model.safetensors), a GGUF
+LoRA file (llama.cpp's layout, stored as the PEFT files it amounts to: gguf/lora.py) or
+the name of a stored model that has an adapter (its adapter is reused). `/api/create`'s
 `adapters` ({file name: digest} of uploaded blobs) does the same for HTTP clients.
 """
 
@@ -65,6 +66,11 @@ def import_adapter(store: Any, value: str, base_dir: Path, line: int,
     if not path.is_absolute():
         path = base_dir / path
     if allow_paths and (path.exists() or value.startswith(("/", "./", "../", "~"))):
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            try:
+                return import_gguf_adapter(store, path, value, base)
+            except AdapterError as error:
+                raise ModelfileError(line, str(error)) from None
         return _import_folder(store, value, path, line)
     try:
         name = ModelName.parse(value)
@@ -80,10 +86,32 @@ def import_adapter(store: Any, value: str, base_dir: Path, line: int,
     return files
 
 
+def import_gguf_adapter(store: Any, path: Path, label: str, base: Any) -> dict[str, str]:
+    """A GGUF LoRA file (llama.cpp's layout) stored as the PEFT files it amounts to
+    (gguf/lora.py; the base model's head counts undo llama.cpp's q/k row order)."""
+    import tempfile
+
+    from exl3cli.gguf.lora import gguf_lora_to_peft
+
+    config: dict[str, Any] = {}
+    digest = (base.get("files") or {}).get("config.json") if base is not None else None
+    if digest:
+        try:
+            config = json.loads(store.blob_path(digest).read_text())
+        except (OSError, ValueError):
+            config = {}
+    heads = int(config.get("num_attention_heads") or 0)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if not heads:
+        raise AdapterError(f"adapter {label}: a GGUF LoRA needs its base model's config.json "
+                           "(head counts)")
+    store.root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=store.root, prefix=".convert-") as work:
+        folder = gguf_lora_to_peft(path, Path(work) / "adapter", label, heads, kv_heads)
+        return {name: store.add_blob_from_file(folder / name) for name in ADAPTER_FILES}
+
+
 def _import_folder(store: Any, value: str, path: Path, line: int) -> dict[str, str]:
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        raise ModelfileError(line, f"ADAPTER {value}: GGUF LoRA files are not supported; "
-                                   f"give the PEFT folder ({CONFIG_FILE} + {WEIGHTS_FILE})")
     if not path.is_dir():
         raise ModelfileError(line, f"ADAPTER {value}: no such folder")
     missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
@@ -93,21 +121,21 @@ def _import_folder(store: Any, value: str, path: Path, line: int) -> dict[str, s
     return {name: store.add_blob_from_file(path / name) for name in ADAPTER_FILES}
 
 
-def uploaded_adapter(store: Any, adapters: Any) -> dict[str, str]:
-    """`/api/create`'s `adapters` ({file name: digest} of uploaded blobs) checked."""
+def uploaded_adapter(store: Any, adapters: Any, base: Any) -> dict[str, str]:
+    """`/api/create`'s `adapters` ({file name: digest} of uploaded blobs): the two PEFT
+    files, or one GGUF LoRA file (converted)."""
     if not isinstance(adapters, dict) or not adapters:
         raise Exl3Error("adapters must map file names to blob digests")
-    names = sorted(adapters)
-    if any(name.lower().endswith(".gguf") for name in names):
-        raise Exl3Error("adapters: GGUF LoRA files are not supported; upload the PEFT "
-                        f"files ({CONFIG_FILE} and {WEIGHTS_FILE})")
-    if names != sorted(ADAPTER_FILES):
-        raise Exl3Error(f"adapters: give the two PEFT files {CONFIG_FILE} and "
-                        f"{WEIGHTS_FILE}, got {', '.join(names)}")
     for name, digest in adapters.items():
         if not isinstance(digest, str) or not store.has_blob(digest):
             raise Exl3Error(f"adapters: blob {digest} of '{name}' is not in the store; "
                             "upload it first (POST /api/blobs/<digest>)")
+    names = sorted(adapters)
+    if len(names) == 1 and names[0].lower().endswith(".gguf"):
+        return import_gguf_adapter(store, store.blob_path(adapters[names[0]]), names[0], base)
+    if names != sorted(ADAPTER_FILES):
+        raise Exl3Error(f"adapters: give the two PEFT files {CONFIG_FILE} and "
+                        f"{WEIGHTS_FILE}, or one GGUF LoRA file; got {', '.join(names)}")
     return dict(adapters)
 
 

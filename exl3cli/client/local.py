@@ -162,7 +162,7 @@ class LocalClient:
             if modelfile.adapter is not None:
                 raise ModelfileError(modelfile.lines.get("adapter", 0),
                                      "give an ADAPTER line or uploaded `adapters`, not both")
-            files = uploaded_adapter(self.store, req["adapters"])
+            files = uploaded_adapter(self.store, req["adapters"], base)
             manifest.adapter = "sha256-" + files["adapter_model.safetensors"][7:19]
         elif modelfile.adapter is not None:
             yield {"status": "importing adapter"}

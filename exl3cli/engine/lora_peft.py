@@ -12,8 +12,8 @@ the scale already folded into B, so a module's output gains `B (A x)`:
 What this reader does not implement is refused with an AdapterError naming the adapter:
 DoRA (`use_dora`, `lora_magnitude_vector` tensors), trained biases (`bias` other than
 "none"), `modules_to_save`, per-module `rank_pattern` / `alpha_pattern`,
-`layers_to_transform`, embedding LoRA (`lora_embedding_A/B`), pickled
-`adapter_model.bin` files and GGUF LoRA files. `fan_in_fan_out` only says how the base
+`layers_to_transform`, embedding LoRA (`lora_embedding_A/B`) and pickled
+`adapter_model.bin` files. GGUF LoRA files become PEFT folders first (gguf/lora.py). `fan_in_fan_out` only says how the base
 layer stores its weight (GPT-2's Conv1D); PEFT's A and B are nn.Linear weights either
 way, so it changes nothing for the linear layers exl3 adapts.
 """
@@ -81,8 +81,9 @@ def read_peft_adapter(path: str | Path, name: str | None = None,
     path = Path(path).expanduser()
     name = name or path.name
     if path.is_file() and path.suffix.lower() == ".gguf":
-        raise AdapterError(f"adapter {name}: GGUF LoRA files are not supported; give the "
-                           f"PEFT folder ({CONFIG_FILE} + {WEIGHTS_FILE}) it was made from")
+        raise AdapterError(f"adapter {name}: a GGUF LoRA file is read through "
+                           "gguf/lora.py (Modelfile ADAPTER, LLM.load_adapter); here give "
+                           f"a PEFT folder ({CONFIG_FILE} + {WEIGHTS_FILE})")
     if not path.is_dir():
         raise AdapterError(f"adapter {name}: {path} is not an adapter folder")
     config_path = path / CONFIG_FILE

@@ -88,8 +88,7 @@ def test_adapted_models_share_one_base_and_batch_together(local, store):
 @pytest.mark.parametrize("line,message", [
     ("ADAPTER {wide}", r"line 2: adapter .*wide: shape mismatch at model\.layers\.0\."),
     ("ADAPTER ./no-such-lora", "line 2: ADAPTER ./no-such-lora: no such folder"),
-    ("ADAPTER {tmp}/lora.gguf", "line 2: ADAPTER .*lora.gguf: GGUF LoRA files are not "
-                                "supported"),
+    ("ADAPTER {tmp}/lora.gguf", r"line 2: adapter .*lora.gguf: .*GGUF file"),
     ("ADAPTER {tmp}", "line 2: ADAPTER .*: not a PEFT LoRA folder"),
     ("ADAPTER no-such-model", "line 2: ADAPTER no-such-model: no such folder or stored model"),
 ])
@@ -99,3 +98,14 @@ def test_bad_adapters_are_refused_at_create(local, loras, store, tmp_path, line,
     with pytest.raises(ModelfileError, match=message):
         list(local.create({"model": "refused", "modelfile": text, "base_dir": str(tmp_path)}))
     assert not store.exists("refused")
+
+
+def test_a_gguf_lora_file_as_adapter(local, loras, store, tmp_path):
+    from tests.gguf.test_lora import write_gguf_lora
+
+    write_gguf_lora(loras["a"], tmp_path / "a.gguf", alpha=8.0)
+    list(local.create({"model": "tiny-gguf", "modelfile": "FROM tiny\nADAPTER ./a.gguf\n",
+                       "base_dir": str(tmp_path)}))
+    assert sorted(adapter_files(store.read_manifest("tiny-gguf"))) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    assert greedy(local, "tiny-gguf") == greedy(local, "tiny-a")

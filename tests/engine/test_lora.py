@@ -212,7 +212,7 @@ def test_missing_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(AdapterError, match="adapter none: .* is not an adapter folder"):
         read_peft_adapter(tmp_path / "none", "none")
     (tmp_path / "f.gguf").write_bytes(b"GGUF")
-    with pytest.raises(AdapterError, match="GGUF LoRA files are not supported"):
+    with pytest.raises(AdapterError, match="a GGUF LoRA file is read through gguf/lora.py"):
         read_peft_adapter(tmp_path / "f.gguf", "g")
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterError, match="no adapter_config.json"):
