@@ -104,3 +104,28 @@ def test_tabby_lora_routes(served, lora_dir):
     assert call(url + "/v1/lora/unload", "POST")[0] == 200
     assert call(url + "/v1/lora")[1]["data"] == []
     assert text(client, "tiny") == base
+
+
+def test_loading_loras_needs_the_admin_key(store, lora_dir):
+    with Daemon(store, admin_key="admin-key") as daemon:
+        body = {"loras": [{"name": "style"}]}
+        for route in ("/v1/lora/load", "/v1/lora/unload"):
+            status, _ = call(daemon.url + route, "POST", body, {"x-api-key": "nope"})
+            assert status == 401
+        assert call(daemon.url + "/v1/loras", headers={"x-admin-key": "admin-key"})[0] == 200
+
+
+def test_the_cli_uploads_an_adapter_folder_to_a_daemon_that_does_not_read_its_paths(
+        served, store, lora_dir, tmp_path, monkeypatch):
+    from exl3cli.client.adapters import adapter_files
+    from exl3cli.client.http import HttpClient
+
+    daemon, client = served
+    monkeypatch.setenv("EXL3_MODELS", str(tmp_path / "elsewhere"))  # another local token
+    events = list(HttpClient(daemon.url).create(
+        {"model": "tiny-up", "modelfile": f"FROM tiny\nADAPTER {lora_dir / 'style'}\n"}))
+    assert events[-1]["status"] == "success"
+    assert sorted(adapter_files(store.read_manifest("tiny-up"))) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    client.create(model="tiny-style4", from_="tiny", adapters=upload(client, lora_dir / "style"))
+    assert text(client, "tiny-up") == text(client, "tiny-style4")
