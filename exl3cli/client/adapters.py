@@ -28,6 +28,7 @@ from exl3cli.store.names import ModelName
 ADAPTER_DIR = "adapter"
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"  # lora_peft.py
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+MAX_RESIDENT_ADAPTERS = 8  # adapters kept loaded on one base model while idle
 
 
 def adapter_files(manifest: Any) -> dict[str, str]:
@@ -177,8 +178,23 @@ def job_adapter(store: Any, loaded: Any, manifest: Any, generator: Any) -> str |
     folder = store.files_folder(manifest.files)
     adapter = read_peft_adapter(folder / ADAPTER_DIR, name=manifest.get("adapter") or key)
     adapter.name = key
+    _make_room(loaded, generator)
     load_adapter(model, adapter, generator)
     return key
+
+
+def _make_room(loaded: Any, generator: Any) -> None:
+    """Every loaded adapter costs each forward a little (its ranks are computed for all
+    rows): past MAX_RESIDENT_ADAPTERS, idle ones (no job, not TabbyAPI's) are unloaded,
+    oldest first, and loaded again when a request needs them."""
+    from exl3cli.engine.lora import AdapterBank, unload_adapter
+
+    bank = AdapterBank.of(loaded.text_model.model)
+    with generator.lock:
+        busy = generator.adapters_in_use() | {loaded.default_adapter}
+        idle = [name for name in bank.names if name not in busy]
+        for name in idle[: max(0, len(bank.names) + 1 - MAX_RESIDENT_ADAPTERS)]:
+            unload_adapter(loaded.text_model.model, name, generator)
 
 
 # ---- TabbyAPI's LoRA routes: adapters for every request on the current model -----------

@@ -67,9 +67,8 @@ class AdaptedLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
         rows = x.reshape(-1, self.in_features)
-        slots = self.bank.token_slots(rows.shape[0])
         low = rows.to(self.lora_a.dtype) @ self.lora_a.t()
-        low = low * (self.lora_columns[None, :] == slots[:, None]).to(low.dtype)
+        low = low * self.bank.row_mask(self.lora_columns, rows.shape[0], low.dtype)
         return y + (low @ self.lora_b.t()).to(y.dtype).view(y.shape)
 
     def dense_weight(self) -> None:
@@ -112,6 +111,7 @@ class AdapterBank:
         self._slots = torch.zeros(_SLOT_CAPACITY, dtype=torch.long, device=model.device)
         self._selected = 0  # rows of _slots set by the last selection
         self._owner: int | None = None  # the thread whose forward the selection is for
+        self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self._base_slots = torch.zeros(_SLOT_CAPACITY, dtype=torch.long, device=model.device)
 
     @classmethod
@@ -187,15 +187,29 @@ class AdapterBank:
             self._slots[total:self._selected].zero_()
         self._selected = total
         self._owner = threading.get_ident()
+        self._masks.clear()
 
     def release(self) -> None:
         """The selection is spent: forwards from here on (any thread) run the base
         model until the next selection."""
         self._owner = None
+        self._masks.clear()
 
     def select(self, name: str | None, rows: int) -> None:
         """Every one of the next forward's `rows` token rows uses adapter `name`."""
         self.select_rows([name], [rows])
+
+    def row_mask(self, columns: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, R]: 1 where a rank column belongs to the row's adapter. Made once per
+        forward for each stacking of columns (most projections share one), not per layer."""
+        key = (id(columns), rows, dtype)
+        mine = self._owner == threading.get_ident()
+        mask = self._masks.get(key) if mine else None
+        if mask is None:
+            mask = (columns[None, :] == self.token_slots(rows)[:, None]).to(dtype)
+            if mine:
+                self._masks[key] = mask
+        return mask
 
     def token_slots(self, rows: int) -> torch.Tensor:
         """The slots of the current forward's `rows` token rows: the selection made on
@@ -217,6 +231,7 @@ class AdapterBank:
     def _rebuild(self) -> None:
         """Stack every loaded adapter into the projections it touches; unwrap the rest."""
         dtype, device = self.model.dtype, self.model.device
+        self._masks.clear()
         for target in self._targets:
             pieces = []
             for slot, loaded in enumerate(self._loaded.values(), start=1):

@@ -109,3 +109,19 @@ def test_a_gguf_lora_file_as_adapter(local, loras, store, tmp_path):
     assert sorted(adapter_files(store.read_manifest("tiny-gguf"))) == [
         "adapter_config.json", "adapter_model.safetensors"]
     assert greedy(local, "tiny-gguf") == greedy(local, "tiny-a")
+
+
+def test_idle_adapters_are_unloaded_past_the_resident_limit(local, store, monkeypatch,
+                                                             tmp_path):
+    import exl3cli.client.adapters as adapters
+
+    first = {name: greedy(local, name) for name in ("tiny-a", "tiny-b")}
+    monkeypatch.setattr(adapters, "MAX_RESIDENT_ADAPTERS", 2)
+    reference = tiny_reference_model("llama", vocab_size=TINY_VOCAB)
+    folder = make_adapter(reference, tmp_path / "c", seed=9, targets=["o_proj"])
+    list(local.create({"model": "tiny-c", "modelfile": f"FROM tiny\nADAPTER {folder}\n"}))
+    greedy(local, "tiny-c")
+    bank = AdapterBank.of(next(iter(local._inference()._loaded.values())).text_model.model)
+    assert len(bank.names) == 2
+    assert {name: greedy(local, name) for name in first} == first  # loaded again as needed
+    assert len(bank.names) == 2

@@ -63,7 +63,11 @@ def test_an_adapter_for_another_base_is_a_400(served, lora_dir):
     with pytest.raises(ollama.ResponseError) as error:
         client.create(model="tiny-x", from_="tiny",
                       adapters={"adapter_model.safetensors": "sha256:" + "0" * 64})
-    assert error.value.status_code == 400 and "adapter_config.json" in error.value.error
+    assert error.value.status_code == 400 and "is not in the store" in error.value.error
+    only_config = {"adapter_config.json": upload(client, lora_dir / "style")["adapter_config.json"]}
+    with pytest.raises(ollama.ResponseError) as error:
+        client.create(model="tiny-x", from_="tiny", adapters=only_config)
+    assert error.value.status_code == 400 and "give the two PEFT files" in error.value.error
     status, body = call(daemon_url(served) + "/api/create", "POST",
                         {"model": "tiny-p", "modelfile": f"FROM tiny\nADAPTER {lora_dir}/style\n"})
     assert status == 400 and "ADAPTER paths are not read for HTTP clients" in body["error"]
