@@ -17,6 +17,8 @@
 (`exl3 pull` puts models there). Every call goes through one `Generator`
 (exl3cli/engine/generator.py): a paged, optionally quantized KV cache with continuous
 batching and prefix reuse, so concurrent callers (threads) share the model.
+LoRA adapters: `llm.load_adapter(folder, name)` (or `load(..., adapters={name: folder})`),
+then `adapter=name` per request; requests with different adapters share one batch.
 """
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ class LLM:
         stop: list[str] | None = None,
         truncate: bool = False,
         images: list[Any] | None = None,
+        adapter: str | None = None,
         **options: Any,
     ) -> JobHandle:
         """Start one request and return its handle (iterate it for events, or
         `.text()`); a text prompt is encoded as is (`images`, file paths or bytes, go ahead
         of it), a message list (each message may carry "images") through the chat
-        template. `options` are further sampler options (min_p, repeat_penalty...)."""
+        template. `options` are further sampler options (min_p, repeat_penalty...).
+        `adapter` names a LoRA adapter loaded with `load_adapter` (None: the base)."""
         sampler_options = {name: value for name, value in
                            {"temperature": temperature, "top_p": top_p, "top_k": top_k,
                             "seed": seed, **options}.items() if value is not None}
@@ -82,8 +86,45 @@ class LLM:
             # One drafter per job: a draft model keeps a cache of this job's text.
             drafter=make_drafter(self.draft) if self.draft else None,
             draft_tokens=self.draft_tokens if self.draft else 0,
+            adapter=adapter,
         )
         return self.generator.submit(job)
+
+    def load_adapter(self, path: str | Path, name: str | None = None,
+                     scaling: float = 1.0) -> str:
+        """Load a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), or
+        a GGUF LoRA file (llama.cpp's layout), on the model under `name` (default: the folder's name), its scale times `scaling`;
+        requests choose it with `adapter=name`, each its own, in one batch. AdapterError
+        when it does not fit the model. Returns the name."""
+        from exl3cli.engine.lora import load_adapter
+        from exl3cli.engine.lora_peft import read_peft_adapter
+
+        if Path(path).suffix.lower() == ".gguf":  # llama.cpp's layout: made a PEFT folder
+            import tempfile
+
+            from exl3cli.gguf.lora import gguf_lora_to_peft
+
+            config = self.model.config
+            with tempfile.TemporaryDirectory() as work:
+                folder = gguf_lora_to_peft(path, Path(work), name or Path(path).stem,
+                                           config.num_heads, config.num_kv_heads)
+                adapter = read_peft_adapter(folder, name or Path(path).stem, scaling)
+        else:
+            adapter = read_peft_adapter(path, name, scaling)
+        load_adapter(self.model, adapter, self.generator)
+        return adapter.name
+
+    def unload_adapter(self, name: str) -> bool:
+        """Remove adapter `name` (InvalidOption while a request uses it)."""
+        from exl3cli.engine.lora import unload_adapter
+
+        return unload_adapter(self.model, name, self.generator)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        bank = getattr(self.model, "adapters", None)
+        return [] if bank is None else bank.names
 
     def generate(self, prompt: Prompt, *, stream: bool = False,
                  **settings: Any) -> str | Iterator[str]:
@@ -156,6 +197,7 @@ def load(
     background: bool = False,
     draft: str | None = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    adapters: dict[str, str | Path] | None = None,
 ) -> LLM:
     """Load a model folder or store name into an LLM.
 
@@ -166,6 +208,8 @@ def load(
     `draft` turns on speculative decoding: "ngram" (prompt lookup) or a small draft
     model (folder or store name) with the same vocabulary, proposing up to
     `draft_tokens` tokens per step; greedy output is unchanged by it.
+    `adapters` ({name: PEFT LoRA folder}) are loaded for requests to choose
+    (`adapter=name`); `LLM.load_adapter` adds more later.
     """
     text_model = TextModel.load(resolve_model_folder(model, store_root), device=device,
                                 dtype=dtype)
@@ -177,4 +221,6 @@ def load(
         draft = resolve_draft(draft, lambda name: resolve_model_folder(name, store_root))
         make_drafter(draft)  # a bad name or a missing model fails here, not per request
     llm = LLM(text_model, generator, draft, draft_tokens)
+    for name, path in (adapters or {}).items():
+        llm.load_adapter(path, name)
     return llm.start_background() if background else llm

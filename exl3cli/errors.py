@@ -74,3 +74,8 @@ class GeneratorBusy(Exl3Error):
 
 class ConversionError(Exl3Error):
     """A model conversion that cannot proceed (bad calibration text, mismatched --resume)."""
+
+
+class AdapterError(Exl3Error):
+    """A LoRA adapter that cannot be read or does not fit the model it is put on; the
+    message names the adapter and the mismatch."""

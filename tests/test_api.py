@@ -104,3 +104,30 @@ def test_draft_keeps_the_greedy_text(model_path):
         assert getattr(handle.job.drafter, "_cache", None) is None
     with pytest.raises(ModelNotFound):
         load(model_path, draft="no-such-draft-model", store_root=model_path.parent / "s")
+
+
+def test_adapters_per_request(model_path, tmp_path):
+    from exl3cli.errors import AdapterError, InvalidOption
+    from tests.engine.test_lora import make_adapter
+    from tests.fixtures.tiny_model import tiny_reference_model
+
+    reference = tiny_reference_model("llama", vocab_size=400, max_position_embeddings=1024)
+    folder = make_adapter(reference, tmp_path / "mine", seed=1)
+    llm = load(model_path, max_seq_len=512, max_batch=4, adapters={"mine": folder})
+    assert llm.adapters == ["mine"]
+    settings = {"max_tokens": 8, "temperature": 0}
+    alone = [llm.generate("The sky is", adapter=name, **settings) for name in ("mine", None)]
+    assert alone[0] != alone[1]
+    handles = [llm.submit("The sky is", adapter=name, **settings) for name in ("mine", None)]
+    assert [h.text() for h in handles] == alone
+    with pytest.raises(InvalidOption, match="adapter 'other' is not loaded"):
+        llm.submit("x", adapter="other")
+    wide = make_adapter(tiny_reference_model("llama", hidden_size=96), tmp_path / "wide", seed=2)
+    with pytest.raises(AdapterError, match="adapter wide: shape mismatch"):
+        llm.load_adapter(wide)
+    busy = llm.submit("The sky is", adapter="mine", max_tokens=4)
+    with pytest.raises(InvalidOption, match="in use"):
+        llm.unload_adapter("mine")
+    busy.text()
+    assert llm.unload_adapter("mine") and llm.adapters == []
+    assert llm.generate("The sky is", **settings) == alone[1]

@@ -82,7 +82,7 @@ def _indented(text: str) -> str:
 
 
 def _summary(info: dict[str, Any]) -> str:
-    """The `show` overview: Model, Parameters, System, License sections."""
+    """The `show` overview: Model, Adapter, Parameters, System, License sections."""
     details, model_info = info.get("details") or {}, info.get("model_info") or {}
     arch = model_info.get("general.architecture", details.get("family", ""))
     rows = [["architecture", arch], ["parameters", details.get("parameter_size", "")]]
@@ -92,6 +92,8 @@ def _summary(info: dict[str, Any]) -> str:
             rows.append([label, str(model_info[f"{arch}.{key}"])])
     rows.append(["quantization", details.get("quantization_level", "")])
     sections = [f"  Model\n{_indented(format_table(*_split(rows)))}"]
+    if info.get("adapter"):  # a LoRA adapter (Modelfile ADAPTER)
+        sections.append(f"  Adapter\n{_indented(info['adapter'])}")
     if info.get("parameters"):
         sections.append(f"  Parameters\n{_indented(info['parameters'])}")
     if info.get("system"):
@@ -153,7 +155,12 @@ def remove(models: tuple[str, ...]) -> None:
 @click.option("-f", "--file", "modelfile", default="Modelfile", show_default=True,
               help="Path to the Modelfile.")
 def create(name: str, modelfile: str) -> None:
-    """Create a model from a Modelfile (weights are shared, never copied)."""
+    """Create a model from a Modelfile (weights are shared, never copied).
+
+    
+    ADAPTER applies a LoRA adapter: a PEFT folder (adapter_config.json +
+    adapter_model.safetensors) or a stored model made with one. Models that differ
+    only in ADAPTER share one loaded base model, and their requests one batch."""
     path = Path(modelfile).expanduser()
     try:
         text = path.read_text(encoding="utf-8")

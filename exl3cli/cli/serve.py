@@ -22,6 +22,8 @@ def _serve_help() -> str:
             ("EXL3_ADMIN_KEY", "when set, loading models and store writes need this key"),
             ("EXL3_ORIGINS", "browser origins allowed besides the local ones "
                              "(comma-separated, * wildcards); others get 403"),
+            ("EXL3_LORA_DIR", "LoRA folders /v1/lora/load finds by name "
+                              "(default ~/.exl3/loras)"),
             ("EXL3_KEEP_ALIVE", "how long an idle model stays loaded (default 5m)"),
             ("EXL3_NUM_PARALLEL", "jobs one model runs at once (default 4)"),
             ("EXL3_MAX_QUEUE", "jobs that may wait per model weights (default 512; then 503)"),

@@ -1,7 +1,7 @@
 """What `create` checks before it stores a model, so a Modelfile that could never run
 is refused at create, naming its line, instead of failing at every later run.
 
-- ADAPTER: LoRA adapters are not implemented yet;
+- an ADAPTER (or uploaded adapter) is a PEFT LoRA that fits the model (client/adapters.py);
 - the FROM model's architecture is one a plugin supports;
 - a TEMPLATE is a Jinja2 chat template (Ollama's Go templates are recognised and
   refused with a pointer to what to write instead);
@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from exl3cli.client.adapters import adapter_files, check_adapter
 from exl3cli.errors import ChatTemplateError, Exl3Error, ModelfileError
 from exl3cli.store.modelfile import Modelfile
 from exl3cli.store.store import Manifest, ModelStore
@@ -29,12 +30,10 @@ _GO_TEMPLATE = re.compile(r"\{\{-?\s*(?:(?:if|range|with|else if)\s+)?[.$]|\{\{-
 def check_new_model(store: ModelStore, manifest: Manifest, modelfile: Modelfile) -> None:
     """ModelfileError for the first thing in `manifest` (built from `modelfile`) that
     cannot work."""
-    if modelfile.adapter is not None:
-        raise ModelfileError(modelfile.lines.get("adapter", 0),
-                             "ADAPTER is not supported yet (LoRA adapters cannot be applied); "
-                             "merge the adapter into the weights first")
     config = _manifest_config(store, manifest)
     check_architecture(config, modelfile.from_line, modelfile.from_)
+    if adapter_files(manifest):
+        check_adapter(store, manifest, modelfile.lines.get("adapter", 0))
     if modelfile.template is not None:
         check_template(modelfile.template, modelfile.lines.get("template", 0))
     if modelfile.draft is not None and manifest.draft:

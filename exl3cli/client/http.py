@@ -137,11 +137,38 @@ class HttpClient:
         except Exl3Error as error:
             if "not read for HTTP clients" not in str(error):
                 raise
+        body = self._upload_adapter(body)
         files = self._upload_from(body)
         if files is None:
+            if body.get("adapters"):  # FROM is a name: only the adapter was a path
+                return self._stream("/api/create", body)
             raise Exl3Error("the daemon does not read paths for this client, and FROM "
                             "is not a local folder or GGUF file to upload")
         return self._stream("/api/create", dict(body, files=files))
+
+    def _upload_adapter(self, body: Body) -> Body:
+        """An ADAPTER path's files uploaded and named in `adapters` (the line dropped
+        from the Modelfile), as Ollama's CLI does; `body` unchanged without one."""
+        from dataclasses import replace
+        from pathlib import Path
+
+        from exl3cli.client.local import _from_path
+        from exl3cli.store.modelfile import parse_modelfile
+
+        text = body.get("modelfile")
+        modelfile = parse_modelfile(text) if isinstance(text, str) else None
+        if modelfile is None or not modelfile.adapter:
+            return body
+        path = _from_path(modelfile.adapter, Path(body["base_dir"]))
+        if path is None or not path.exists():
+            return body
+        names = (["adapter_config.json", "adapter_model.safetensors"] if path.is_dir()
+                 else [path.name])
+        files = {name: (path / name if path.is_dir() else path) for name in names}
+        adapters = {name: self.upload_blob(file) for name, file in files.items()
+                    if Path(file).is_file()}
+        return dict(body, modelfile=replace(modelfile, adapter=None).to_text(),
+                    adapters=adapters)
 
     def _upload_from(self, body: Body) -> dict[str, str] | None:
         """Upload the files of the Modelfile's FROM path; {name: digest}, or None."""

@@ -57,6 +57,9 @@ class LoadedModel:
     generator_thread: Any = None  # its GeneratorThread
     rebuilds_waiting: int = 0  # requests waiting for the generator to go idle
     digest: str = ""  # the manifest digest /api/tags shows for `name`
+    # The adapter requests without one of their own run with (TabbyAPI's /v1/lora/load).
+    default_adapter: str | None = None
+    default_loras: list[dict[str, Any]] | None = None  # what /v1/lora lists for it
 
     def stop_generator(self) -> None:
         """Stop stepping the generator on its thread (handles still in flight then
@@ -67,8 +70,11 @@ class LoadedModel:
 
 
 def weights_key(manifest: dict[str, Any]) -> str:
-    """One id for a set of weight files: every name and alias of them shares it."""
-    files = manifest.get("files") or {}
+    """One id for a set of weight files: every name and alias of them shares it (a
+    LoRA adapter's files are left out: models differing only in ADAPTER share a base)."""
+    from exl3cli.client.adapters import base_files
+
+    files = base_files(manifest.get("files") or {})
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
@@ -107,6 +113,11 @@ class InferenceRunner:
         self._changed = threading.Condition(self._lock)
 
     # ---- public API -----------------------------------------------------------------
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the loaded models change (held: their generators stay put)."""
+        return self._lock
 
     def generate(self, req: dict) -> Iterator[dict]:
         """Stream /api/generate response objects for one request."""
@@ -231,6 +242,7 @@ class InferenceRunner:
                 cancel: threading.Event | None = None) -> Any:
         """Build the prompt (dropping old chat turns that do not fit) and the
         GenerationJob, and submit it to the model's generator."""
+        from exl3cli.client.adapters import job_adapter
         from exl3cli.client.inference_jobs import fit_prompt
         from exl3cli.client.request_images import check_prompt_ids
         from exl3cli.engine.generator_jobs import GenerationJob
@@ -269,6 +281,7 @@ class InferenceRunner:
         with self._lock:
             generator = self._generator(loaded, num_ctx, cache_type)
             loaded.context_length = num_ctx
+            generation.adapter = job_adapter(self.store, loaded, manifest, generator)
             return generator.submit(generation)
 
     def _generator(self, loaded: LoadedModel, num_ctx: int, cache_type: Any) -> Any:

@@ -97,6 +97,8 @@ class LocalClient:
             else:
                 base = yield from self._resolve_from(modelfile, base_dir, allow_paths)
             manifest = apply_modelfile(base, modelfile, base_dir, resolve_paths=allow_paths)
+            yield from self._attach_adapter(manifest, base, modelfile, base_dir, req,
+                                            allow_paths)
             check_new_model(self.store, manifest, modelfile)
             yield {"status": "writing manifest"}
             self.store.write_manifest(name, manifest)
@@ -150,6 +152,27 @@ class LocalClient:
             yield from _pull_events(self.store, base_name, final=False)
         yield {"status": "using existing layers"}
         return self.store.read_manifest(base_name)
+
+    def _attach_adapter(self, manifest: Manifest, base: Manifest, modelfile: Modelfile,
+                        base_dir: Path, req: Body, allow_paths: bool) -> Iterator[Body]:
+        """Put the adapter an ADAPTER line (or `/api/create`'s `adapters`) names into
+        `manifest`'s files; without either the base's adapter, if any, stays."""
+        from exl3cli.client.adapters import import_adapter, uploaded_adapter, with_adapter
+
+        if req.get("adapters"):
+            if modelfile.adapter is not None:
+                raise ModelfileError(modelfile.lines.get("adapter", 0),
+                                     "give an ADAPTER line or uploaded `adapters`, not both")
+            files = uploaded_adapter(self.store, req["adapters"], base)
+            manifest.adapter = "sha256-" + files["adapter_model.safetensors"][7:19]
+        elif modelfile.adapter is not None:
+            yield {"status": "importing adapter"}
+            files = import_adapter(self.store, modelfile.adapter, base_dir,
+                                   modelfile.lines.get("adapter", 0), base,
+                                   allow_paths=allow_paths)
+        else:
+            return
+        manifest.files = with_adapter(manifest.files, files)
 
     def _from_files(self, files: Any) -> Iterator[Body]:
         """The manifest of stored blobs named by file: an HF folder (config.json and

@@ -13,10 +13,11 @@ generator themselves), or from a `GeneratorThread`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +35,11 @@ from exl3cli.engine.generator_jobs import (
 )
 from exl3cli.engine.kv_quant import KVCacheType, resolve_kv_cache_type
 from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
+from exl3cli.engine.paged_cache import PAGE_SIZE, ROOT_HASH, PagePool, PageTable, pages_for
 from exl3cli.engine.speculative import VerifyingBatch
 from exl3cli.engine.token_ids import check_token_ids
 from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.errors import ContextOverflow, GeneratorBusy
+from exl3cli.errors import ContextOverflow, GeneratorBusy, InvalidOption
 
 DEFAULT_MAX_PREFILL_TOKENS = 512
 
@@ -132,6 +133,10 @@ class Generator:
         """Queue a job; ContextOverflow if its prompt cannot fit, GeneratorBusy if the
         queue is full."""
         prompt = self._fit_prompt(job)
+        if job.adapter is not None:  # an adapter the model does not hold: this job fails
+            adapters = getattr(self.model, "adapters", None)
+            if adapters is None or job.adapter not in adapters:
+                raise InvalidOption(f"adapter {job.adapter!r} is not loaded on this model")
         with self._lock:
             if len(self._queue) >= self.max_queue:
                 raise GeneratorBusy(f"the generator queue is full ({self.max_queue} jobs)")
@@ -183,6 +188,11 @@ class Generator:
                     return
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held by every step: hold it to change the model between steps (adapters)."""
+        return self._lock
+
+    @property
     def has_work(self) -> bool:
         return bool(self._active or self._queue)
 
@@ -221,7 +231,9 @@ class Generator:
             report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
             if self._decode_only(fed):
-                logits = self.decode.run([(active.table, tokens[0]) for active, tokens in fed])
+                with self._adapters_for([(active, 1) for active, _ in fed]):
+                    logits = self.decode.run([(active.table, tokens[0])
+                                              for active, tokens in fed])
                 for active, tokens in fed:
                     active.table.commit(tokens)
                 flight = self._launch([active for active, _ in fed], logits, start, report)
@@ -229,7 +241,8 @@ class Generator:
                     return self._land(flight)
                 rows: list[Any] = list(range(len(fed)))
             else:
-                logits, rows = self._forward(fed)
+                with self._adapters_for([(active, len(tokens)) for active, tokens in fed]):
+                    logits, rows = self._forward(fed)
             tokens_of = self._sample(fed, logits, rows)
             elapsed = time.perf_counter_ns() - start
             for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
@@ -315,7 +328,8 @@ class Generator:
             start = time.perf_counter_ns()
             ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
                 0, torch.tensor(live, device=flight.tokens.device))
-            logits = self.decode.run([(job.table, None) for job in jobs], ids)
+            with self._adapters_for([(job, 1) for job in jobs]):
+                logits = self.decode.run([(job.table, None) for job in jobs], ids)
             following = self._launch(jobs, logits, start, StepReport(
                 decode_tokens=len(jobs), jobs=len(jobs),
                 job_ids=[job.handle.id for job in jobs]))
@@ -375,6 +389,27 @@ class Generator:
                                  dtype=torch.long, device=self.model.device)
         return self.model.forward(input_ids, batch, last_logits_only=True)[0], rows
 
+    @contextlib.contextmanager
+    def _adapters_for(self, rows: list[tuple[ActiveJob, int]]) -> Iterator[None]:
+        """Around a forward: tell the model's LoRA adapters (engine/lora.py), if it has
+        any, which one each row uses: (job, its token count), in input order."""
+        adapters = getattr(self.model, "adapters", None)
+        if adapters is None:
+            yield
+            return
+        adapters.select_rows([active.handle.job.adapter for active, _ in rows],
+                             [count for _, count in rows])
+        try:
+            yield
+        finally:
+            adapters.release()
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of queued and running jobs (not to be unloaded under them)."""
+        with self._lock:
+            jobs = [h.job for h in self._queue] + [a.handle.job for a in self._active]
+            return {job.adapter for job in jobs if job.adapter is not None}
+
     def run_until_done(self) -> None:
         """Step until every submitted job has finished."""
         while self.has_work:
@@ -386,7 +421,9 @@ class Generator:
             job = handle.job
             prompt = handle.prompt
             budget = self._budget(job, prompt)
-            table = PageTable(self.pool)
+            adapters = getattr(self.model, "adapters", None)
+            table = PageTable(self.pool, ROOT_HASH if adapters is None
+                              else adapters.root_hash(job.adapter))
             if not table.admit(prompt, len(prompt) + budget):
                 return  # wait for running jobs to free pages (the first job always fits)
             self._queue.popleft()

@@ -64,6 +64,9 @@ class GenerationJob:
     # Benchmarks: EOS does not end the job (it runs to num_predict, as the peers'
     # min_new_tokens does); stop strings still apply.
     ignore_eos: bool = False
+    # A LoRA adapter loaded on the model (engine/lora.py) for this job's rows; None: the
+    # base model.
+    adapter: str | None = None
 
 
 @dataclass

@@ -257,4 +257,6 @@ def build_causal_lm(
     if logit_scale is not None and float(logit_scale) != 1.0:  # Cohere: folded in
         lm_head = scale_outputs(lm_head, float(logit_scale), packing)
     final_norm = family_norm(config, spec, tensor(names.final_norm))
-    return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()
+    model = CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()
+    model.tensor_names = names  # the checkpoint's module names (LoRA adapters: engine/lora.py)
+    return model

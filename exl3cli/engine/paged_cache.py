@@ -228,8 +228,11 @@ class PagePool:
 class PageTable:
     """The pages of one sequence, the token ids they hold, and its page reservation."""
 
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, root_hash: bytes = ROOT_HASH):
         self.pool = pool
+        # Where the chain of page hashes starts: sequences whose keys and values differ
+        # for the same tokens (another LoRA adapter, engine/lora.py) start elsewhere.
+        self.root_hash = root_hash
         self.pages: list[int] = []
         self.tokens: list[int] = []  # token ids whose keys/values are in the cache
         self.hashes: list[bytes] = []  # chain hash of each full page
@@ -246,7 +249,7 @@ class PageTable:
         positions. False (and nothing held) when the pool cannot take the sequence."""
         pool, size = self.pool, self.pool.page_size
         matched: list[tuple[int, bytes]] = []
-        previous = ROOT_HASH
+        previous = self.root_hash
         for start in range(0, len(prompt) - 1 - size + 1, size):
             page_hash = chain_hash(previous, prompt[start : start + size])
             page = pool.lookup(page_hash)
@@ -289,7 +292,7 @@ class PageTable:
         size = self.pool.page_size
         while len(self.hashes) < self.length // size:
             index = len(self.hashes)
-            previous = self.hashes[-1] if self.hashes else ROOT_HASH
+            previous = self.hashes[-1] if self.hashes else self.root_hash
             page_hash = chain_hash(previous, self.tokens[index * size : (index + 1) * size])
             self.hashes.append(page_hash)
             self.pool.publish(self.pages[index], page_hash)

@@ -48,7 +48,7 @@ class GgufFile:
             raise ModelLoadError(f"{self.path} is not a GGUF file")
         try:
             self._reader = gguf.GGUFReader(str(self.path), "r")
-        except (ValueError, OSError) as error:
+        except (ValueError, OSError, IndexError) as error:  # IndexError: a truncated file
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {error}") from error
         self.metadata: dict[str, Any] = {
             key: _field_value(field) for key, field in self._reader.fields.items()

@@ -24,6 +24,7 @@ PERMISSION: Any = web.RequestKey("permission", str) if hasattr(web, "RequestKey"
     else "permission"
 
 ADMIN_ROUTES = {("POST", "/v1/model/load"), ("POST", "/v1/model/unload"),
+                ("POST", "/v1/lora/load"), ("POST", "/v1/lora/unload"),
                 ("POST", "/api/pull"), ("POST", "/api/create"), ("POST", "/api/copy"),
                 ("DELETE", "/api/delete"), ("POST", "/api/push")}
 

@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli.hostaddr import HostAddress, parse_host
-from exl3cli.server import embed_routes, ollama_routes, openai_routes, tabby_routes
+from exl3cli.server import embed_routes, lora_routes, ollama_routes, openai_routes, tabby_routes
 from exl3cli.server.admin_keys import admin_key_middleware
 from exl3cli.server.limits import LIMITS, Limits
 from exl3cli.server.model_manager import ModelManager
@@ -65,6 +65,7 @@ def create_app(store: Any = None, *, host: HostAddress | None = None,
     app.add_routes(openai_routes.routes)
     app.add_routes(embed_routes.routes)
     app.add_routes(tabby_routes.routes)
+    app.add_routes(lora_routes.routes)
 
     async def start(_app: web.Application) -> None:
         await manager.start()

@@ -264,10 +264,14 @@ def create_request(body: dict[str, Any]) -> dict[str, Any]:
     req: dict[str, Any] = {"model": model}
     if body.get("base_dir"):
         req["base_dir"] = body["base_dir"]
-    for unsupported in ("adapters", "quantize"):
-        if body.get(unsupported):
-            raise BadRequest(f"create: '{unsupported}' is not supported; name a model in "
-                             "'from', or upload the model's files and list them in 'files'")
+    if body.get("quantize"):
+        raise BadRequest("create: 'quantize' is not supported; name a model in "
+                         "'from', or upload the model's files and list them in 'files'")
+    if body.get("adapters"):  # a LoRA adapter's uploaded files (client/adapters.py)
+        adapters = body["adapters"]
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in adapters.items()):
+            raise BadRequest("adapters must map file names to blob digests (sha256:<hex>)")
+        req["adapters"] = dict(adapters)
     if body.get("files"):
         files = body["files"]
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):

@@ -398,12 +398,16 @@ class ModelStore:
     # -- folders for the engine ----------------------------------------------------
     def model_folder(self, name: str | ModelName) -> Path:
         """A Hugging Face style folder of links to the model's blobs, made on demand."""
-        manifest = self.read_manifest(name)
-        folder = self.folders_dir / _folder_key(manifest.files)
+        return self.files_folder(self.read_manifest(name).files)
+
+    def files_folder(self, files: dict[str, str]) -> Path:
+        """The folder of links for a set of stored files (a model's, or one being
+        created: `create` checks an ADAPTER against it before the manifest is written)."""
+        folder = self.folders_dir / _folder_key(files)
         if folder.is_dir():
             return folder
         with self.writing():
-            return self._make_folder(manifest, folder)
+            return self._make_folder(Manifest(files=dict(files)), folder)
 
     def _make_folder(self, manifest: Manifest, folder: Path) -> Path:
         self.folders_dir.mkdir(parents=True, exist_ok=True)

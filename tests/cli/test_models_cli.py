@@ -207,7 +207,7 @@ def test_create_from_a_gguf_file(workspace):
     assert "from-gguf:latest" in list_rows()
 
 
-def test_draft_paths_become_absolute_and_adapter_is_refused(workspace):
+def test_draft_paths_become_absolute_and_a_missing_adapter_is_refused(workspace):
     create_base(workspace)
     (workspace / "sub").mkdir()
     (workspace / "sub" / "Mf").write_text("FROM smollm2:135m\nDRAFT ../hf\n")
@@ -220,7 +220,8 @@ def test_draft_paths_become_absolute_and_adapter_is_refused(workspace):
     (workspace / "Mf3").write_text("FROM drafted\nADAPTER ./lora\n")
     refused = exl3("create", "adapted", "-f", "Mf3")
     assert refused.exit_code == 1 and "line 2" in refused.stderr
-    assert "ADAPTER is not supported" in refused.stderr and not ModelStore().exists("adapted")
+    assert "ADAPTER ./lora: no such folder" in refused.stderr
+    assert not ModelStore().exists("adapted")
 
 
 def test_create_pulls_a_missing_from_model_first(workspace, monkeypatch):
@@ -288,3 +289,26 @@ def test_show_template_prints_the_models_own_template_without_a_TEMPLATE(workspa
     assert own and exl3("show", "chat", "--template").stdout == own + "\n"
     modelfile = exl3("show", "chat", "--modelfile").stdout
     assert "TEMPLATE" not in modelfile  # the model's own template is not copied into it
+
+
+def test_create_with_an_adapter_and_show_lists_it(tmp_path, monkeypatch):
+    from tests.engine.test_lora import make_adapter
+    from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
+
+    monkeypatch.setenv("EXL3_MODELS", str(tmp_path / "store"))
+    monkeypatch.chdir(tmp_path)
+    write_tiny_model(tmp_path / "base", "llama")
+    make_adapter(tiny_reference_model("llama"), tmp_path / "lora", seed=1)
+    make_adapter(tiny_reference_model("llama", hidden_size=96), tmp_path / "wide", seed=1)
+    (tmp_path / "Mf").write_text("FROM ./base\nADAPTER ./lora\n")
+    created = exl3("create", "adapted", "-f", "Mf")
+    assert created.exit_code == 0, created.stderr
+    shown = exl3("show", "adapted").stdout
+    assert f"  Adapter\n    {tmp_path / 'lora'}\n" in shown
+    assert f"ADAPTER {tmp_path / 'lora'}" in exl3("show", "adapted", "--modelfile").stdout
+    (tmp_path / "Mf2").write_text("FROM ./base\nADAPTER ./wide\n")
+    refused = exl3("create", "wide", "-f", "Mf2")
+    assert refused.exit_code == 1
+    assert "Error: Modelfile line 2: adapter " in refused.stderr
+    assert "shape mismatch at model.layers.0." in refused.stderr
+    assert "ADAPTER" in exl3("create", "--help").stdout

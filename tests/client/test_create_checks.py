@@ -1,6 +1,6 @@
 """`create` refuses a Modelfile that could never run, naming its line: Ollama (Go)
 templates and broken Jinja, unknown drafts and drafts with another vocabulary, an
-architecture no plugin supports, ADAPTER (not implemented)."""
+architecture no plugin supports, a missing ADAPTER (tests/client/test_adapters.py: the rest)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,6 @@ def test_an_unsupported_architecture_is_refused_at_create(local, tmp_path):
     assert error.line == 1 and "MambaForCausalLM" in str(error)
 
 
-def test_adapter_is_refused_even_for_a_missing_file(local):
+def test_a_missing_adapter_is_refused(local):
     error = refusal(local, "FROM tiny\nPARAMETER temperature 0\nADAPTER ./no-such-lora\n")
-    assert error.line == 3 and "ADAPTER" in str(error) and "not supported" in str(error)
+    assert error.line == 3 and "ADAPTER ./no-such-lora: no such folder" in str(error)
