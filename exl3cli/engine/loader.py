@@ -20,6 +20,7 @@ from exl3cli.engine.architecture import (
 from exl3cli.engine.attention import Attention
 from exl3cli.engine.blocks import ParallelDecoderLayer
 from exl3cli.engine.config import ModelConfig
+from exl3cli.engine.cpu_exl3 import compressed_linear
 from exl3cli.engine.linear import (
     CPU_WEIGHT_MODES,
     DenseLinear,
@@ -53,17 +54,27 @@ def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     return stored
 
 
+# "exl3": EXL3 layers keep their packed trellis (engine/cpu_exl3.py), dense ones are
+# packed as "fp32" packs them.
+LOADER_CPU_WEIGHT_MODES = (*CPU_WEIGHT_MODES, "exl3")
+
+
 def resolve_cpu_weights(cpu_weights: str | None, device: torch.device,
                         dtype: torch.dtype) -> str | None:
     """How linear weights are held on CPU with float32 activations: ``cpu_weights``, else
     ``EXL3_CPU_WEIGHTS``, else "fp32" (exact; packed for the decode kernel). "bf16" and
-    "int8" trade precision for bytes per token (bench/NOTES.md). None (plain F.linear)
-    off the CPU, for other activation dtypes, or when asked for with "off"."""
+    "int8" trade precision for bytes per token (bench/NOTES.md); "exl3" keeps EXL3
+    layers at their file size (bench/NOTES-cpu-exl3.md). None (plain F.linear) off the
+    CPU, for other activation dtypes, or when asked for with "off"."""
     mode = cpu_weights or os.environ.get("EXL3_CPU_WEIGHTS", "") or "fp32"
-    if mode != "off" and mode not in CPU_WEIGHT_MODES:
-        raise InvalidOption(f"cpu weights must be one of {', '.join(CPU_WEIGHT_MODES)} "
+    if mode != "off" and mode not in LOADER_CPU_WEIGHT_MODES:
+        raise InvalidOption(f"cpu weights must be one of {', '.join(LOADER_CPU_WEIGHT_MODES)} "
                             f"or off, got {mode!r}")
-    if mode == "off" or device.type != "cpu" or dtype != torch.float32:
+    if mode == "off" or device.type != "cpu":
+        return None
+    if mode == "exl3":  # any activation dtype: the kernel computes in float32
+        return mode
+    if dtype != torch.float32:
         return None
     if mode == "fp32" and not cpu_kernels.available():
         return None  # without the kernel, F.linear on the plain matrix is the faster path
@@ -82,7 +93,7 @@ def load_causal_lm(
 
     EXL3 layers are dequantized at load on CPU and decoded in forward on CUDA;
     `linear_mode` ("dense" or "trellis") forces one way (see engine/linear.py).
-    `cpu_weights` ("fp32", "bf16", "int8", "off"): see `resolve_cpu_weights`."""
+    `cpu_weights` ("fp32", "bf16", "int8", "exl3", "off"): see `resolve_cpu_weights`."""
     config = load_family_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
@@ -219,6 +230,9 @@ def build_causal_lm(
     """Assemble the shared blocks as `spec` describes, with weights from `reader`."""
     names = spec.tensor_names(reader.has)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    dense_packing = packing
+    if packing == "exl3":
+        dense_packing = "fp32" if dtype == torch.float32 else None
 
     def tensor(name: str) -> torch.Tensor:
         return reader.get(name, dtype=dtype, device=device).contiguous()
@@ -226,10 +240,13 @@ def build_causal_lm(
     def linear(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
         # Each module as stored (dense .weight or EXL3 .trellis), trimmed to its logical
         # (in, out) shape; fused projections concatenate along the output dimension.
+        mode = linear_mode or ("trellis" if packing == "exl3" else None)
         parts = [
-            load_linear(reader, p, i, o, device, dtype, mode=linear_mode, require_bias=bias)
+            load_linear(reader, p, i, o, device, dtype, mode=mode, require_bias=bias)
             for p, (i, o) in zip(prefixes, shapes, strict=True)
         ]
+        if packing == "exl3":
+            return compressed_linear(parts, dense_packing)
         fused = fuse_linears(parts)
         return pack_for_cpu(fused, packing) if packing else fused
 
@@ -250,11 +267,12 @@ def build_causal_lm(
     elif config.tie_word_embeddings or not reader.has(names.lm_head):
         # Tied: fp32 shares the embedding's storage (no second copy of the largest
         # matrix); the low-precision modes add a smaller packed copy for the head.
-        lm_head = embed if packing in (None, "fp32") else DenseLinear(embed, cpu_weights=packing)
+        lm_head = (embed if dense_packing in (None, "fp32")
+                   else DenseLinear(embed, cpu_weights=dense_packing))
     else:
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
     logit_scale = config.raw.get("logit_scale")
     if logit_scale is not None and float(logit_scale) != 1.0:  # Cohere: folded in
-        lm_head = scale_outputs(lm_head, float(logit_scale), packing)
+        lm_head = scale_outputs(lm_head, float(logit_scale), dense_packing)
     final_norm = family_norm(config, spec, tensor(names.final_norm))
     return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()
