@@ -35,6 +35,14 @@ from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.moe import MoEMLP, build_moe_mlp
 from exl3cli.engine.norm import FullWidthQKNorm, LayerNorm, RMSNorm
+from exl3cli.engine.offload import offload_linear
+from exl3cli.engine.placement import (
+    DEFAULT_NUM_CTX,
+    cpu_budget,
+    estimate_memory,
+    gpu_budget,
+    plan_placement,
+)
 from exl3cli.engine.rope import rope_permutation, rotary_dim
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
@@ -88,19 +96,36 @@ def load_causal_lm(
     *,
     linear_mode: str | None = None,
     cpu_weights: str | None = None,
+    gpu_layers: int | None = None,
+    num_ctx: int | None = None,
 ) -> CausalLM:
     """Load the model in `folder`; ModelLoadError / UnsupportedArchitecture on failure.
 
     EXL3 layers are dequantized at load on CPU and decoded in forward on CUDA;
     `linear_mode` ("dense" or "trellis") forces one way (see engine/linear.py).
-    `cpu_weights` ("fp32", "bf16", "int8", "exl3", "off"): see `resolve_cpu_weights`."""
+    `cpu_weights` ("fp32", "bf16", "int8", "exl3", "off"): see `resolve_cpu_weights`.
+    Memory is planned first (engine/placement.py): `gpu_layers` (Ollama's num_gpu; None
+    or -1: as many as fit) decoder layers on the device, the rest offloaded to the CPU;
+    a load that cannot fit `num_ctx` tokens of cache refuses. The plan is
+    `model.placement`."""
     config = load_family_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(config, device)
     reader = WeightReader(folder)
-    return build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
-                           cpu_weights=cpu_weights)
+    packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    expand = None
+    if device.type == "cpu" and packing != "exl3" and linear_mode != "trellis":
+        expand = {"bf16": 2, "int8": 1}.get(packing or "", torch.finfo(dtype).bits // 8)
+    estimate = estimate_memory(folder, config, dtype, num_ctx or DEFAULT_NUM_CTX, expand)
+    placement = plan_placement(estimate, gpu_budget(device), cpu_budget(), gpu_layers)
+    if placement.gpu_layers == 0 and device.type != "cpu":  # num_gpu 0: all on the CPU
+        device = torch.device("cpu")
+        dtype = default_dtype(config, device)
+    model = build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
+                            cpu_weights=cpu_weights, offload_from=placement.gpu_layers)
+    model.placement = placement
+    return model
 
 
 LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
@@ -226,8 +251,10 @@ def build_causal_lm(
     *,
     linear_mode: str | None = None,
     cpu_weights: str | None = None,
+    offload_from: int | None = None,
 ) -> CausalLM:
-    """Assemble the shared blocks as `spec` describes, with weights from `reader`."""
+    """Assemble the shared blocks as `spec` describes, with weights from `reader`;
+    the projections of layers from `offload_from` on run on the CPU (engine/offload.py)."""
     names = spec.tensor_names(reader.has)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
     dense_packing = packing
@@ -256,7 +283,15 @@ def build_causal_lm(
     if config.raw.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
                                       "config) is not supported")
-    layers = [build_decoder_layer(config, spec, names, i, layer_types[i], tensor, linear)
+    def offloaded(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
+        return offload_linear([
+            load_linear(reader, p, i, o, "cpu", torch.float32, mode="trellis", require_bias=bias)
+            for p, (i, o) in zip(prefixes, shapes, strict=True)
+        ])
+
+    first_offloaded = config.num_layers if offload_from is None else offload_from
+    layers = [build_decoder_layer(config, spec, names, i, layer_types[i], tensor,
+                                  linear if i < first_offloaded else offloaded)
               for i in range(config.num_layers)]
     hidden = config.hidden_size
     embed = tensor(names.embed)
