@@ -58,6 +58,12 @@ struct StepTable {
   alignas(64) int32_t second[kSteps];
   alignas(64) int32_t offset[kSteps];
   alignas(64) int32_t rest[kSteps];  // 32 - offset
+  // The same in 16-bit ring words (file word index, offset, 16 - offset) for the
+  // AVX512-FP16 path, which decodes two tile rows (32 positions) per vector.
+  alignas(64) int16_t first16[kSteps];
+  alignas(64) int16_t second16[kSteps];
+  alignas(64) int16_t offset16[kSteps];
+  alignas(64) int16_t rest16[kSteps];
   int words32 = 0;
 };
 
@@ -88,6 +94,13 @@ StepTable make_table(int half_k) {
     table.second[q] = (table.first[q] + 1) % table.words32;
     table.offset[q] = start & 31;
     table.rest[q] = 32 - table.offset[q];
+    // Ring word c (16 bits, most significant first) is file word c ^ 1: each uint32
+    // is a little-endian pair of int16.
+    const int chunk = start >> 4, chunks = 2 * table.words32;
+    table.first16[q] = static_cast<int16_t>(chunk ^ 1);
+    table.second16[q] = static_cast<int16_t>(((chunk + 1) % chunks) ^ 1);
+    table.offset16[q] = static_cast<int16_t>(start & 15);
+    table.rest16[q] = static_cast<int16_t>(16 - (start & 15));
   }
   return table;
 }
@@ -272,14 +285,144 @@ void strip_rows_any(const float* xh, int64_t ldx, int64_t rows, const int16_t* s
   }
 }
 
+#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+// Two tile rows per vector in 16-bit lanes: vpermw/vpermt2w fetch the ring words, the
+// hash state * m (mod 2^32) is kept as its two 16-bit halves, and the codebook is
+// evaluated in float16 for 32 values at once.
+template <int MODE>
+struct Ring16 {  // the tile's 16 K int16 words: MODE 0 <= 32, 1 <= 64, 2 <= 128
+  __m512i r0, r1, r2, r3;
+  static __m512i part(const int16_t* words, int have) {
+    if (have >= 32) return _mm512_loadu_si512(words);
+    const __mmask32 mask = have <= 0 ? 0u : static_cast<__mmask32>((uint64_t{1} << have) - 1);
+    return _mm512_maskz_loadu_epi16(mask, words);
+  }
+  Ring16(const int16_t* tile, int words16) {
+    r0 = part(tile, words16);
+    if constexpr (MODE >= 1) r1 = part(tile + 32, words16 - 32);
+    if constexpr (MODE >= 2) {
+      r2 = part(tile + 64, words16 - 64);
+      r3 = part(tile + 96, words16 - 96);
+    }
+  }
+  inline __m512i get(__m512i index) const {
+    if constexpr (MODE == 0) return _mm512_permutexvar_epi16(index, r0);
+    else if constexpr (MODE == 1) return _mm512_permutex2var_epi16(r0, index, r1);
+    else {
+      const __mmask32 upper = _mm512_test_epi16_mask(index, _mm512_set1_epi16(64));
+      return _mm512_mask_blend_epi16(upper, _mm512_permutex2var_epi16(r0, index, r1),
+                                     _mm512_permutex2var_epi16(r2, index, r3));
+    }
+  }
+};
+
+// Rows 2p and 2p+1 of a tile, decoded.
+template <int CB, int MODE>
+inline void decode_pair(const Ring16<MODE>& ring, const StepTable& t, int p, __m512& row0,
+                        __m512& row1) {
+  const int q = 32 * p;
+  const __m512i a = ring.get(_mm512_load_si512(t.first16 + q));
+  const __m512i b = ring.get(_mm512_load_si512(t.second16 + q));
+  const __m512i state =
+      _mm512_or_si512(_mm512_sllv_epi16(a, _mm512_load_si512(t.offset16 + q)),
+                      _mm512_srlv_epi16(b, _mm512_load_si512(t.rest16 + q)));
+  constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  __m512i lo = _mm512_mullo_epi16(state, ml);
+  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+  if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
+    constexpr uint32_t add = 64248484u;
+    const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
+    const __mmask32 carry = _mm512_cmplt_epu16_mask(sum, lo);
+    hi = _mm512_add_epi16(hi, _mm512_set1_epi16(static_cast<int16_t>(add >> 16)));
+    hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
+    lo = sum;
+  }
+  __m512h v;
+  if constexpr (CB == 2) {  // (1024 + byte sum) * a + b, one float16 rounding
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i n = _mm512_add_epi16(
+        _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones)),
+        _mm512_set1_epi16(1024));
+    v = _mm512_fmadd_ph(_mm512_cvtepi16_ph(n), _mm512_set1_ph(static_cast<_Float16>(1774.f / 262144.f)),
+                        _mm512_set1_ph(static_cast<_Float16>(-10.3828125f)));
+  } else {
+    const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
+    const __m512i flip = _mm512_set1_epi16(0x3B60);
+    v = _mm512_add_ph(_mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(lo, mask), flip)),
+                      _mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(hi, mask), flip)));
+  }
+  const __m512i bits = _mm512_castph_si512(v);
+  row0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  row1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+}
+
+template <int CB, int MODE, int MR>
+void strip_rows16(const float* xh, int64_t ldx, const int16_t* strip, int64_t kb,
+                  int64_t words, const StepTable& t, float* out, int64_t ldo) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kb; ++i) {
+    const Ring16<MODE> ring(strip + i * words, static_cast<int>(words));
+    const float* xi = xh + 16 * i;
+    for (int p = 0; p < 8; ++p) {
+      __m512 w0, w1;
+      decode_pair<CB, MODE>(ring, t, p, w0, w1);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(xi[m * ldx + 2 * p]), w0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(_mm512_set1_ps(xi[m * ldx + 2 * p + 1]), w1, acc[m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
+template <int CB, int MODE>
+void strip_decode16(const int16_t* strip, int64_t kb, int64_t words, const StepTable& t,
+                    float* out, int64_t ldo) {
+  for (int64_t i = 0; i < kb; ++i) {
+    const Ring16<MODE> ring(strip + i * words, static_cast<int>(words));
+    for (int p = 0; p < 8; ++p) {
+      __m512 w0, w1;
+      decode_pair<CB, MODE>(ring, t, p, w0, w1);
+      _mm512_storeu_ps(out + (16 * i + 2 * p) * ldo, w0);
+      _mm512_storeu_ps(out + (16 * i + 2 * p + 1) * ldo, w1);
+    }
+  }
+}
+
+template <int CB, int MODE>
+void strip_rows16_any(const float* xh, int64_t ldx, int64_t rows, const int16_t* strip,
+                      int64_t kb, int64_t words, const StepTable& t, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return strip_rows16<CB, MODE, 1>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 2: return strip_rows16<CB, MODE, 2>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 3: return strip_rows16<CB, MODE, 3>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 4: return strip_rows16<CB, MODE, 4>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 5: return strip_rows16<CB, MODE, 5>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 6: return strip_rows16<CB, MODE, 6>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 7: return strip_rows16<CB, MODE, 7>(xh, ldx, strip, kb, words, t, out, ldo);
+    default: return strip_rows16<CB, MODE, 8>(xh, ldx, strip, kb, words, t, out, ldo);
+  }
+}
+#endif
+
 // The (CB, MODE) instantiation for a layer: f(strip_rows_any<CB, MODE>, strip_decode<CB, MODE>).
 template <typename F>
 void dispatch(int64_t codebook, int words32, F&& f) {
   auto by_mode = [&](auto cb) {
     constexpr int CB = decltype(cb)::value;
+#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+    if (words32 <= 16) f(strip_rows16_any<CB, 0>, strip_decode16<CB, 0>);
+    else if (words32 <= 32) f(strip_rows16_any<CB, 1>, strip_decode16<CB, 1>);
+    else f(strip_rows16_any<CB, 2>, strip_decode16<CB, 2>);
+#else
     if (words32 <= 16) f(strip_rows_any<CB, 0>, strip_decode<CB, 0>);
     else if (words32 <= 32) f(strip_rows_any<CB, 1>, strip_decode<CB, 1>);
     else f(strip_rows_any<CB, 2>, strip_decode<CB, 2>);
+#endif
   };
   if (codebook == 0) by_mode(std::integral_constant<int, 0>{});
   else if (codebook == 1) by_mode(std::integral_constant<int, 1>{});

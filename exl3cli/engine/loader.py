@@ -69,12 +69,16 @@ LOADER_CPU_WEIGHT_MODES = (*CPU_WEIGHT_MODES, "exl3")
 
 def resolve_cpu_weights(cpu_weights: str | None, device: torch.device,
                         dtype: torch.dtype) -> str | None:
-    """How linear weights are held on CPU with float32 activations: ``cpu_weights``, else
-    ``EXL3_CPU_WEIGHTS``, else "fp32" (exact; packed for the decode kernel). "bf16" and
-    "int8" trade precision for bytes per token (bench/NOTES.md); "exl3" keeps EXL3
-    layers at their file size (bench/NOTES-cpu-exl3.md). None (plain F.linear) off the
-    CPU, for other activation dtypes, or when asked for with "off"."""
-    mode = cpu_weights or os.environ.get("EXL3_CPU_WEIGHTS", "") or "fp32"
+    """How linear weights are held on CPU: ``cpu_weights``, else ``EXL3_CPU_WEIGHTS``,
+    else "exl3" (the default when the CPU kernels are built; EXL3 layers keep their
+    packed trellis, decoded inside the matmul, for any activation dtype; dense layers
+    packed as "fp32"; bench/NOTES-cpu-exl3.md). "fp32" (exact; packed for the decode
+    kernel), "bf16" and "int8" dequantize EXL3 layers at load and need float32
+    activations (bench/NOTES.md). None (plain F.linear) off the CPU, for other
+    activation dtypes, or when asked for with "off"."""
+    mode = cpu_weights or os.environ.get("EXL3_CPU_WEIGHTS", "") or "default"
+    if mode == "default":  # memory first: EXL3 at its file size, dense layers as fp32
+        mode = "exl3" if cpu_kernels.available() else "fp32"
     if mode != "off" and mode not in LOADER_CPU_WEIGHT_MODES:
         raise InvalidOption(f"cpu weights must be one of {', '.join(LOADER_CPU_WEIGHT_MODES)} "
                             f"or off, got {mode!r}")
@@ -294,10 +298,15 @@ def build_causal_lm(
                                   linear if i < first_offloaded else offloaded)
               for i in range(config.num_layers)]
     hidden = config.hidden_size
-    embed = tensor(names.embed)
     head_prefix = names.lm_head.removesuffix(".weight")
+    quantized_head = reader.has(head_prefix + ".trellis")
+    embed = reader.get(names.embed)
+    if packing == "exl3" and quantized_head and embed.dtype in (torch.float16, torch.bfloat16):
+        embed = embed.to(device).clone()  # only looked up (untied): kept at its stored size
+    else:
+        embed = embed.to(device, dtype).contiguous()
     lm_head: Linear | torch.Tensor
-    if reader.has(head_prefix + ".trellis"):  # EXL3 stores the head quantized, untied
+    if quantized_head:  # EXL3 stores the head quantized, untied
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
     elif config.tie_word_embeddings or not reader.has(names.lm_head):
         # Tied: fp32 shares the embedding's storage (no second copy of the largest
@@ -310,4 +319,5 @@ def build_causal_lm(
     if logit_scale is not None and float(logit_scale) != 1.0:  # Cohere: folded in
         lm_head = scale_outputs(lm_head, float(logit_scale), dense_packing)
     final_norm = family_norm(config, spec, tensor(names.final_norm))
-    return CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()
+    return CausalLM(config, spec, embed, layers, final_norm, lm_head,
+                    compute_dtype=dtype).eval()
