@@ -458,21 +458,47 @@ void strip_decode_scalar(const int16_t* strip, int64_t kb, int64_t words, const 
       out[(16 * i + q / 16) * ldo + q % 16] = lut[state_at(strip + i * words, t, q)];
 }
 
-// In-place normalised 128-point Walsh-Hadamard transform of each block of a row.
-void hadamard_rows(float* x, int64_t rows, int64_t cols) {
+// In-place normalised 128-point Walsh-Hadamard transform of one block.
+inline void hadamard128(float* v) {
   const float norm = 1.f / std::sqrt(static_cast<float>(kHadamard));
-  at::parallel_for(0, rows * (cols / kHadamard), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      float* v = x + b * kHadamard;
-      for (int64_t h = 1; h < kHadamard; h <<= 1)
-        for (int64_t i = 0; i < kHadamard; i += 2 * h)
-          for (int64_t j = i; j < i + h; ++j) {
-            const float a = v[j], c = v[j + h];
-            v[j] = a + c;
-            v[j + h] = a - c;
-          }
-      for (int64_t j = 0; j < kHadamard; ++j) v[j] *= norm;
+#if defined(__AVX512F__)
+  // Eight vectors of 16: stages 1..8 inside each vector (swap lanes i and i ^ h, then
+  // a + b where bit h of the lane is clear, b - a where it is set), 16..64 across them.
+  __m512 r[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm512_loadu_ps(v + 16 * j);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int h = 1; h < 16; h <<= 1) {
+    const __m512i swap = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+    const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));
+    for (int j = 0; j < 8; ++j) {
+      const __m512 other = _mm512_permutexvar_ps(swap, r[j]);
+      r[j] = _mm512_mask_sub_ps(_mm512_add_ps(r[j], other), upper, other, r[j]);
     }
+  }
+  for (int h = 1; h < 8; h <<= 1)
+    for (int j = 0; j < 8; ++j)
+      if (!(j & h)) {
+        const __m512 a = r[j], b = r[j + h];
+        r[j] = _mm512_add_ps(a, b);
+        r[j + h] = _mm512_sub_ps(a, b);
+      }
+  for (int j = 0; j < 8; ++j) _mm512_storeu_ps(v + 16 * j, _mm512_mul_ps(r[j], _mm512_set1_ps(norm)));
+#else
+  for (int64_t h = 1; h < kHadamard; h <<= 1)
+    for (int64_t i = 0; i < kHadamard; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], c = v[j + h];
+        v[j] = a + c;
+        v[j + h] = a - c;
+      }
+  for (int64_t j = 0; j < kHadamard; ++j) v[j] *= norm;
+#endif
+}
+
+// hadamard128 on each 128-block of rows x cols.
+void hadamard_rows(float* x, int64_t rows, int64_t cols) {
+  at::parallel_for(0, rows * (cols / kHadamard), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) hadamard128(x + b * kHadamard);
   });
 }
 
