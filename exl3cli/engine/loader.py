@@ -119,7 +119,8 @@ def load_causal_lm(
     reader = WeightReader(folder)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
     expand = None
-    if device.type == "cpu" and packing != "exl3" and linear_mode != "trellis":
+    if device.type == "cpu" and (packing != "exl3" or linear_mode == "dense") \
+            and linear_mode != "trellis":
         expand = {"bf16": 2, "int8": 1}.get(packing or "", torch.finfo(dtype).bits // 8)
     estimate = estimate_memory(folder, config, dtype, num_ctx or DEFAULT_NUM_CTX, expand)
     placement = plan_placement(estimate, gpu_budget(device), cpu_budget(), gpu_layers)
@@ -261,6 +262,8 @@ def build_causal_lm(
     the projections of layers from `offload_from` on run on the CPU (engine/offload.py)."""
     names = spec.tensor_names(reader.has)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    if packing == "exl3" and linear_mode is not None:  # an explicit Exl3Linear mode wins
+        packing = "fp32" if dtype == torch.float32 else None
     dense_packing = packing
     if packing == "exl3":
         dense_packing = "fp32" if dtype == torch.float32 else None
