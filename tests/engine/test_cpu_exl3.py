@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from exl3cli import cpu_kernels
+from exl3cli.cli.bench_speed import bytes_per_token
 from exl3cli.engine.cpu_exl3 import CpuExl3Linear
 from exl3cli.engine.generator import Generator
 from exl3cli.engine.generator_jobs import GenerationJob
@@ -153,3 +154,7 @@ def test_exl3_mode_model_matches_dense_model(tiny_exl3, dtype) -> None:
     torch.testing.assert_close(small(ids), dense(ids), rtol=tol, atol=tol)
     if dtype == torch.float32:
         assert _greedy(small, tiny_exl3, "Hello") == _greedy(dense, tiny_exl3, "Hello")
+    # exl3 bench's bytes per decode token: the trellises as stored, plus norms and a row.
+    stored = sum(m.nbytes for m in linears)
+    assert stored < bytes_per_token(small, 0) < stored + 16 * 1024
+    assert bytes_per_token(dense, 0) > 2 * stored  # dequantized: 16 or 32 bits a weight
