@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
@@ -324,3 +325,75 @@ def out_mlp_cpu(x: torch.Tensor, attn: torch.Tensor, o: GemvWeights, norm_weight
     return _ops().out_mlp(x, attn.contiguous(), o.packed, o.scale, o.bias, norm_weight, eps,
                           gate_up.packed, gate_up.scale, gate_up.bias, gate_up.n,
                           down.packed, down.scale, down.bias)
+
+
+# --- EXL3 layers read from the packed trellis (csrc/cpu/exl3_gemm_cpu.cpp) ---
+# trellis_t is the file's (kb, nb, words) trellis with its tile axes swapped, (nb, kb,
+# words), contiguous: the tiles of one 16-column strip lie together.
+
+EXL3_CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+def _codebook_id(codebook: str) -> int:
+    if codebook not in EXL3_CODEBOOK_IDS:
+        raise ValueError(f"unknown EXL3 codebook {codebook!r}")
+    return EXL3_CODEBOOK_IDS[codebook]
+
+
+@cache
+def _scalar_lut(codebook: str) -> torch.Tensor | None:
+    """The codebook table for a build without AVX-512 (which decodes through it)."""
+    if simd_level() == "avx512":
+        return None
+    from .engine.quant.codebooks import codebook_lut_float32
+
+    return codebook_lut_float32(codebook)
+
+
+def exl3_decode_reference(trellis_t: torch.Tensor, k_bits: float, codebook: str) -> torch.Tensor:
+    """Ŵ (16 kb, 16 nb) float32 of a (nb, kb, words) trellis (engine/quant decode_tiles)."""
+    from .engine.quant import decode_tiles
+
+    return decode_tiles(trellis_t.transpose(0, 1), k_bits, codebook).float()
+
+
+def exl3_matmul_reference(xh: torch.Tensor, trellis_t: torch.Tensor, k_bits: float,
+                          codebook: str) -> torch.Tensor:
+    """xh (M, 16 kb) @ Ŵ, float32."""
+    return xh.float() @ exl3_decode_reference(trellis_t, k_bits, codebook)
+
+
+def exl3_linear_reference(x: torch.Tensor, trellis_t: torch.Tensor, suh: torch.Tensor,
+                          svh: torch.Tensor, bias: torch.Tensor | None, k_bits: float,
+                          codebook: str, n: int) -> torch.Tensor:
+    """y = H(H(pad(x) * suh) @ Ŵ) * svh (+ bias) over the first n outputs, float32
+    (x (M, in) with in <= 16 kb; H the 128-point block Hadamard)."""
+    from .engine.quant import block_hadamard
+
+    padded_in = 16 * trellis_t.shape[1]
+    xs = torch.nn.functional.pad(x.float(), (0, padded_in - x.shape[-1])) * suh
+    rotated = exl3_matmul_reference(block_hadamard(xs, dim=-1), trellis_t, k_bits, codebook)
+    y = (block_hadamard(rotated, dim=-1) * svh)[:, :n]
+    return y + bias[:n] if bias is not None else y
+
+
+def exl3_decode_cpu(trellis_t: torch.Tensor, k_bits: float, codebook: str) -> torch.Tensor:
+    """``exl3_decode_reference`` on the compiled kernel (bit-identical values)."""
+    return _ops().exl3_decode(trellis_t, float(k_bits), _codebook_id(codebook),
+                              _scalar_lut(codebook))
+
+
+def exl3_matmul_cpu(xh: torch.Tensor, trellis_t: torch.Tensor, k_bits: float,
+                    codebook: str) -> torch.Tensor:
+    """``exl3_matmul_reference`` with each tile decoded in registers (<= 8 rows) or in
+    decoded column strips (more rows)."""
+    return _ops().exl3_matmul(xh, trellis_t, float(k_bits), _codebook_id(codebook),
+                              _scalar_lut(codebook))
+
+
+def exl3_linear_cpu(x: torch.Tensor, trellis_t: torch.Tensor, suh: torch.Tensor,
+                    svh: torch.Tensor, bias: torch.Tensor | None, k_bits: float,
+                    codebook: str, n: int) -> torch.Tensor:
+    """``exl3_linear_reference`` in one op (float32, contiguous suh/svh/bias)."""
+    return _ops().exl3_linear(x, trellis_t, suh, svh, bias, float(k_bits),
+                              _codebook_id(codebook), n, _scalar_lut(codebook))

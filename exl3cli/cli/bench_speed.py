@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from exl3cli.engine.cpu_exl3 import CpuExl3Linear
 from exl3cli.engine.linear import DenseLinear, Exl3Linear
 from exl3cli.engine.norm import RMSNorm
 
@@ -93,6 +94,8 @@ def bytes_per_token(model: Any, context: int) -> int:
                 total += _nbytes(module.trellis) + sum(_nbytes(s) for s in scales)
             else:
                 total += _own_buffer_bytes(module)
+        elif isinstance(module, CpuExl3Linear):  # the CPU's exl3 mode: trellis as stored
+            total += module.nbytes
         elif isinstance(module, (DenseLinear, RMSNorm)):
             total += _own_buffer_bytes(module)  # whatever form the layer holds its weight in
     config = model.config

@@ -60,6 +60,17 @@ class LoadedModel:
     # The adapter requests without one of their own run with (TabbyAPI's /v1/lora/load).
     default_adapter: str | None = None
     default_loras: list[dict[str, Any]] | None = None  # what /v1/lora lists for it
+    placement: Any = None  # engine.placement.Placement: layers on the GPU / offloaded
+
+    @property
+    def size_vram(self) -> int:
+        """The part of `size` on the GPU (all of it, none, or the offload split's share)."""
+        if not self.on_gpu:
+            return 0
+        share = self.placement
+        if share is None or share.gpu_bytes + share.cpu_bytes <= 0:
+            return self.size
+        return round(self.size * share.gpu_bytes / (share.gpu_bytes + share.cpu_bytes))
 
     def stop_generator(self) -> None:
         """Stop stepping the generator on its thread (handles still in flight then
@@ -153,7 +164,7 @@ class InferenceRunner:
                     "digest": loaded.digest or loaded.key,
                     "details": dict(loaded.details),
                     "expires_at": expires.isoformat().replace("+00:00", "Z"),
-                    "size_vram": loaded.size if loaded.on_gpu else 0,
+                    "size_vram": loaded.size_vram,
                     "context_length": loaded.context_length,
                 })
             return {"models": models}
@@ -433,12 +444,16 @@ class InferenceRunner:
         from exl3cli.engine.textmodel import TextModel
 
         folder = Path(self.store.model_folder(name))
-        text_model = TextModel.load(folder, device=self.device)
+        manifest = self.store.read_manifest(name)
+        num_gpu = (manifest.get("parameters") or {}).get("num_gpu")  # Modelfile PARAMETER
+        text_model = TextModel.load(folder, device=self.device,
+                                    gpu_layers=None if num_gpu is None else int(num_gpu))
         device = str(getattr(text_model.model, "device", "cpu"))
-        details = model_details(self.store, self.store.read_manifest(name))
+        details = model_details(self.store, manifest)
         return LoadedModel(key=key, name=name, text_model=text_model,
                            size=_folder_size(folder), details=details,
-                           on_gpu=device.startswith("cuda"))
+                           on_gpu=device.startswith("cuda"),
+                           placement=getattr(text_model.model, "placement", None))
 
     def _release(self, loaded: LoadedModel, keep_alive: float | None) -> None:
         with self._lock:

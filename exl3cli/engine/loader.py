@@ -20,6 +20,7 @@ from exl3cli.engine.architecture import (
 from exl3cli.engine.attention import Attention
 from exl3cli.engine.blocks import ParallelDecoderLayer
 from exl3cli.engine.config import ModelConfig
+from exl3cli.engine.cpu_exl3 import compressed_linear
 from exl3cli.engine.linear import (
     CPU_WEIGHT_MODES,
     DenseLinear,
@@ -34,6 +35,14 @@ from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.moe import MoEMLP, build_moe_mlp
 from exl3cli.engine.norm import FullWidthQKNorm, LayerNorm, RMSNorm
+from exl3cli.engine.offload import offload_linear
+from exl3cli.engine.placement import (
+    DEFAULT_NUM_CTX,
+    cpu_budget,
+    estimate_memory,
+    gpu_budget,
+    plan_placement,
+)
 from exl3cli.engine.rope import rope_permutation, rotary_dim
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
@@ -53,17 +62,31 @@ def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     return stored
 
 
+# "exl3": EXL3 layers keep their packed trellis (engine/cpu_exl3.py), dense ones are
+# packed as "fp32" packs them.
+LOADER_CPU_WEIGHT_MODES = (*CPU_WEIGHT_MODES, "exl3")
+
+
 def resolve_cpu_weights(cpu_weights: str | None, device: torch.device,
                         dtype: torch.dtype) -> str | None:
-    """How linear weights are held on CPU with float32 activations: ``cpu_weights``, else
-    ``EXL3_CPU_WEIGHTS``, else "fp32" (exact; packed for the decode kernel). "bf16" and
-    "int8" trade precision for bytes per token (bench/NOTES.md). None (plain F.linear)
-    off the CPU, for other activation dtypes, or when asked for with "off"."""
-    mode = cpu_weights or os.environ.get("EXL3_CPU_WEIGHTS", "") or "fp32"
-    if mode != "off" and mode not in CPU_WEIGHT_MODES:
-        raise InvalidOption(f"cpu weights must be one of {', '.join(CPU_WEIGHT_MODES)} "
+    """How linear weights are held on CPU: ``cpu_weights``, else ``EXL3_CPU_WEIGHTS``,
+    else "exl3" (the default when the CPU kernels are built; EXL3 layers keep their
+    packed trellis, decoded inside the matmul, for any activation dtype; dense layers
+    packed as "fp32"; bench/NOTES-cpu-exl3.md). "fp32" (exact; packed for the decode
+    kernel), "bf16" and "int8" dequantize EXL3 layers at load and need float32
+    activations (bench/NOTES.md). None (plain F.linear) off the CPU, for other
+    activation dtypes, or when asked for with "off"."""
+    mode = cpu_weights or os.environ.get("EXL3_CPU_WEIGHTS", "") or "default"
+    if mode == "default":  # memory first: EXL3 at its file size, dense layers as fp32
+        mode = "exl3" if cpu_kernels.available() else "fp32"
+    if mode != "off" and mode not in LOADER_CPU_WEIGHT_MODES:
+        raise InvalidOption(f"cpu weights must be one of {', '.join(LOADER_CPU_WEIGHT_MODES)} "
                             f"or off, got {mode!r}")
-    if mode == "off" or device.type != "cpu" or dtype != torch.float32:
+    if mode == "off" or device.type != "cpu":
+        return None
+    if mode == "exl3":  # any activation dtype: the kernel computes in float32
+        return mode
+    if dtype != torch.float32:
         return None
     if mode == "fp32" and not cpu_kernels.available():
         return None  # without the kernel, F.linear on the plain matrix is the faster path
@@ -77,19 +100,37 @@ def load_causal_lm(
     *,
     linear_mode: str | None = None,
     cpu_weights: str | None = None,
+    gpu_layers: int | None = None,
+    num_ctx: int | None = None,
 ) -> CausalLM:
     """Load the model in `folder`; ModelLoadError / UnsupportedArchitecture on failure.
 
     EXL3 layers are dequantized at load on CPU and decoded in forward on CUDA;
     `linear_mode` ("dense" or "trellis") forces one way (see engine/linear.py).
-    `cpu_weights` ("fp32", "bf16", "int8", "off"): see `resolve_cpu_weights`."""
+    `cpu_weights` ("fp32", "bf16", "int8", "exl3", "off"): see `resolve_cpu_weights`.
+    Memory is planned first (engine/placement.py): `gpu_layers` (Ollama's num_gpu; None
+    or -1: as many as fit) decoder layers on the device, the rest offloaded to the CPU;
+    a load that cannot fit `num_ctx` tokens of cache refuses. The plan is
+    `model.placement`."""
     config = load_family_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(config, device)
     reader = WeightReader(folder)
-    return build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
-                           cpu_weights=cpu_weights)
+    packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    expand = None
+    if device.type == "cpu" and (packing != "exl3" or linear_mode == "dense") \
+            and linear_mode != "trellis":
+        expand = {"bf16": 2, "int8": 1}.get(packing or "", torch.finfo(dtype).bits // 8)
+    estimate = estimate_memory(folder, config, dtype, num_ctx or DEFAULT_NUM_CTX, expand)
+    placement = plan_placement(estimate, gpu_budget(device), cpu_budget(), gpu_layers)
+    if placement.gpu_layers == 0 and device.type != "cpu":  # num_gpu 0: all on the CPU
+        device = torch.device("cpu")
+        dtype = default_dtype(config, device)
+    model = build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
+                            cpu_weights=cpu_weights, offload_from=placement.gpu_layers)
+    model.placement = placement
+    return model
 
 
 LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
@@ -215,10 +256,17 @@ def build_causal_lm(
     *,
     linear_mode: str | None = None,
     cpu_weights: str | None = None,
+    offload_from: int | None = None,
 ) -> CausalLM:
-    """Assemble the shared blocks as `spec` describes, with weights from `reader`."""
+    """Assemble the shared blocks as `spec` describes, with weights from `reader`;
+    the projections of layers from `offload_from` on run on the CPU (engine/offload.py)."""
     names = spec.tensor_names(reader.has)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    if packing == "exl3" and linear_mode is not None:  # an explicit Exl3Linear mode wins
+        packing = "fp32" if dtype == torch.float32 else None
+    dense_packing = packing
+    if packing == "exl3":
+        dense_packing = "fp32" if dtype == torch.float32 else None
 
     def tensor(name: str) -> torch.Tensor:
         return reader.get(name, dtype=dtype, device=device).contiguous()
@@ -226,10 +274,13 @@ def build_causal_lm(
     def linear(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
         # Each module as stored (dense .weight or EXL3 .trellis), trimmed to its logical
         # (in, out) shape; fused projections concatenate along the output dimension.
+        mode = linear_mode or ("trellis" if packing == "exl3" else None)
         parts = [
-            load_linear(reader, p, i, o, device, dtype, mode=linear_mode, require_bias=bias)
+            load_linear(reader, p, i, o, device, dtype, mode=mode, require_bias=bias)
             for p, (i, o) in zip(prefixes, shapes, strict=True)
         ]
+        if packing == "exl3":
+            return compressed_linear(parts, dense_packing)
         fused = fuse_linears(parts)
         return pack_for_cpu(fused, packing) if packing else fused
 
@@ -239,24 +290,39 @@ def build_causal_lm(
     if config.raw.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
                                       "config) is not supported")
-    layers = [build_decoder_layer(config, spec, names, i, layer_types[i], tensor, linear)
+    def offloaded(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
+        return offload_linear([
+            load_linear(reader, p, i, o, "cpu", torch.float32, mode="trellis", require_bias=bias)
+            for p, (i, o) in zip(prefixes, shapes, strict=True)
+        ])
+
+    first_offloaded = config.num_layers if offload_from is None else offload_from
+    layers = [build_decoder_layer(config, spec, names, i, layer_types[i], tensor,
+                                  linear if i < first_offloaded else offloaded)
               for i in range(config.num_layers)]
     hidden = config.hidden_size
-    embed = tensor(names.embed)
     head_prefix = names.lm_head.removesuffix(".weight")
+    quantized_head = reader.has(head_prefix + ".trellis")
+    embed = reader.get(names.embed)
+    if packing == "exl3" and quantized_head and embed.dtype in (torch.float16, torch.bfloat16):
+        embed = embed.to(device).clone()  # only looked up (untied): kept at its stored size
+    else:
+        embed = embed.to(device, dtype).contiguous()
     lm_head: Linear | torch.Tensor
-    if reader.has(head_prefix + ".trellis"):  # EXL3 stores the head quantized, untied
+    if quantized_head:  # EXL3 stores the head quantized, untied
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
     elif config.tie_word_embeddings or not reader.has(names.lm_head):
         # Tied: fp32 shares the embedding's storage (no second copy of the largest
         # matrix); the low-precision modes add a smaller packed copy for the head.
-        lm_head = embed if packing in (None, "fp32") else DenseLinear(embed, cpu_weights=packing)
+        lm_head = (embed if dense_packing in (None, "fp32")
+                   else DenseLinear(embed, cpu_weights=dense_packing))
     else:
         lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
     logit_scale = config.raw.get("logit_scale")
     if logit_scale is not None and float(logit_scale) != 1.0:  # Cohere: folded in
-        lm_head = scale_outputs(lm_head, float(logit_scale), packing)
+        lm_head = scale_outputs(lm_head, float(logit_scale), dense_packing)
     final_norm = family_norm(config, spec, tensor(names.final_norm))
-    model = CausalLM(config, spec, embed, layers, final_norm, lm_head).eval()
+    model = CausalLM(config, spec, embed, layers, final_norm, lm_head,
+                     compute_dtype=dtype).eval()
     model.tensor_names = names  # the checkpoint's module names (LoRA adapters: engine/lora.py)
     return model

@@ -146,9 +146,14 @@ class CausalLM(nn.Module):
         layers: list[DecoderLayer],
         final_norm: RMSNorm,
         lm_head: torch.Tensor | Linear,
+        compute_dtype: torch.dtype | None = None,
     ):
+        """`compute_dtype`: the activations' dtype when the embedding is stored in
+        another (a bfloat16 table for float32 compute: half the bytes); default the
+        embedding's dtype."""
         super().__init__()
         self.config = config
+        self._compute_dtype = compute_dtype or embed_weight.dtype
         self.spec = spec
         self.register_buffer("embed_weight", embed_weight, persistent=False)
         # Tied embeddings share the storage: no second copy of the largest matrix.
@@ -158,7 +163,7 @@ class CausalLM(nn.Module):
         self._head_gemv: bool | None = None  # see _project
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling,
-            config.max_position_embeddings, embed_weight.device, embed_weight.dtype,
+            config.max_position_embeddings, embed_weight.device, self._compute_dtype,
         )
         # Sliding layers with their own rope (Gemma 3): a second table, looked up with
         # the first on every step so both grow (and bump `version`) together.
@@ -169,11 +174,11 @@ class CausalLM(nn.Module):
             self.local_rotary = RotaryEmbedding(
                 config.head_dim, config.sliding_rope_theta,
                 config.sliding_rope_scaling or {"rope_type": "default"},
-                config.max_position_embeddings, embed_weight.device, embed_weight.dtype,
+                config.max_position_embeddings, embed_weight.device, self._compute_dtype,
             )
         # Gemma: embeddings times sqrt(hidden_size), rounded to the activation dtype.
         self.embed_scale = (
-            torch.tensor(config.hidden_size**0.5, dtype=embed_weight.dtype).item()
+            torch.tensor(config.hidden_size**0.5, dtype=self._compute_dtype).item()
             if spec.embed_scale else None
         )
         self.final_softcap = config.final_logit_softcapping
@@ -193,7 +198,7 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_weight.dtype
+        return self._compute_dtype
 
     @torch.inference_mode()
     def forward(
@@ -285,7 +290,7 @@ class CausalLM(nn.Module):
         return self._embed_text(input_ids)
 
     def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_weight)
+        hidden = F.embedding(input_ids, self.embed_weight).to(self._compute_dtype)
         return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:

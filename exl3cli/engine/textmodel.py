@@ -50,10 +50,12 @@ class TextModel:
         device: Any = None,
         dtype: Any = None,
         template: str | None = None,
+        gpu_layers: int | None = None,
     ) -> TextModel:
         """Load weights, tokenizer and template from an HF-style folder.
 
-        `template` (a Modelfile TEMPLATE) replaces the folder's chat template.
+        `template` (a Modelfile TEMPLATE) replaces the folder's chat template;
+        `gpu_layers` (num_gpu) is passed to the loader's memory plan.
         """
         from exl3cli.engine.loader import load_causal_lm  # heavy: only when loading
         from exl3cli.engine.vision.loader import load_vision
@@ -61,7 +63,7 @@ class TextModel:
         folder = Path(folder)
         tokenizer = Tokenizer.from_folder(folder)
         chat_template = ChatTemplate.from_folder(folder, template=template)
-        model = load_causal_lm(folder, device=device, dtype=dtype)
+        model = load_causal_lm(folder, device=device, dtype=dtype, gpu_layers=gpu_layers)
         return cls(model, tokenizer, chat_template, folder,
                    vision=load_vision(folder, model, tokenizer))
 

@@ -113,8 +113,9 @@ def test_cpu_weights_resolution(monkeypatch) -> None:
     _kernel_required()
     cpu = torch.device("cpu")
     monkeypatch.delenv("EXL3_CPU_WEIGHTS", raising=False)
-    assert resolve_cpu_weights(None, cpu, torch.float32) == "fp32"
-    assert resolve_cpu_weights(None, cpu, torch.bfloat16) is None  # kernel takes float32
+    assert resolve_cpu_weights(None, cpu, torch.float32) == "exl3"  # dense layers as fp32
+    assert resolve_cpu_weights(None, cpu, torch.bfloat16) == "exl3"
+    assert resolve_cpu_weights("fp32", cpu, torch.bfloat16) is None  # kernel takes float32
     assert resolve_cpu_weights("int8", torch.device("cuda"), torch.float32) is None
     assert resolve_cpu_weights("off", cpu, torch.float32) is None
     monkeypatch.setenv("EXL3_CPU_WEIGHTS", "bf16")

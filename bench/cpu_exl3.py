@@ -1,0 +1,77 @@
+"""EXL3 on the CPU: resident memory and speed of one CPU weight mode, one process per
+mode so each RSS figure is its own (bench/NOTES-cpu-exl3.md).
+
+    python3 bench/cpu_exl3.py MODEL_FOLDER [--modes exl3,fp32,int8] [--threads 1]
+        [--prompt-tokens 512] [--new-tokens 64] [--repeats 3]
+
+Per mode: the process's resident memory (anonymous + file-backed, from
+/proc/self/status) before and after `load_causal_lm`, next to the folder's size and the
+KV cache the run holds; prompt and generation tok/s on the paged cache (cpu_decode.py's
+timer: what the generator runs). A synthetic folder (bench/synthetic_model.py) is
+enough: speed and memory do not depend on the weights' values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def rss_mib() -> tuple[float, float]:
+    """(anonymous, file-backed) resident MiB of this process."""
+    found = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            found[key] = int(value.split()[0]) / 1024
+    return found["RssAnon"], found["RssFile"]
+
+
+def one_mode(args: argparse.Namespace) -> None:
+    from cpu_decode import best_of, time_ours
+
+    from exl3cli.engine.loader import load_causal_lm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = Path(args.model)
+    anon0, file0 = rss_mib()
+    model = load_causal_lm(folder, "cpu", torch.float32, cpu_weights=args.mode,
+                           num_ctx=args.prompt_tokens + args.new_tokens)
+    anon1, file1 = rss_mib()
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**20
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens),
+                           generator=torch.Generator().manual_seed(0))
+    time_ours(model, prompt[:, :16], 4)  # warm-up
+    prompt_rate, gen_rate = best_of(args.repeats, time_ours, model, prompt, args.new_tokens)
+    anon2, file2 = rss_mib()
+    print(f"{args.mode:5s} threads={torch.get_num_threads()} file {size:7.1f} MiB | load "
+          f"+{anon1 - anon0:6.1f} anon +{file1 - file0:6.1f} file MiB | after run "
+          f"+{anon2 - anon0:6.1f} anon +{file2 - file0:6.1f} file MiB | prompt "
+          f"{prompt_rate:7.1f} tok/s  generation {gen_rate:6.1f} tok/s", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--modes", default="exl3,fp32,int8")
+    parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # one child
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.mode:
+        one_mode(args)
+        return
+    passed = [a for a in sys.argv[1:]]
+    for mode in args.modes.split(","):
+        subprocess.run([sys.executable, __file__, *passed, "--mode", mode], check=True)
+
+
+if __name__ == "__main__":
+    main()

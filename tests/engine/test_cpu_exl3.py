@@ -1,0 +1,160 @@
+"""EXL3 layers on the CPU at their compressed size: the trellis kernel
+(csrc/cpu/exl3_gemm_cpu.cpp) against its PyTorch twin and the codec's reference decode,
+the CpuExl3Linear layer, and models loaded with ``cpu_weights="exl3"``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from exl3cli import cpu_kernels
+from exl3cli.cli.bench_speed import bytes_per_token
+from exl3cli.engine.cpu_exl3 import CpuExl3Linear
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
+from exl3cli.engine.linear import DenseLinear, Exl3Linear, FusedLinear
+from exl3cli.engine.loader import load_causal_lm, resolve_cpu_weights
+from exl3cli.engine.quant import decode_tiles
+from exl3cli.engine.quant.bitstream import words_per_tile
+from exl3cli.engine.quant.synthetic import random_exl3_linear, write_synthetic_model
+from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.errors import InvalidOption
+
+K_VALUES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
+CASES = [(k, cb) for k in K_VALUES for cb in ("mul1", "mcg", "3inst")
+         if cb == "mul1" or float(k).is_integer()]  # half K exists for mul1 only
+
+
+def _kernel_required() -> None:
+    if shutil.which("c++") and shutil.which("ninja"):
+        assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    else:
+        pytest.fail(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def _random_trellis(kb: int, nb: int, k: float, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(-32768, 32768, (kb, nb, words_per_tile(k)), generator=g,
+                         dtype=torch.int32).to(torch.int16)
+
+
+def _fresh() -> torch.Generator:
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+
+@pytest.mark.parametrize("k,codebook", CASES, ids=lambda v: str(v))
+def test_kernel_decode_is_bit_exact(k: float, codebook: str) -> None:
+    """Every tile value the kernel decodes in registers equals the codec's decode_tiles
+    (random words cover all states' paths through the codebook)."""
+    _kernel_required()
+    trellis = _random_trellis(3, 5, k, _fresh())
+    expected = decode_tiles(trellis, k, codebook).float()
+    trellis_t = trellis.transpose(0, 1).contiguous()
+    assert torch.equal(cpu_kernels.exl3_decode_cpu(trellis_t, k, codebook), expected)
+    assert torch.equal(cpu_kernels.exl3_decode_reference(trellis_t, k, codebook), expected)
+
+
+@pytest.mark.parametrize("k,codebook", CASES, ids=lambda v: str(v))
+def test_kernel_matmul_matches_reference(k: float, codebook: str) -> None:
+    """Fused decode-multiply (1..8 rows) and the decoded-strip path (more rows)."""
+    _kernel_required()
+    g = _fresh()
+    trellis_t = _random_trellis(4, 3, k, g).transpose(0, 1).contiguous()
+    for rows in (1, 2, 5, 8, 9, 33):
+        xh = torch.randn(rows, 64, generator=g)
+        fast = cpu_kernels.exl3_matmul_cpu(xh, trellis_t, k, codebook)
+        twin = cpu_kernels.exl3_matmul_reference(xh, trellis_t, k, codebook)
+        assert fast.shape == (rows, 48)
+        torch.testing.assert_close(fast, twin, rtol=1e-5, atol=1e-5)
+
+
+# (rows, in, out, K): logical sizes below the padded ones (trimmed), several strips.
+LINEAR_SHAPES = [(1, 576, 960, 4), (3, 100, 250, 2), (8, 256, 128, 6), (12, 128, 384, 3),
+                 (1, 1536, 576, 5)]
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("codebook", ["mul1", "mcg", "3inst"])
+def test_kernel_linear_matches_dequantized_weight(shape, codebook) -> None:
+    """The whole layer (suh, Hadamard, decode, Hadamard, svh, bias, trim) in one op
+    against its twin and against x @ W with W dequantized by the codec."""
+    _kernel_required()
+    rows, n_in, n_out, k = shape
+    g = _fresh()
+    tensors = random_exl3_linear(n_in, n_out, k, codebook, generator=g)
+    tensors["bias"] = torch.randn(n_out, generator=g).half()
+    dense = Exl3Linear(tensors, n_in, n_out, mode="dense")
+    layer = CpuExl3Linear(Exl3Linear(tensors, n_in, n_out, mode="trellis"))
+    assert layer._kernel
+    x = torch.randn(rows, n_in, generator=g)
+    expected = dense(x)
+    got = layer(x)
+    twin = cpu_kernels.exl3_linear_reference(x, layer.trellis_t, layer.suh, layer.svh,
+                                             layer.bias, k, codebook, n_out)
+    scale = float(expected.abs().max())
+    assert got.shape == (rows, n_out)
+    assert float((got - twin).abs().max()) / scale < 1e-5
+    assert float((got - expected).abs().max()) / scale < 1e-5
+    # Leading dimensions and other activation dtypes pass through.
+    assert layer(x.view(1, rows, n_in).bfloat16()).shape == (1, rows, n_out)
+
+
+def test_layer_falls_back_to_the_reference_and_holds_the_trellis(monkeypatch) -> None:
+    tensors = random_exl3_linear(256, 200, 4, "mul1", generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("EXL3_NO_EXT", "1")
+    layer = CpuExl3Linear(Exl3Linear(tensors, 256, 200, mode="trellis"))
+    assert not layer._kernel and layer.dense_weight() is None
+    # 4 bits a weight (256 x 256 padded) plus float32 scales: no dense copy.
+    assert layer.nbytes == 256 * 256 // 2 + 4 * (256 + 256)
+    x = torch.randn(2, 256)
+    dense = Exl3Linear(tensors, 256, 200, mode="dense")
+    torch.testing.assert_close(layer(x), dense(x), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="trellis mode"):
+        CpuExl3Linear(dense)
+
+
+def test_exl3_mode_resolution(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("EXL3_CPU_WEIGHTS", "exl3")
+    assert resolve_cpu_weights(None, cpu, torch.float32) == "exl3"
+    assert resolve_cpu_weights(None, cpu, torch.bfloat16) == "exl3"  # any activation dtype
+    assert resolve_cpu_weights(None, torch.device("cuda"), torch.float32) is None
+    with pytest.raises(InvalidOption, match="exl3"):
+        resolve_cpu_weights("q4", cpu, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_exl3(tmp_path_factory):
+    return write_synthetic_model(tmp_path_factory.mktemp("tiny"), "tiny", bits=3.5,
+                                 head_bits=6)
+
+
+def _greedy(model, folder, prompt: str, n: int = 12) -> list[int]:
+    tokenizer = Tokenizer.from_folder(folder)
+    generator = Generator(model, tokenizer, max_batch=1, num_ctx=128)
+    handle = generator.submit(GenerationJob(tokenizer.encode(prompt), {"temperature": 0},
+                                            num_predict=n))
+    generator.run_until_done()
+    return handle.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exl3_mode_model_matches_dense_model(tiny_exl3, dtype) -> None:
+    """Compressed and dequantized models: same logits (float order) and greedy text; the
+    compressed one holds no dense copy of any EXL3 layer."""
+    dense = load_causal_lm(tiny_exl3, device="cpu", dtype=dtype, cpu_weights="fp32")
+    small = load_causal_lm(tiny_exl3, device="cpu", dtype=dtype, cpu_weights="exl3")
+    linears = [m for m in small.modules() if isinstance(m, CpuExl3Linear)]
+    assert len(linears) == 2 * 7 + 1  # 2 layers x q, k, v, o, gate, up, down + head
+    assert not any(isinstance(m, DenseLinear) for m in small.modules())
+    assert isinstance(small.layers[0].attention.qkv, FusedLinear)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6]])
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(small(ids), dense(ids), rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        assert _greedy(small, tiny_exl3, "Hello") == _greedy(dense, tiny_exl3, "Hello")
+    # exl3 bench's bytes per decode token: the trellises as stored, plus norms and a row.
+    stored = sum(m.nbytes for m in linears)
+    assert stored < bytes_per_token(small, 0) < stored + 16 * 1024
+    assert bytes_per_token(dense, 0) > 2 * stored  # dequantized: 16 or 32 bits a weight
