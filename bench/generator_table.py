@@ -60,6 +60,10 @@ def main(folder: Path) -> None:
             before = plain.get((kv, jobs))
             print(f"{model} {jobs} jobs, {kv}, EXL3_PDL=1: {value:.1f} tok/s; plain launches "
                   f"{before or 0:.1f} ({ratio(value, before).strip()})")
+        for (kv, jobs), value in sorted(ours(folder, f"{model}-lora").items()):
+            bare = plain.get((kv, jobs))
+            print(f"{model} {jobs} jobs, {kv}, rank-16 LoRA on every projection: {value:.1f} "
+                  f"tok/s; without {bare or 0:.1f} ({ratio(value, bare).strip()})")
         unfused, fused = ours(folder, f"{model}-unfused"), ours(folder, model)
         for (kv, jobs), value in sorted(unfused.items()):
             now = fused.get((kv, jobs))

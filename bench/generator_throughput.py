@@ -4,6 +4,9 @@ KV cache memory per token of each cache type.
     python bench/generator_throughput.py MODEL_FOLDER [--jobs 1,8,32,128] [--gen 64]
         [--prompt 128] [--kv fp16,q4] [--device cuda] [--json]
 
+With `--lora-rank R` every job runs with a random rank-R LoRA adapter on all seven
+projections of every layer (engine/lora.py), to compare against the bare model.
+
 N jobs with different random prompts are submitted at once (greedy, `--gen` tokens
 each, never stopping early: `ignore_eos`); the figure is decode tokens per second over
 the steps that only decode (after every prompt is in), so prompt processing does not
@@ -50,8 +53,34 @@ def new_generator(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen:
                      kv_cache_type=kv, max_queue=jobs)
 
 
+def random_adapter(model: Any, rank: int, name: str = "bench") -> str:
+    """Load a random rank-`rank` LoRA adapter on all attention and MLP projections."""
+    from exl3cli.engine.lora import load_adapter
+    from exl3cli.engine.lora_peft import LoraPair, PeftAdapter
+
+    config = model.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    dim = config.head_dim
+    shapes = {"self_attn.q_proj": (hidden, config.num_heads * dim),
+              "self_attn.k_proj": (hidden, config.num_kv_heads * dim),
+              "self_attn.v_proj": (hidden, config.num_kv_heads * dim),
+              "self_attn.o_proj": (config.num_heads * dim, hidden),
+              "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+              "mlp.down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(rank)
+    modules = {f"model.layers.{i}.{m}": LoraPair(
+        torch.randn(rank, i_f, generator=gen) / i_f**0.5,
+        torch.randn(o_f, rank, generator=gen) * 0.01)
+        for i in range(config.num_layers) for m, (i_f, o_f) in shapes.items()}
+    adapter = PeftAdapter(name=name, rank=rank, alpha=float(rank), rslora=False, scale=1.0,
+                          target_modules=sorted({m.split(".")[-1] for m in shapes}),
+                          modules=modules)
+    load_adapter(model, adapter)
+    return name
+
+
 def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
-             seed: int) -> dict[str, Any]:
+             seed: int, adapter: str | None = None) -> dict[str, Any]:
     """One measured run: `jobs` concurrent greedy jobs; decode-only aggregate tok/s."""
     model = generator.model
     steps: list[tuple[float, StepReport]] = []
@@ -64,7 +93,7 @@ def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
     generator.step_observers[:] = [observe]
     for ids in _prompts(jobs, prompt, model.config.vocab_size, seed):
         generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen,
-                                       ignore_eos=True))
+                                       ignore_eos=True, adapter=adapter))
     _synchronize(device)
     started = time.perf_counter()
     generator.run_until_done()
@@ -94,15 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="every job with a random LoRA adapter of this rank")
     args = parser.parse_args(argv)
     model = load_causal_lm(args.model, device=args.device)
+    adapter = random_adapter(model, args.lora_rank) if args.lora_rank > 0 else None
     tokenizer = Tokenizer.from_folder(args.model)
     rows = []
     for kv in args.kv.split(","):
         for jobs in (int(j) for j in args.jobs.split(",")):
             generator = new_generator(model, tokenizer, jobs, args.prompt, args.gen, kv)
-            run_jobs(generator, jobs, args.prompt, args.gen, args.seed)  # warm-up
-            runs = [run_jobs(generator, jobs, args.prompt, args.gen, args.seed + 1 + i)
+            run_jobs(generator, jobs, args.prompt, args.gen, args.seed, adapter)  # warm-up
+            runs = [run_jobs(generator, jobs, args.prompt, args.gen, args.seed + 1 + i, adapter)
                     for i in range(max(1, args.repeat))]
             for run in runs:
                 run["kv"] = kv

@@ -82,6 +82,23 @@ if [[ " $STAGES " == *" pdl "* ]]; then
   stamp "pdl done"
 fi
 
+if [[ " $STAGES " == *" lora "* ]]; then
+  # One random rank-16 LoRA adapter on all projections, every job using it (issue 16).
+  timeout 200 python3 bench/generator_throughput.py "$M8" --device cuda --jobs 1,16 \
+    --prompt 128 --gen 64 --kv fp16 --repeat 2 --lora-rank 16 --json \
+    >"$OUT/ours-8b-lora.json" 2>"$OUT/ours-8b-lora.err" \
+    || { echo "FAIL: lora"; tail -8 "$OUT/ours-8b-lora.err"; }
+  stamp "lora done"
+fi
+
+if [[ " $STAGES " == *" attn "* ]]; then
+  timeout 120 python3 bench/attention_bench.py --json "$OUT/attention.json" \
+    >"$OUT/attention.txt" 2>"$OUT/attention.err" || { echo "FAIL: attention bench"; \
+    tail -5 "$OUT/attention.err"; }
+  cat "$OUT/attention.txt"
+  stamp "attention bench done"
+fi
+
 if [[ " $STAGES " == *" unfused "* ]]; then
   # Before/after of the fused decode layer (engine/fused_layer.py), same call.
   for m in "8b $M8" "1b $M1"; do

@@ -201,9 +201,12 @@ class DecodeRunner:
     def graph_count(self) -> int:
         return len(self._graphs)
 
-    def _version(self) -> tuple[int, int]:
+    def _version(self) -> tuple[int, int, int]:
+        """What captured graphs depend on besides their bucket: the rotary tables and the
+        model's LoRA adapters (engine/lora.py bumps `adapter_version`)."""
         local = getattr(self.model, "local_rotary", None)
-        return (self.model.rotary.version, -1 if local is None else local.version)
+        return (self.model.rotary.version, -1 if local is None else local.version,
+                getattr(self.model, "adapter_version", 0))
 
     def fits(self, rows: Sequence[tuple[PageTable, int]]) -> bool:
         """Whether these rows can run as one fixed-shape step."""

@@ -253,10 +253,8 @@ class AdapterBank:
 
     def _invalidate_graphs(self) -> None:
         """Captured decode graphs (decode_step.py) hold the layers and tensors of their
-        capture: mark them stale the way a rebuilt rotary table does."""
-        rotary = getattr(self.model, "rotary", None)
-        if rotary is not None and hasattr(rotary, "version"):
-            rotary.version += 1
+        capture: a new `adapter_version` of the model makes them stale."""
+        self.model.adapter_version = getattr(self.model, "adapter_version", 0) + 1
 
     def _wrap(self, target: _Target) -> AdaptedLinear:
         layer = getattr(target.owner, target.attr)
