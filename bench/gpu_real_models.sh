@@ -16,6 +16,7 @@
 #   serve    item 2: `exl3 serve`, 64 streaming clients through ollama and openai, models
 #            in turns then together (EXL3_MAX_LOADED_MODELS=2), plus `exl3 bench --server`
 #   spec     item 4: ngram and SmolLM2 2.0 bpw drafting for SmolLM2 fp16, 1 and 16 jobs
+# ONLY="smollm2" restricts the run to the models named (default: all that assembled).
 # Dry run on a CPU (same stages, models cut to DRY_LAYERS layers, head unquantized,
 # small calibration): DRY=1 CUDA_VISIBLE_DEVICES= bash bench/gpu_real_models.sh
 # Small outputs land in $OUT (JSON + table.txt + logs.tgz); the table prints last.
@@ -54,7 +55,8 @@ fi
 python3 bench/real_models/pack.py assemble "$STASH" "$REAL" | tee "$OUT/assemble.txt"
 MODELS=""
 for m in smollm2 gemma3; do
-  grep -q "^$m.gguf: ok" "$OUT/assemble.txt" && MODELS="$MODELS $m"
+  grep -q "^$m.gguf: ok" "$OUT/assemble.txt" && [[ " ${ONLY:-$m} " == *" $m "* ]] \
+    && MODELS="$MODELS $m"
 done
 stamp "models:$MODELS"
 [ -n "$MODELS" ] || { echo "FAIL: no model assembled (stash calls missing?)"; exit 1; }
@@ -81,31 +83,31 @@ wait
 
 # --- convert: EXL3 4.0 bpw of each model, 2.0 bpw SmolLM2 (the draft) ----------------
 CONVERT_ARGS=(--calib "$STASH/text/valid.txt")
+CONVERT_TIMEOUT=${CONVERT_TIMEOUT:-240}; [ -n "$DRY" ] && CONVERT_TIMEOUT=1800
 [ -n "$DRY" ] && CONVERT_ARGS+=(--head-bits 16 --calib-rows 2 --calib-cols 64 --device cpu)
 convert() {  # model bits
   local out="$REAL/$1-$2"
   [ -f "$out/config.json" ] && return 0
   local t=$(date +%s)
-  timeout 300 $EXL3 convert "$REAL/$1-hf" -b "$2" --out "$out" --work "$REAL/work-$1-$2" \
+  timeout "$CONVERT_TIMEOUT" $EXL3 convert "$REAL/$1-hf" -b "$2" --out "$out" --work "$REAL/work-$1-$2" \
     "${CONVERT_ARGS[@]}" >"$OUT/convert-$1-$2.log" 2>&1 \
     || { echo "FAIL: convert $1 $2"; tail -5 "$OUT/convert-$1-$2.log"; return 1; }
   echo "{\"model\": \"$1\", \"bits\": $2, \"seconds\": $(( $(date +%s) - t ))}" \
     >"$OUT/convert-$1-$2.json"
   stamp "converted $1 at $2 bpw in $(( $(date +%s) - t )) s"
 }
-for m in $MODELS; do convert "$m" 4.0; done
+raw_of() { [ "$1" = gemma3 ] && echo --raw || true; }
+cpu_reference() {  # the CPU reference of an EXL3 folder, on this machine's CPU, meanwhile
+  has greedy || return 0
+  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=${REF_THREADS:-6} timeout 500 python3 \
+    bench/real_models/greedy_check.py reference "$REAL/$1-4.0" --device cpu --dtype float32 \
+    $(raw_of "$1") --out "$OUT/ref-$1-4.0.json" >"$OUT/ref-$1-4.0.log" 2>&1 &
+}
+for m in $MODELS; do convert "$m" 4.0 && cpu_reference "$m"; done
 [[ " $MODELS " == *" smollm2 "* ]] && has spec && convert smollm2 2.0
 
-raw_of() { [ "$1" = gemma3 ] && echo --raw || true; }
-# --- item 1: greedy text, GPU vs CPU --------------------------------------------------
+# --- item 1: greedy text, GPU vs CPU (fp16 here; EXL3 last, once its CPU refs are in) --
 if has greedy; then
-  # CPU references of the EXL3 folders, on this machine's CPU while the GPU checks run.
-  for m in $MODELS; do
-    [ -d "$REAL/$m-4.0" ] || continue
-    CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 timeout 400 python3 \
-      bench/real_models/greedy_check.py reference "$REAL/$m-4.0" --device cpu --dtype float32 \
-      $(raw_of "$m") --out "$OUT/ref-$m-4.0.json" >"$OUT/ref-$m-4.0.log" 2>&1 &
-  done
   for m in $MODELS; do
     ref="$STASH/refs/$m.json"
     if [ -n "$DRY" ]; then  # the shipped refs are of the whole model: make cut ones
@@ -126,15 +128,7 @@ if has greedy; then
     timeout 120 $EXL3 run smol-fp16 "Name three primary colours and say one thing about each." \
       >"$OUT/exl3-run-smollm2.txt" 2>"$OUT/exl3-run-smollm2.err" || echo "FAIL: exl3 run"
   fi
-  wait  # the CPU references
-  for m in $MODELS; do
-    [ -f "$OUT/ref-$m-4.0.json" ] || { echo "FAIL: CPU reference $m 4.0"; tail -3 "$OUT/ref-$m-4.0.log"; continue; }
-    timeout 200 python3 bench/real_models/greedy_check.py check "$REAL/$m-4.0" \
-      --ref "$OUT/ref-$m-4.0.json" --device "$DEVICE" --dtype "$GPU_DTYPE" \
-      --out "$OUT/greedy-$m-4.0.json" 2>"$OUT/greedy-$m-4.0.err" \
-      || { echo "NOTE: greedy $m 4.0 not identical (or failed)"; tail -2 "$OUT/greedy-$m-4.0.err"; }
-  done
-  stamp "greedy done"
+  stamp "greedy fp16 done"
 fi
 
 # --- item 5: the Gemma paths under CUDA ----------------------------------------------
@@ -195,6 +189,18 @@ if has spec && [[ " $MODELS " == *" smollm2 "* ]]; then
     --dtype "$GPU_DTYPE" --out "$OUT/spec.json" 2>"$OUT/spec.err" | tee "$OUT/spec.txt" \
     || { echo "NOTE: speculative bench: a text differed or it failed"; tail -3 "$OUT/spec.err"; }
   stamp "spec done"
+fi
+
+if has greedy; then  # item 1, EXL3 4.0: against the CPU references started after convert
+  wait
+  for m in $MODELS; do
+    [ -f "$OUT/ref-$m-4.0.json" ] || { echo "FAIL: CPU reference $m 4.0"; tail -3 "$OUT/ref-$m-4.0.log"; continue; }
+    timeout 200 python3 bench/real_models/greedy_check.py check "$REAL/$m-4.0" \
+      --ref "$OUT/ref-$m-4.0.json" --device "$DEVICE" --dtype "$GPU_DTYPE" \
+      --out "$OUT/greedy-$m-4.0.json" 2>"$OUT/greedy-$m-4.0.err" \
+      || { echo "NOTE: greedy $m 4.0 not identical (or failed)"; tail -2 "$OUT/greedy-$m-4.0.err"; }
+  done
+  stamp "greedy EXL3 done"
 fi
 
 python3 bench/real_models/table.py "$OUT" | tee "$OUT/table.txt"
