@@ -6,10 +6,12 @@
 # PEER_BITS, evaluated on the same windows against the same reference by our engine
 # (bench/real_models/eval_folders.py).
 #
-# It needs the SmolLM2 GGUF in /tmp/real-stash (the stash calls of gpu_real_models.sh,
-# or that script's own run, on the same warm machine) and .whl/ (the peer's wheels and
-# its .so.xz, shared/tools/README.md) plus .real/s/c2 (wikitext, wheels):
-#   bash bench/gpu_real_quality.sh        carry: [".whl", ".real/s/c2"]
+# It needs what gpu_real_models.sh's calls left in /tmp/real-stash on the same warm
+# machine (the SmolLM2 GGUF parts, wikitext, wheels) and .whl/ (the peer's wheels and
+# its .so.xz, shared/tools/README.md; 21 MB): .whl and .real/s/c2 together exceed one
+# call's 64 MiB, so from a cold machine first `bash bench/gpu_real_models.sh stash` with
+# carry [".real/s/c1"], then the same with [".real/s/c2"], then
+#   bash bench/gpu_real_quality.sh        carry: [".whl"]
 # ExLlamaV3 takes ~95 s per bpw and ours ~45 s: all four of each (~10 min) overrun one
 # call, so split: OURS_BITS="2 3 4 5" PEER_BITS="2" in one call, then OURS_BITS=""
 # PEER_BITS="3 4 5" in the next (same warm machine; the padded copy and reference stay

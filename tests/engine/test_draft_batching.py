@@ -126,3 +126,22 @@ def test_backoff_pauses_double_and_a_good_probe_ends_them():
     backoff.record(4, 3, produced=54)  # a good probe: drafting resumes at once
     assert backoff.pause == 0 and backoff.may_draft(55)
     assert backoff.paused_tokens == 2
+
+
+def test_backed_off_jobs_run_ahead_on_the_fixed_shape_path(text_model, draft_models):
+    """While a job's drafting is paused its steps are plain decode steps: they take the
+    fixed-shape runner and launch ahead (a step in flight), and the text is unchanged."""
+    prompts = _prompts(3, seed=4)
+    plain, _ = _run(text_model, prompts, [80] * 3)
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=4, num_ctx=512,
+                          decode_mode="static")
+    handles = [generator.submit(GenerationJob(
+        p, GREEDY, num_predict=80, drafter=ModelDrafter(draft_models["other"]), draft_tokens=4))
+        for p in prompts]
+    in_flight = 0
+    while generator.has_work or generator._flight is not None:
+        generator.step()
+        in_flight += generator._flight is not None
+    assert [h.token_ids for h in handles] == [h.token_ids for h in plain]
+    assert in_flight > 0
+    assert sum(h.final.draft_count for h in handles) > 0  # it did draft, then paused
