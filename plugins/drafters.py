@@ -7,8 +7,8 @@ drafted for free: no second model, no extra memory.
 
 `model`: any other DRAFT value names a small model with the same vocabulary (a store
 name or a model folder), which drafts greedily. It is loaded once per process and
-shared; each job keeps its own KV cache of it, re-using what it already holds of the
-job's text (only the tokens after the last verified one are fed again).
+shared, with one paged cache in which each job keeps its own text (only the tokens
+after the last verified one are fed again); the jobs of a step are drafted together.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PagePool, PageTable, pages_for
+from exl3cli.engine.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
 from exl3cli.engine.speculative import Drafter
 from exl3cli.errors import InvalidOption
 from exl3cli.plugins import hookimpl
@@ -94,52 +94,111 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return size
 
 
+class _SharedDraftCache:
+    """The paged KV cache of one draft model, shared by all the jobs it drafts for, so
+    that their drafts run as one batch. It grows by doubling: a job that no longer fits
+    moves the cache to a pool twice the size (jobs re-feed their text into it)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.pool: PagePool | None = None
+        self.lock = threading.Lock()  # generators of several targets may share a draft
+
+    def _new_pool(self, pages: int) -> None:
+        config = self.model.config
+        self.pool = PagePool(pages, len(self.model.layers), config.num_kv_heads,
+                             config.head_dim, self.model.dtype, self.model.device)
+
+    def table_for(self, drafter: ModelDrafter, need: int) -> PageTable:
+        """`drafter`'s table with room for `need` positions (possibly a new, empty one)."""
+        table = drafter.table
+        if table is not None and table.pool is self.pool and drafter.capacity >= need:
+            return table
+        if table is not None:
+            table.free()
+        size = max(PAGE_SIZE, 1 << (need - 1).bit_length())
+        limit = int(self.model.config.max_position_embeddings)
+        size = min(limit, size)
+        if self.pool is None:
+            self._new_pool(4 * pages_for(size))
+        table = PageTable(self.pool)
+        if not table.admit([], size):
+            # Full: a pool twice as large (jobs still in the old one move when they
+            # next draft; the old pool goes when its last table does).
+            self._new_pool(max(2 * self.pool.num_pages, 4 * pages_for(size)))
+            table = PageTable(self.pool)
+            table.admit([], size)
+        drafter.table, drafter.capacity = table, size
+        return table
+
+
+_CACHES: dict[int, _SharedDraftCache] = {}
+
+
+def _shared_cache(model: Any) -> _SharedDraftCache:
+    with _LOAD_LOCK:
+        return _CACHES.setdefault(id(model), _SharedDraftCache(model))
+
+
 class ModelDrafter:
-    """Greedy drafts from a small model, with this job's own paged cache of it (a
-    private page pool of one sequence, grown by doubling)."""
+    """Greedy drafts from a small model. All jobs drafting with one model share its
+    paged cache (each its own page table) and are drafted together: one draft forward
+    per drafted position for all of them (`propose_batch`), not one per job. A job
+    re-uses what its table holds of its text: only the tokens after the last verified
+    one are fed again."""
 
     def __init__(self, model: Any):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
-        self._table: PageTable | None = None
-        self._capacity = 0
+        self.cache = _shared_cache(model)
+        self.batch_key = id(self.cache)  # jobs with one key draft together
+        self.table: PageTable | None = None
+        self.capacity = 0
 
-    def _logits_after(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        batch = PagedBatch(self._table.pool, [self._table], [tokens])
-        return self.model.forward(ids, batch, last_logits_only=True)[0, -1]
-
-    def _new_cache(self, size: int) -> None:
-        model, config = self.model, self.model.config
-        pool = PagePool(pages_for(size), len(model.layers), config.num_kv_heads, config.head_dim,
-                        model.dtype, model.device)
-        self._table = PageTable(pool)
-        self._table.admit([], size)
-        self._capacity = size
+    def propose(self, history: list[int], count: int) -> list[int]:
+        return self.propose_batch([self], [history], [count])[0]
 
     @torch.inference_mode()
-    def propose(self, history: list[int], count: int) -> list[int]:
-        need = len(history) + count
+    def propose_batch(self, drafters: list[ModelDrafter], histories: list[list[int]],
+                      counts: list[int]) -> list[list[int]]:
+        """Greedy drafts for several jobs of this draft model: up to counts[i] tokens
+        after histories[i], drafted position by position for all jobs at once."""
         limit = int(self.model.config.max_position_embeddings)
-        if count <= 0 or not history or need > limit:
-            return []
-        if self._table is None or self._capacity < need:
-            # Grow by doubling (re-fed from scratch): few reallocations per job.
-            self._new_cache(min(limit, max(256, 1 << (need - 1).bit_length())))
-        keep = min(_common_prefix(self._table.tokens, history), len(history) - 1)
-        self._table.truncate(keep)
-        logits = self._logits_after(history[keep:])
-        proposals: list[int] = []
-        for _ in range(count):
-            proposals.append(int(torch.argmax(logits)))
-            if len(proposals) == count:
-                break
-            logits = self._logits_after(proposals[-1:])
+        proposals: list[list[int]] = [[] for _ in drafters]
+        with self.cache.lock:
+            while True:  # again if the cache grew midway: every table in the same pool
+                rows, feeds = [], []
+                for i, (drafter, history, count) in enumerate(
+                        zip(drafters, histories, counts, strict=True)):
+                    need = len(history) + count
+                    if count <= 0 or not history or need > limit:
+                        continue
+                    table = self.cache.table_for(drafter, need)
+                    keep = min(_common_prefix(table.tokens, history), len(history) - 1)
+                    table.truncate(keep)
+                    rows.append(i)
+                    feeds.append(history[keep:])
+                if all(drafters[i].table.pool is self.cache.pool for i in rows):
+                    break
+            while rows:
+                tables = [drafters[i].table for i in rows]
+                ids = torch.tensor([[t for feed in feeds for t in feed]], dtype=torch.long,
+                                   device=self.model.device)
+                batch = PagedBatch(self.cache.pool, tables, feeds)
+                logits = self.model.forward(ids, batch, last_logits_only=True)[0]
+                picks = torch.argmax(logits, dim=-1).tolist()
+                for i, token in zip(rows, picks, strict=True):
+                    proposals[i].append(int(token))
+                rows = [i for i in rows if len(proposals[i]) < counts[i]]
+                feeds = [proposals[i][-1:] for i in rows]
         return proposals
 
     def release(self) -> None:
-        """The job ended: free this job's cache of the draft model."""
-        self._table, self._capacity = None, 0
+        """The job ended: give its pages back to the shared cache."""
+        if self.table is not None:
+            with self.cache.lock:
+                self.table.free()
+        self.table, self.capacity = None, 0
 
 
 def _model_factory(spec: str) -> Drafter:

@@ -101,7 +101,7 @@ def test_draft_keeps_the_greedy_text(model_path):
         assert handle.text() == want
         assert handle.final.draft_count > 0, draft
         # The job is over: a draft model's cache for it is gone, the handle lives on.
-        assert getattr(handle.job.drafter, "_cache", None) is None
+        assert getattr(handle.job.drafter, "table", None) is None
     with pytest.raises(ModelNotFound):
         load(model_path, draft="no-such-draft-model", store_root=model_path.parent / "s")
 

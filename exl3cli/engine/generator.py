@@ -36,7 +36,7 @@ from exl3cli.engine.generator_jobs import (
 from exl3cli.engine.kv_quant import KVCacheType, resolve_kv_cache_type
 from exl3cli.engine.paged_attention import PagedBatch
 from exl3cli.engine.paged_cache import PAGE_SIZE, ROOT_HASH, PagePool, PageTable, pages_for
-from exl3cli.engine.speculative import VerifyingBatch
+from exl3cli.engine.speculative import VerifyingBatch, prepare_drafts
 from exl3cli.engine.token_ids import check_token_ids
 from exl3cli.engine.tokenizer import Tokenizer
 from exl3cli.errors import ContextOverflow, GeneratorBusy, InvalidOption
@@ -258,6 +258,7 @@ class Generator:
         held back), then prompt chunks up to max_prefill_tokens."""
         room = self.max_prefill_tokens
         fed: list[tuple[ActiveJob, list[int]]] = []
+        prepare_drafts(self._active)  # batched drafters: one draft pass for all their jobs
         for active in self._active:
             if not active.prefilling:
                 tokens = active.next_tokens(0)
@@ -311,7 +312,9 @@ class Generator:
         if self._queue and len(self._active) < self.max_batch:
             return False
         for job in jobs:
-            if job.prefilling or job.drafter is not None or job.handle.job.constraint is not None:
+            # A drafting job may run ahead only while its drafting is paused (backed off).
+            drafts = job.drafter is not None and job.produced + 2 > job.backoff.paused_until
+            if job.prefilling or drafts or job.handle.job.constraint is not None:
                 return False
             if job.produced + 2 > job.budget or not batchable(job.sampler):
                 return False

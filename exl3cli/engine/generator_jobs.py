@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from exl3cli.engine.draft_policy import DraftBackoff
 from exl3cli.engine.paged_cache import PageTable
 from exl3cli.engine.sampling import Sampler, build_sampler
 from exl3cli.engine.speculative import verify
@@ -176,6 +177,9 @@ class ActiveJob:
     # [begin, end) prompt spans fed in one step (an image's tokens attend to each other)
     keep_together: list[tuple[int, int]] = field(default_factory=list)
     _draft: list[int] = field(default_factory=list)  # the drafts fed this step
+    # Drafts made for this step by a batched drafter (speculative.prepare_drafts).
+    prepared_draft: list[int] | None = None
+    backoff: DraftBackoff = field(default_factory=DraftBackoff)  # pauses failing drafts
     _decoder: Any = None
     _matcher: StopStringMatcher | None = None
     _held: list[int] = field(default_factory=list)  # tokens whose text is held back
@@ -210,10 +214,21 @@ class ActiveJob:
                 break
         return self.prompt[self.cursor : end]
 
-    def _propose(self) -> list[int]:
+    def draft_budget(self) -> int:
+        """How many tokens to draft at this step (0: none; drafting backed off, or no
+        room). Call once per step: a backed-off step is counted."""
         # Every emitted token but the last must fit the reservation: k <= budget left - 1.
         count = min(self.draft_tokens, self.budget - self.produced - 1)
-        if self.drafter is None or count <= 0:
+        if self.drafter is None or count <= 0 or not self.backoff.may_draft(self.produced):
+            return 0
+        return count
+
+    def _propose(self) -> list[int]:
+        prepared, self.prepared_draft = self.prepared_draft, None
+        if prepared is not None:
+            return prepared
+        count = self.draft_budget()
+        if count <= 0:
             return []
         return [int(t) for t in self.drafter.propose(self.history, count)][:count]
 
@@ -264,6 +279,7 @@ class ActiveJob:
             events += more
             if done:
                 break
+        self.backoff.record(len(draft), kept, self.produced)
         return events
 
     def _sample(self, logits: torch.Tensor) -> list[GeneratorEvent]:

@@ -24,6 +24,11 @@ Public API:
   ``DEFAULT_DRAFT_TOKENS``; 0 turns speculation off).
 - ``VerifyingBatch(pool, tables, new_tokens, verifying)``: the generator's paged step
   when some rows verify drafts (``output_rows[i]``: row i's logits in the output).
+- ``prepare_drafts(jobs)``: drafts of every job whose drafter drafts in batches
+  (``batch_key`` + ``propose_batch(drafters, histories, counts)``, e.g. a draft model:
+  one draft forward per drafted position for all its jobs, not one per job).
+- When a job drafts at all is engine/draft_policy.py's: drafting backs off by itself
+  while its drafts are rejected.
 """
 
 from __future__ import annotations
@@ -86,6 +91,29 @@ def make_drafter(spec: str) -> Drafter:
         known = ", ".join(sorted(factories))
         raise InvalidOption(f"unknown draft {spec!r} (available: {known})")
     return factories["model"](spec)
+
+
+def prepare_drafts(jobs: Sequence[Any]) -> None:
+    """Make this step's drafts for the decoding jobs whose drafters batch: the jobs
+    of one `batch_key` (one draft model) are drafted by one `propose_batch` call. Each
+    job then finds its draft in `prepared_draft` (generator_jobs.ActiveJob)."""
+    groups: dict[Any, list[tuple[Any, int]]] = {}
+    for job in jobs:
+        drafter = job.drafter
+        if (drafter is None or job.prefilling or job.pending_token is None
+                or getattr(drafter, "batch_key", None) is None):
+            continue
+        count = job.draft_budget()
+        if count <= 0:
+            job.prepared_draft = []
+            continue
+        groups.setdefault(drafter.batch_key, []).append((job, count))
+    for members in groups.values():
+        drafters = [job.drafter for job, _ in members]
+        proposals = drafters[0].propose_batch(
+            drafters, [job.history for job, _ in members], [count for _, count in members])
+        for (job, count), proposal in zip(members, proposals, strict=True):
+            job.prepared_draft = [int(t) for t in proposal][:count]
 
 
 def draft_count(options: dict[str, Any] | None) -> int:

@@ -1,0 +1,136 @@
+"""Speculative decoding on a real model: drafters x job counts x prompt sets.
+
+For each prompt set (input-grounded: edit a passage, continue a quoted list, rewrite
+code with one change; and free answers), each job count and each drafter (none, the
+`ngram` drafter, a draft model folder), greedy jobs run in one generator; measured on
+the decode steps only (steps that take no prompt tokens): tokens/s (all jobs), decode
+passes, draft tokens kept per pass, the cost of a pass against a plain step, the
+speed-up over no drafting, and whether every text equals the undrafted one.
+
+    python bench/real_models/speculative_bench.py TARGET --draft-model DRAFT_FOLDER \
+        --jobs 1,16 --tokens 64 --k 4 --device cuda --out spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
+from exl3cli.engine.speculative import make_drafter
+from exl3cli.engine.textmodel import TextModel
+
+PASSAGE = ("The old lighthouse stood on the northern cliff for two hundred years. Every "
+           "night its keeper climbed the ninety steps, trimmed the wick and polished the "
+           "great lens, so that the fishing boats could find the harbour in the dark.")
+LIST = ("Shopping list: 1. two loaves of bread 2. a dozen eggs 3. one litre of milk "
+        "4. a bag of apples 5. three tins of tomatoes 6. a jar of honey")
+CODE = ("def total_price(items):\n    total = 0\n    for item in items:\n"
+        "        total += item.price * item.quantity\n    return total\n")
+SETS = {
+    "grounded": [
+        f"Rewrite this passage, changing 'northern' to 'southern' and 'ninety' to "
+        f"'eighty', and keep everything else the same:\n\n{PASSAGE}",
+        f"Copy this list exactly, then add a seventh item:\n\n{LIST}",
+        f"Rename the function to compute_total and change nothing else:\n\n{CODE}",
+    ],
+    "free": [
+        "Why is the sky blue? Answer in a few sentences.",
+        "Give three tips for sleeping better.",
+        "What is the difference between a virus and a bacterium?",
+    ],
+}
+
+
+def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: str | None,
+         k: int, device: str) -> dict[str, Any]:
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=len(prompts),
+                          num_ctx=1024)
+    handles = [generator.submit(GenerationJob(
+        p, {"temperature": 0}, num_predict=tokens, ignore_eos=True,
+        drafter=make_drafter(drafter) if drafter else None,
+        draft_tokens=k if drafter else 0)) for p in prompts]
+    decode_s, passes, drafted_passes = 0.0, 0, 0
+    while generator.has_work:
+        start = time.perf_counter()
+        report = generator.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if report.decode_tokens and not report.prefill_tokens:
+            decode_s += seconds
+            passes += 1
+            drafted_passes += report.draft_tokens > 0
+    produced = sum(len(h.token_ids) for h in handles)
+    return {
+        "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
+        "passes": passes, "drafted_passes": drafted_passes,
+        "drafted": sum(h.final.draft_count for h in handles),
+        "kept": sum(h.final.draft_accepted for h in handles),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--jobs", default="1,16")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--sets", default=",".join(SETS))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    text_model = TextModel.load(args.model, device=args.device, dtype=dtype)
+    drafters = ["ngram"] + ([args.draft_model] if args.draft_model else [])
+    rows = []
+    # Warm-up: kernels, graphs and the draft model's load are not measured.
+    warm = [text_model.chat_prompt([{"role": "user", "content": SETS["free"][0]}])]
+    for drafter in [None, *drafters]:
+        _run(text_model, warm * 2, 8, drafter, args.k, args.device)
+    for set_name in args.sets.split(","):
+        asks = [text_model.chat_prompt([{"role": "user", "content": a}]) for a in SETS[set_name]]
+        for jobs in (int(j) for j in args.jobs.split(",")):
+            prompts = [asks[i % len(asks)] for i in range(jobs)]
+            plain = _run(text_model, prompts, args.tokens, None, args.k, args.device)
+            plain_step = plain["decode_s"] / max(1, plain["passes"])
+            for drafter in drafters:
+                got = _run(text_model, prompts, args.tokens, drafter, args.k, args.device)
+                rate = got["tokens"] / got["decode_s"] if got["decode_s"] else None
+                plain_rate = plain["tokens"] / plain["decode_s"] if plain["decode_s"] else None
+                rows.append({
+                    "set": set_name, "jobs": jobs,
+                    "drafter": "ngram" if drafter == "ngram" else "model:" + Path(drafter).name,
+                    "plain_tok_s": round(plain_rate, 1) if plain_rate else None,
+                    "tok_s": round(rate, 1) if rate else None,
+                    "speedup": round(rate / plain_rate, 3) if rate and plain_rate else None,
+                    "passes": got["passes"], "plain_passes": plain["passes"],
+                    "kept_per_pass": round(got["kept"] / max(1, got["passes"]), 3),
+                    "kept": got["kept"], "drafted": got["drafted"],
+                    "drafted_passes": got["drafted_passes"],
+                    "pass_cost_vs_plain": round((got["decode_s"] / max(1, got["passes"]))
+                                                / plain_step, 3) if plain_step else None,
+                    "same_text": got["ids"] == plain["ids"],
+                })
+                row = rows[-1]
+                print(f"{set_name:<9}{jobs:>3} jobs {row['drafter']:<22} "
+                      f"{row['plain_tok_s']} -> {row['tok_s']} tok/s  x{row['speedup']}  "
+                      f"kept/pass {row['kept_per_pass']}  pass cost x{row['pass_cost_vs_plain']}"
+                      f"  same {row['same_text']}", flush=True)
+    Path(args.out).write_text(json.dumps({"model": args.model, "device": args.device,
+                                          "k": args.k, "tokens": args.tokens, "rows": rows},
+                                         indent=1))
+    return 0 if all(r["same_text"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Draft models draft for all jobs in one batch per position, and drafting backs off by
+itself when its drafts are rejected; the greedy text never changes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from exl3_plugins.drafters import ModelDrafter
+
+from exl3cli.engine.draft_policy import DraftBackoff
+from exl3cli.engine.generator import Generator
+from exl3cli.engine.generator_jobs import GenerationJob
+from exl3cli.engine.loader import load_causal_lm
+from tests.fixtures.tiny_model import write_tiny_model
+
+GREEDY = {"temperature": 0}
+
+
+class CountingModel:
+    """A draft model whose forward passes are counted (rows fed per pass too)."""
+
+    def __init__(self, model):
+        self.inner, self.calls, self.rows = model, 0, []
+        self.config, self.layers = model.config, model.layers
+        self.dtype, self.device = model.dtype, model.device
+
+    def forward(self, ids, cache=None, **kwargs):
+        self.calls += 1
+        self.rows.append(len(cache.tables))
+        return self.inner.forward(ids, cache, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def draft_models(tmp_path_factory):
+    """The target's own weights (drafts it agrees with) and another random model of the
+    same shape (drafts it mostly rejects)."""
+    root = tmp_path_factory.mktemp("drafts")
+    same = write_tiny_model(root / "same", "llama", vocab_size=400,
+                            max_position_embeddings=1280)
+    other = write_tiny_model(root / "other", "llama", seed=7, vocab_size=400,
+                             max_position_embeddings=1280)
+    return {"same": load_causal_lm(same, device="cpu"), "other": load_causal_lm(other, device="cpu")}
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 400) for _ in range(rng.randrange(5, 60))] for _ in range(count)]
+
+
+def _run(text_model, prompts, lengths, draft_model=None, k=3, max_batch=16):
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=max_batch,
+                          num_ctx=512)
+    handles = [generator.submit(GenerationJob(
+        p, GREEDY, num_predict=n, drafter=ModelDrafter(draft_model) if draft_model else None,
+        draft_tokens=k if draft_model else 0)) for p, n in zip(prompts, lengths, strict=True)]
+    steps = []
+    while generator.has_work:
+        before = draft_model.calls if draft_model else 0
+        report = generator.step()
+        steps.append((report, (draft_model.calls if draft_model else 0) - before))
+    assert generator.pool.pages_in_use == 0
+    return handles, steps
+
+
+def test_a_draft_model_drafts_all_jobs_in_one_pass_per_position(text_model, draft_models):
+    prompts = _prompts(16, seed=1)
+    lengths = [random.Random(i).randrange(8, 40) for i in range(16)]
+    plain, _ = _run(text_model, prompts, lengths)
+    counting = CountingModel(draft_models["same"])
+    drafted, steps = _run(text_model, prompts, lengths, counting, k=3)
+    assert [h.token_ids for h in drafted] == [h.token_ids for h in plain]
+    kept = sum(h.final.draft_accepted for h in drafted)
+    assert kept >= 0.9 * sum(h.final.draft_count for h in drafted) > 0
+    # At most k draft passes per generator step, whatever the number of drafting jobs,
+    # and some of those passes drafted for many jobs at once.
+    assert max(calls for _, calls in steps) <= 3
+    assert max(counting.rows) >= 8
+    drafting_steps = [r for r, calls in steps if calls]
+    assert sum(calls for _, calls in steps) <= 3 * len(drafting_steps)
+    assert max(r.draft_tokens for r in drafting_steps) >= 8 * 3 // 2
+
+
+def test_one_job_alone_drafts_the_same_as_in_a_batch(text_model, draft_models):
+    prompts = _prompts(4, seed=2)
+    counting = CountingModel(draft_models["same"])
+    together, _ = _run(text_model, prompts, [30] * 4, counting, k=4)
+    for prompt, handle in zip(prompts, together, strict=True):
+        (alone,), _ = _run(text_model, [prompt], [30], CountingModel(draft_models["same"]),
+                           k=4, max_batch=1)
+        assert alone.token_ids == handle.token_ids
+        assert alone.final.draft_accepted == handle.final.draft_accepted
+        # the job's page table left the shared draft cache when it ended
+        assert alone.job.drafter.table is None
+
+
+def test_drafting_backs_off_when_drafts_are_rejected(text_model, draft_models):
+    prompts = _prompts(4, seed=3)
+    plain, plain_steps = _run(text_model, prompts, [60] * 4)
+    drafted, steps = _run(text_model, prompts, [60] * 4, CountingModel(draft_models["other"]),
+                          k=4)
+    assert [h.token_ids for h in drafted] == [h.token_ids for h in plain]
+    drafts = sum(h.final.draft_count for h in drafted)
+    kept = sum(h.final.draft_accepted for h in drafted)
+    assert kept < 0.25 * drafts  # a model of other weights: its drafts are mostly wrong
+    # Without back-off every decode step would draft 4 tokens per job; with it, most
+    # steps draft nothing after the first rejections.
+    decode_steps = sum(1 for r, _ in steps if r.decode_tokens)
+    assert drafts < 0.4 * 4 * sum(r.decode_tokens for r, _ in steps)
+    assert sum(1 for r, _ in steps if r.decode_tokens and not r.draft_tokens) > decode_steps / 2
+
+
+def test_backoff_pauses_double_and_a_good_probe_ends_them():
+    backoff = DraftBackoff(min_rate=0.25, first_pause=4, max_pause=16)
+    assert backoff.may_draft(0)
+    backoff.record(4, 0, produced=1)  # rate 0.5: still drafting
+    assert backoff.may_draft(1) and backoff.pauses == 0
+    backoff.record(4, 0, produced=2)  # rate 0.25: on the threshold, still drafting
+    backoff.record(4, 0, produced=3)  # 0.125: pause 4 tokens
+    assert backoff.pauses == 1 and not backoff.may_draft(6) and backoff.may_draft(7)
+    backoff.record(4, 0, produced=8)  # the probe fails: pause 8
+    assert backoff.paused_until == 16 and not backoff.may_draft(15)
+    backoff.record(4, 0, produced=17)
+    backoff.record(4, 0, produced=34)  # capped at 16
+    assert backoff.paused_until == 50
+    backoff.record(4, 3, produced=54)  # a good probe: drafting resumes at once
+    assert backoff.pause == 0 and backoff.may_draft(55)
+    assert backoff.paused_tokens == 2
+
+
+def test_backed_off_jobs_run_ahead_on_the_fixed_shape_path(text_model, draft_models):
+    """While a job's drafting is paused its steps are plain decode steps: they take the
+    fixed-shape runner and launch ahead (a step in flight), and the text is unchanged."""
+    prompts = _prompts(3, seed=4)
+    plain, _ = _run(text_model, prompts, [80] * 3)
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=4, num_ctx=512,
+                          decode_mode="static")
+    handles = [generator.submit(GenerationJob(
+        p, GREEDY, num_predict=80, drafter=ModelDrafter(draft_models["other"]), draft_tokens=4))
+        for p in prompts]
+    in_flight = 0
+    while generator.has_work or generator._flight is not None:
+        generator.step()
+        in_flight += generator._flight is not None
+    assert [h.token_ids for h in handles] == [h.token_ids for h in plain]
+    assert in_flight > 0
+    assert sum(h.final.draft_count for h in handles) > 0  # it did draft, then paused
