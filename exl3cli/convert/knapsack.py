@@ -11,13 +11,13 @@ measured: about ``1.1 · 4^-K``). The allocation minimises ``Σ c_t D(K_t)`` sub
 fitting step) optimal: start every free tensor at the lowest bits allowed, then
 repeatedly give one more bit to the tensor whose error falls most per stored bit,
 while the budget lasts. Ties break by name, so the result is deterministic. Bits stay
-within ``spread`` of the target (``floor(bpw) - spread .. ceil(bpw) + spread``, inside
-1..8): the estimate is first-order, and the extremes are where it is least reliable.
+within ``floor(bpw) - spread_down .. ceil(bpw) + spread_up`` (inside 1..8): the
+estimate is second-order in the error, least reliable where errors are large.
 
 Public API:
 - ``CODEC_MSE: dict[int, float]``.
 - ``TensorCost(name, weights, cost)``.
-- ``allocate_measured(items, bpw, fixed=None, spread=2) -> dict[name, bits]``.
+- ``allocate_measured(items, bpw, fixed=None, spread_down=1, spread_up=2) -> dict[name, bits]``.
 - ``expected_error(items, bits) -> float``.
 """
 
@@ -49,7 +49,7 @@ def expected_error(items: list[TensorCost], bits: dict[str, int]) -> float:
 
 
 def allocate_measured(items: list[TensorCost], bpw: float, fixed: dict[str, int] | None = None,
-                      spread: int = 2) -> dict[str, int]:
+                      spread_down: int = 1, spread_up: int = 2) -> dict[str, int]:
     """Bits per tensor (``fixed`` ones as given; 16 = unquantized, outside the budget)."""
     if not MIN_BITS <= bpw <= MAX_BITS:
         raise ConversionError(f"bits per weight must be within {MIN_BITS}..{MAX_BITS}, got {bpw}")
@@ -61,8 +61,8 @@ def allocate_measured(items: list[TensorCost], bpw: float, fixed: dict[str, int]
     bits = {t.name: b for t in items if (b := fixed.get(t.name)) is not None}
     if not free:
         return bits
-    low = max(MIN_BITS, math.floor(bpw + 1e-9) - spread)
-    high = min(MAX_BITS, math.ceil(bpw - 1e-9) + spread)
+    low = max(MIN_BITS, math.floor(bpw + 1e-9) - spread_down)
+    high = min(MAX_BITS, math.ceil(bpw - 1e-9) + spread_up)
     free_weights = sum(t.weights for t in free)
     while low > MIN_BITS and low * free_weights > budget:
         low -= 1

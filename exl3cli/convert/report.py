@@ -120,7 +120,8 @@ class ConversionSummary:
         for group in GROUPS:
             bits = [r.bits[group] for r in self.layers if group in r.bits]
             bits += [b for r in self.layers for n, b in (r.tensor_bits or {}).items()
-                     if n in _GROUP_TENSORS[group] and b <= 8]
+                     if n in _GROUP_TENSORS[group]]
+            bits = [b for b in bits if b <= 8] or bits  # 16: kept, shown only if all are
             errors = [r.errors[group] for r in self.layers if group in r.errors]
             if not bits:
                 continue
