@@ -87,6 +87,11 @@ def compare(model, windows: torch.Tensor, ref: list[torch.Tensor]) -> dict:
             "tokens": int(count)}
 
 
+def _print_status(event) -> None:
+    if isinstance(event, str) and "sensitivity" in event:
+        print(event, flush=True)
+
+
 def main() -> None:
     from exl3cli.convert.pipeline import ConvertOptions, convert_model
     from exl3cli.convert.quality import token_windows
@@ -123,6 +128,9 @@ def main() -> None:
     num_layers = len(reference.layers) if hasattr(reference, "layers") else None
     num_layers = num_layers or json.loads((src / "config.json").read_text())["num_hidden_layers"]
     ref = reference_logprobs(reference, windows)
+    nll = sum(float(-r.gather(-1, w[1:, None]).sum()) for r, w in zip(ref, windows, strict=True))
+    print(f"unquantized: ppl {math.exp(nll / sum(w.numel() - 1 for w in windows)):.4f}",
+          flush=True)
     del reference
     keep = set(range(num_layers)) if args.layers == "all" else {int(x) for x in args.layers.split(",")}
     recipe = tuple((f"model.layers.{i}.*", 16) for i in range(num_layers) if i not in keep)
@@ -139,7 +147,7 @@ def main() -> None:
         out = work / f"exl3-{args.tag}-{bits}"
         started = time.perf_counter()
         summary = convert_model(src, out, options, work / f"work-{args.tag}-{bits}",
-                                force=True)
+                                force=True, progress=_print_status)
         seconds = time.perf_counter() - started
         print("\n".join(line for line in summary.table().splitlines()
                         if not line.strip().split(" ")[0].isdigit()

@@ -34,6 +34,10 @@ def _default_work_dir(store_root: Path, src: str, bits: float | str | None) -> P
               show_default=True,
               help="How bits are spread over tensors: measured sensitivity + knapsack, or "
                    "the fixed order (attention first, then the MLP, ends of the stack first).")
+@click.option("--allocation-unit", type=click.Choice(["tensor", "group"]), default="tensor",
+              show_default=True,
+              help="Measured bits per tensor, or per group of tensors sharing an input "
+                   "(q/k/v, gate/up: one LDLQ pass each, faster).")
 @click.option("--codebook", type=click.Choice(["mul1", "mcg", "3inst"]), default="mul1",
               show_default=True)
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
@@ -52,7 +56,7 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
             codebook: str, work_dir: str | None, resume: bool, force: bool, calib: str | None,
             calib_rows: int | None, calib_cols: int | None, scale_search_tiles: int,
             device: str | None, recipe_file: str | None = None,
-            allocation: str = "measured") -> None:
+            allocation: str = "measured", allocation_unit: str = "tensor") -> None:
     """Quantize SRC (HF folder, GGUF file, store or hub name) to EXL3."""
     from exl3cli.cli.progress import ProgressPrinter
     from exl3cli.convert.calibration import DEFAULT_COLS, DEFAULT_ROWS
@@ -86,7 +90,7 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
         rows=calib_rows or DEFAULT_ROWS, cols=calib_cols or DEFAULT_COLS,
         calib_path=str(Path(calib).resolve()) if calib else None,
         scale_search_tiles=scale_search_tiles, device=device, recipe=recipe,
-        allocation=allocation,
+        allocation=allocation, allocation_unit=allocation_unit,
     )
     target = Path(out_dir) if out_dir else work.with_name(work.name + "-out")
 

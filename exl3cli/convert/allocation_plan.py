@@ -7,7 +7,8 @@
    all quantized layer tensors``:
    - "measured" (default): each tensor's cost comes from a sensitivity pass over a few
      calibration rows (sensitivity.py) and a knapsack chooses bits per tensor
-     (knapsack.py);
+     (knapsack.py), per tensor or, with ``allocation_unit="group"``, per group of
+     tensors sharing an input (one LDLQ pass per group, as the fixed order has);
    - "fixed": allocation.py's fixed promotion order over groups (the behaviour before
      measurement), recipe overrides applied on top.
    Mixtures of experts and families calibrated through the engine's blocks (Gemma and
@@ -28,6 +29,7 @@ Public API:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,6 +96,25 @@ def _fixed_order(conv, shapes: list[GroupShape], bpw: float) -> dict[str, int]:
             for g, ms in conv.layer_modules(i).items() for m in ms}
 
 
+def _by_group(conv, costs: dict[str, float], sizes: dict[str, int], bpw: float,
+              fixed: dict[str, int]) -> dict[str, int]:
+    """The knapsack over whole groups (q/k/v, gate/up share bits: one LDLQ pass each);
+    a group with a recipe-fixed tensor keeps its other tensors' items separate."""
+    items, members = [], {}
+    for i in range(conv.config.num_layers):
+        for group, modules in conv.layer_modules(i).items():
+            if any(m in fixed for m in modules):
+                items += [TensorCost(m, sizes[m], costs[m]) for m in modules]
+                members.update({m: [m] for m in modules})
+                continue
+            key = f"{i}:{group}"
+            items.append(TensorCost(key, sum(sizes[m] for m in modules),
+                                    sum(costs[m] for m in modules)))
+            members[key] = modules
+    chosen = allocate_measured(items, bpw, fixed)
+    return {m: b for key, b in chosen.items() for m in members.get(key, [key])}
+
+
 def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: str,
               head_weight: Callable) -> BitPlan:
     options = conv.options
@@ -130,9 +151,14 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
                       f"{rows.shape[0]} x {rows.shape[1]} calibration tokens")
         from .sensitivity import measure_costs
 
+        started = time.perf_counter()
         costs = measure_costs(conv, rows, head_weight(conv), options.seed)
-        items = [TensorCost(m, sizes[m], costs[m]) for m in names]
-        bits = allocate_measured(items, options.bits, fixed)
+        conv.progress(f"sensitivity measured in {time.perf_counter() - started:.1f}s")
+        if options.allocation_unit == "group":
+            bits = _by_group(conv, costs, sizes, options.bits, fixed)
+        else:
+            items = [TensorCost(m, sizes[m], costs[m]) for m in names]
+            bits = allocate_measured(items, options.bits, fixed)
         method = "measurement" + (" and recipe" if fixed else "")
     bits = {m: bits[m] for m in names}
     return BitPlan(bits, int(head_bits), average_tensor_bits(bits, sizes), method)

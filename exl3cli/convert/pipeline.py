@@ -76,6 +76,7 @@ class ConvertOptions:
     recipe: tuple[tuple[str, int], ...] = ()
     allocation: str = "measured"
     sensitivity_rows: int = 8
+    allocation_unit: str = "tensor"  # or "group": q/k/v and gate/up share their bits
 
 
 Progress = Callable[[LayerReport | str], None]

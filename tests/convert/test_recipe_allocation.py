@@ -91,6 +91,22 @@ def test_knapsack_keeps_fixed_tensors_and_excludes_kept_ones():
         allocate_measured(items, 2.0, fixed={"b": 8})
 
 
+def test_group_unit_gives_a_group_one_k_unless_the_recipe_splits_it():
+    from types import SimpleNamespace
+
+    from exl3cli.convert.allocation_plan import _by_group
+
+    mods = {"qkv": ["q", "k", "v"], "o": ["o"]}
+    conv = SimpleNamespace(config=SimpleNamespace(num_layers=1), layer_modules=lambda i: mods)
+    costs, sizes = {"q": 1, "k": 50, "v": 50, "o": 2}, {"q": 100, "k": 50, "v": 50, "o": 100}
+    bits = _by_group(conv, costs, sizes, 3.0, {})
+    assert bits["q"] == bits["k"] == bits["v"] and sum(bits[m] * sizes[m] for m in bits) <= 900
+    assert allocate_measured([TensorCost(m, sizes[m], costs[m]) for m in costs], 3.0)["q"] < \
+        allocate_measured([TensorCost(m, sizes[m], costs[m]) for m in costs], 3.0)["k"]
+    split = _by_group(conv, costs, sizes, 3.0, {"q": 16})
+    assert split["q"] == 16 and split["k"] == split["v"] > split["o"]
+
+
 def test_predicted_error_matches_a_trial_quantization():
     """The allocation's estimate of the H-weighted output error, D(K)·tr(D_rot)·side²,
     against the error the quantizer actually makes, on correlated inputs."""
