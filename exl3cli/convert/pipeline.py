@@ -336,7 +336,8 @@ def convert_model(
     plan = _load_or_make_plan(conv, shapes, tokens, work_dir, resume)
     bits = plan.tensor_bits
     hidden = conv.embeddings(tokens)
-    progress(f"quantizing {conv.config.num_layers} layers to {plan.average:.2f} bits per "
+    target = options.bits if options.bits is not None else round(plan.average, 3)
+    progress(f"quantizing {conv.config.num_layers} layers to {target} bits per "
              f"weight, bits per tensor by {plan.method} ({options.rows} x {options.cols} "
              "calibration tokens); an estimate of the time left follows each layer")
 
