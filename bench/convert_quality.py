@@ -4,12 +4,16 @@ Usage (GPU machine, SmolLM2):
   python bench/convert_quality.py SRC --bits 2 3 4 5 --text ../shared/data/wikitext-2/test.txt \
       --windows 100 --calib ../shared/data/wikitext-2/valid.txt --work /tmp/cq
 SRC: HF folder or GGUF file. Prints one line per bpw (ppl, KL, top-1, conversion time)
-and writes the table as JSON next to --work (results.json).
+and writes the table as JSON next to --work (results.json, or results-TAG.json).
+A/B of quantizer changes (bench/NOTES-quant-quality.md): ``--allocation fixed`` (the old
+fixed order; default measured), ``--set damping=0.05`` (any ConvertOptions field),
+``--tag NAME``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -34,6 +38,9 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=2048)
     parser.add_argument("--work", default="/tmp/convert-quality")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--allocation", default="measured", choices=["measured", "fixed"])
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--tag", default=None)
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     work = Path(args.work)
@@ -51,19 +58,34 @@ def main() -> None:
     for bits in args.bits:
         out = work / f"exl3-{bits}"
         options = ConvertOptions(bits=bits, head_bits=args.head_bits, rows=args.rows,
-                                 cols=args.cols, calib_path=args.calib, device=str(device))
+                                 cols=args.cols, calib_path=args.calib, device=str(device),
+                                 allocation=args.allocation)
+        options = dataclasses.replace(options, **{
+            k: _value(v) for k, v in (s.split("=", 1) for s in args.set)})
         started = time.perf_counter()
-        summary = convert_model(src, out, options, work / f"work-{bits}", progress=print)
+        summary = convert_model(src, out, options, work / f"work-{bits}", progress=print,
+                                force=True)
         seconds = time.perf_counter() - started
         print(summary.table(), flush=True)
         model = load_causal_lm(out, device, torch.float16 if device.type == "cuda" else None)
         result = evaluate(model, windows, reference)
         del model
         rows.append({"model": f"EXL3 {bits} bpw (head {args.head_bits})", "ppl": result.perplexity,
-                     "kl": result.kl, "top1": result.top1_agreement, "convert_s": seconds})
+                     "kl": result.kl, "top1": result.top1_agreement, "convert_s": seconds,
+                     "tag": args.tag, "allocation": args.allocation, "set": args.set})
         print(f"{bits} bpw: ppl {result.perplexity:.4f}  KL {result.kl:.4f}  "
               f"top-1 {result.top1_agreement:.3f}  conversion {seconds:.0f}s", flush=True)
-    (work / "results.json").write_text(json.dumps(rows, indent=2))
+    name = f"results-{args.tag}.json" if args.tag else "results.json"
+    (work / name).write_text(json.dumps(rows, indent=2))
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 if __name__ == "__main__":

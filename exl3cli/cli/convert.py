@@ -9,20 +9,35 @@ from pathlib import Path
 import click
 
 
-def _default_work_dir(store_root: Path, src: str, bits: float) -> Path:
+def _default_work_dir(store_root: Path, src: str, bits: float | str | None) -> Path:
     key = hashlib.sha256(f"{Path(src).expanduser().resolve()}|{bits}".encode()).hexdigest()[:12]
     return store_root / "convert-work" / key
 
 
 @click.command("convert")
 @click.argument("src")
-@click.option("-b", "--bits", "bits", type=click.FloatRange(1.5, 8.0), required=True,
-              help="Target average bits per weight of the decoder layers (1.5..8).")
+@click.option("-b", "--bits", "bits", type=click.FloatRange(1.5, 8.0), default=None,
+              help="Target average bits per weight of the decoder layers (1.5..8); "
+                   "needed unless --recipe sets every tensor.")
 @click.option("-o", "name", default=None, help="Register the result in the store as NAME:TAG.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Write the EXL3 folder here.")
 @click.option("--head-bits", type=click.IntRange(1, 16), default=6, show_default=True,
               help="Bits of the output head (16 keeps it unquantized).")
+@click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False, exists=True),
+              default=None,
+              help="YAML/JSON file of tensor-name patterns -> bits (1..8, 16 = keep "
+                   "unquantized); later entries override earlier ones; tensors it leaves "
+                   "out share the -b budget. Every conversion writes its own bits as "
+                   "exl3-recipe.json in the output folder, to edit and feed back.")
+@click.option("--allocation", type=click.Choice(["measured", "fixed"]), default="measured",
+              show_default=True,
+              help="How bits are spread over tensors: measured sensitivity + knapsack, or "
+                   "the fixed order (attention first, then the MLP, ends of the stack first).")
+@click.option("--allocation-unit", type=click.Choice(["tensor", "group"]), default="tensor",
+              show_default=True,
+              help="Measured bits per tensor, or per group of tensors sharing an input "
+                   "(q/k/v, gate/up: one LDLQ pass each, faster).")
 @click.option("--codebook", type=click.Choice(["mul1", "mcg", "3inst"]), default="mul1",
               show_default=True)
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
@@ -40,7 +55,8 @@ def _default_work_dir(store_root: Path, src: str, bits: float) -> Path:
 def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_bits: int,
             codebook: str, work_dir: str | None, resume: bool, force: bool, calib: str | None,
             calib_rows: int | None, calib_cols: int | None, scale_search_tiles: int,
-            device: str | None) -> None:
+            device: str | None, recipe_file: str | None = None,
+            allocation: str = "measured", allocation_unit: str = "tensor") -> None:
     """Quantize SRC (HF folder, GGUF file, store or hub name) to EXL3."""
     from exl3cli.cli.progress import ProgressPrinter
     from exl3cli.convert.calibration import DEFAULT_COLS, DEFAULT_ROWS
@@ -52,10 +68,18 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
 
     if name is None and out_dir is None:
         raise click.UsageError("give -o NAME:TAG, --out DIR, or both")
+    if bits is None and recipe_file is None:
+        raise click.UsageError("give -b BPW (or a --recipe that sets every tensor)")
+    recipe = ()
+    if recipe_file is not None:
+        from exl3cli.convert.recipe import load_recipe
+
+        recipe = load_recipe(recipe_file)
     if name is not None:
         ModelName.parse(name)  # reject a bad name before hours of work
     store = ModelStore()
-    work = Path(work_dir) if work_dir else _default_work_dir(store.root, src, bits)
+    work = Path(work_dir) if work_dir else _default_work_dir(
+        store.root, src, bits if not recipe else f"{bits}|{recipe}")
     pulling = ProgressPrinter()  # a pull of SRC shows what `exl3 pull` shows
     try:
         source = resolve_source(src, store, work.with_name(work.name + "-src"), pulling)
@@ -65,7 +89,8 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
         bits=bits, head_bits=head_bits, codebook=codebook,
         rows=calib_rows or DEFAULT_ROWS, cols=calib_cols or DEFAULT_COLS,
         calib_path=str(Path(calib).resolve()) if calib else None,
-        scale_search_tiles=scale_search_tiles, device=device,
+        scale_search_tiles=scale_search_tiles, device=device, recipe=recipe,
+        allocation=allocation, allocation_unit=allocation_unit,
     )
     target = Path(out_dir) if out_dir else work.with_name(work.name + "-out")
 
@@ -85,8 +110,11 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
                             force=force)
     click.echo(summary.table())
     if name is not None:
-        store.import_folder(name, target, {"type": "convert", "from": src, "bits": bits,
-                                           "head_bits": head_bits, "codebook": codebook})
+        store.import_folder(name, target, {"type": "convert", "from": src,
+                                           "bits": bits if bits is not None
+                                           else round(summary.average_bits, 3),
+                                           "head_bits": summary.head_bits,
+                                           "codebook": codebook})
         click.echo(f"registered {name}")
     if out_dir is None:
         shutil.rmtree(target, ignore_errors=True)

@@ -13,7 +13,10 @@ other tensors (vision tower, projector) are kept at 16 bits under ExLlamaV3's na
 
 Public API:
 - ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
-  scale_search_tiles, seed, device)``
+  scale_search_tiles, seed, device, recipe=(), allocation="measured", sensitivity_rows=8)``:
+  ``bits`` may be None when ``recipe`` fixes every tensor; ``allocation`` "measured"
+  (bits per tensor from a sensitivity pass and a knapsack: allocation_plan.py) or
+  "fixed" (allocation.py's fixed order).
 - ``convert_model(src, out_dir, options, work_dir, resume=False, progress=None)
   -> ConversionSummary`` (``progress`` receives each ``LayerReport`` and status strings).
 """
@@ -41,23 +44,27 @@ from exl3cli.engine.vision.loader import stored_tensor_name
 from exl3cli.engine.weights import WeightReader
 from exl3cli.errors import ConversionError
 
-from .allocation import GroupShape, allocate_bits, average_bits
+from .allocation import GroupShape
+from .allocation_plan import BitPlan, make_plan, representative_bits
 from .calibration import DEFAULT_COLS, DEFAULT_ROWS, calibration_tokens, read_calibration_text
 from .engine_layer import EngineLayerForward, activation_dtype
 from .fused_source import split_fused
 from .hessian import HessianAccumulator
 from .layer_forward import LayerRunner, unsupported_features
 from .moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
-from .quantize_layer import QuantizedLinear, QuantSettings, quantize_group
+from .quantize_layer import QuantizedLinear, QuantSettings, quantize_group, quantize_mixed
+from .recipe import write_recipe
 from .report import ConversionSummary, LayerReport
 
 JOB_FILE = "job.json"
 _WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
+PLAN_FILE = "plan.json"
+RECIPE_FILE = "exl3-recipe.json"
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    bits: float
+    bits: float | None
     head_bits: int = 6
     codebook: str = "mul1"
     rows: int = DEFAULT_ROWS
@@ -67,6 +74,10 @@ class ConvertOptions:
     scale_search_tiles: int = 16
     seed: int = 0
     device: str | None = None
+    recipe: tuple[tuple[str, int], ...] = ()
+    allocation: str = "measured"
+    sensitivity_rows: int = 8
+    allocation_unit: str = "tensor"  # or "group": q/k/v and gate/up share their bits
 
 
 Progress = Callable[[LayerReport | str], None]
@@ -144,16 +155,22 @@ class _Converter:
         o = self.options
         return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed)
 
-    def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int,
+    def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int | list[int],
                  hessian: torch.Tensor | None = None) -> list[QuantizedLinear]:
-        """Quantize `modules` (one input) on the Hessian of `x`, or on `hessian`."""
+        """Quantize `modules` (one input) on the Hessian of `x`, or on `hessian`;
+        ``k_bits`` for all, or per module (16: kept unquantized, left out of the result)."""
+        per_module = k_bits if isinstance(k_bits, list) else [k_bits] * len(modules)
+        chosen = [(m, k) for m, k in zip(modules, per_module, strict=True) if k <= 8]
+        if not chosen:
+            return []
         if hessian is None:
             acc = HessianAccumulator(x.shape[-1], self.device)
             acc.add(x)
             hessian = acc.hessian()
-        return quantize_group(
-            modules, [self.weight(m) for m in modules], [self.bias(m) for m in modules],
-            hessian, self.settings(k_bits),
+        names = [m for m, _ in chosen]
+        return quantize_mixed(
+            names, [self.weight(m) for m in names], [self.bias(m) for m in names],
+            hessian, self.settings(chosen[0][1]), [k for _, k in chosen],
         )
 
     def layer_modules(self, i: int) -> dict[str, list[str]]:
@@ -184,8 +201,9 @@ class _Converter:
 
     def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
                   quantize_bits: dict[str, int] | None = None) -> tuple[torch.Tensor, dict]:
-        """Forward one layer; with ``quantize_bits``, quantize each group on the way
-        (filling ``dense``) and return the stored tensors and proxy errors too."""
+        """Forward one layer; with ``quantize_bits`` (module -> bits, 16: kept), quantize
+        each group on the way (filling ``dense``) and return the stored tensors and
+        proxy errors too."""
         if self.engine_layers is not None:
             return self.run_engine_layer(i, hidden, dense, quantize_bits)
         t, mods, r = self.names, self.layer_modules(i), self.runner
@@ -193,11 +211,13 @@ class _Converter:
 
         def group(name: str, x: torch.Tensor) -> list[tuple]:
             if quantize_bits is not None:
-                results = self.quantize(mods[name], x, quantize_bits[name])
+                results = self.quantize(mods[name], x, [quantize_bits[m] for m in mods[name]])
+                for m in mods[name]:
+                    dense[m] = (self.weight(m), self.bias(m))  # kept at 16 bits
                 for q in results:
                     dense[q.name] = (q.weight, self.bias(q.name))
                     stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
-                errors[name] = sum(q.proxy_error for q in results) / len(results)
+                errors[name] = sum(q.proxy_error for q in results) / max(1, len(results))
             return [dense[m] for m in mods[name]]
 
         qk_norms = None
@@ -230,17 +250,18 @@ class _Converter:
         dense.update(self.kept_dense(i))
         for group in ("qkv", "o", "gate_up", "down"):
             if group in ("gate_up", "down") and moe_units(self.spec, self.config, i, group):
+                # Experts share their group's bits (allocation_plan.py).
                 results, counts = self.quantize_experts(i, hidden, dense, group,
-                                                        quantize_bits[group])
+                                                        quantize_bits[mods[group][0]])
                 errors["expert_tokens"] = counts
             else:
                 x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group)
-                results = self.quantize(mods[group], x, quantize_bits[group])
+                results = self.quantize(mods[group], x, [quantize_bits[m] for m in mods[group]])
                 del x
             for q in results:
                 dense[q.name] = (q.weight, self.bias(q.name))
                 stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
-            errors[group] = sum(q.proxy_error for q in results) / len(results)
+            errors[group] = sum(q.proxy_error for q in results) / max(1, len(results))
         counts = errors.pop("expert_tokens", None)
         return None, {"stored": stored, "errors": errors, "expert_tokens": counts}
 
@@ -255,6 +276,9 @@ class _Converter:
         for m in modules:
             out_f, in_f = self.reader.get(m + ".weight").shape
             tensors = _module_tensors(stored, m)
+            if not tensors:  # kept at 16 bits
+                dense[m] = (self.weight(m), self.bias(m))
+                continue
             w = dequantize_linear({k: v.to(self.device) for k, v in tensors.items()}, in_f, out_f)
             dense[m] = (w, self.bias(m))
         return dense
@@ -303,24 +327,26 @@ def convert_model(
     progress = progress or (lambda _event: None)
     conv = _Converter(src, options, work_dir, progress)
     job = {"source": str(src.resolve()), "options": asdict(options) | {"device": None}}
+    job = json.loads(json.dumps(job))  # as it reads back from job.json (tuples: lists)
     _prepare_work_dir(work_dir, job, resume, force)
 
     shapes = _group_shapes(conv)
-    # Mixtures of experts: attention (a few % of the weights, read by every token) gets
-    # two more bits when the experts can pay for it cheaply (allocation.py).
-    bits = allocate_bits(shapes, options.bits, attention_bonus=2 if conv.spec.moe else 0)
     tokenizer = Tokenizer.from_folder(src)
     text = read_calibration_text(options.calib_path)
     tokens = calibration_tokens(tokenizer, text, options.rows, options.cols).to(conv.device)
+    plan = _load_or_make_plan(conv, shapes, tokens, work_dir, resume)
+    bits = plan.tensor_bits
     hidden = conv.embeddings(tokens)
-    progress(f"quantizing {conv.config.num_layers} layers to {options.bits} bits per weight "
-             f"({options.rows} x {options.cols} calibration tokens); an estimate of the time "
-             "left follows each layer")
+    target = options.bits if options.bits is not None else round(plan.average, 3)
+    progress(f"quantizing {conv.config.num_layers} layers to {target} bits per "
+             f"weight, bits per tensor by {plan.method} ({options.rows} x {options.cols} "
+             "calibration tokens); an estimate of the time left follows each layer")
 
     reports = []
     with torch.inference_mode():
         for i in range(conv.config.num_layers):
-            layer_bits = {g: bits[(i, g)] for g in ("qkv", "o", "gate_up", "down")}
+            layer_mods = conv.layer_modules(i)
+            layer_bits = {m: bits[m] for ms in layer_mods.values() for m in ms}
             path = work_dir / f"layer-{i:04d}.safetensors"
             begun = time.perf_counter()
             if resume and path.is_file():
@@ -329,22 +355,44 @@ def convert_model(
             else:
                 _, out = conv.run_layer(i, hidden, {}, layer_bits)
                 stored = out["stored"]
-                report = LayerReport(i, layer_bits, out["errors"], time.perf_counter() - begun,
-                                     expert_tokens=out.get("expert_tokens"))
+                report = LayerReport(i, representative_bits(layer_mods, bits), out["errors"],
+                                     time.perf_counter() - begun,
+                                     expert_tokens=out.get("expert_tokens"),
+                                     tensor_bits=_short_bits(layer_mods, bits))
                 _atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
             # Activations always come from the stored tensors, in both paths alike.
             hidden, _ = conv.run_layer(i, hidden, conv.dense_from_stored(stored, i))
             reports.append(report)
             progress(report)
-        head_error = _head(conv, hidden, work_dir, resume)
+        head_error = _head(conv, hidden, work_dir, resume, plan.head_bits)
     del hidden
 
     progress("writing output folder")
-    _write_output(conv, out_dir, work_dir, options, bits, shapes)
+    _write_output(conv, out_dir, work_dir, options, plan)
     return ConversionSummary(
-        reports, options.head_bits, head_error, average_bits(shapes, bits),
+        reports, plan.head_bits, head_error, plan.average,
         time.perf_counter() - started, out_dir,
+        extra={"allocation": plan.method, "recipe": str(out_dir / RECIPE_FILE)},
     )
+
+
+def _short_bits(layer_mods: dict[str, list[str]], bits: dict[str, int]) -> dict[str, int]:
+    """A layer's bits by the last part of each module name (q_proj, down_proj, ...)."""
+    return {m.rsplit(".", 1)[-1]: bits[m] for ms in layer_mods.values() for m in ms
+            if len(ms) <= 3}
+
+
+def _load_or_make_plan(conv: _Converter, shapes: list[GroupShape], tokens: torch.Tensor,
+                       work_dir: Path, resume: bool) -> BitPlan:
+    """The bits of every tensor; a resumed run reuses the plan its first run saved."""
+    path = work_dir / PLAN_FILE
+    if resume and path.is_file():
+        return BitPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    plan = make_plan(conv, shapes, tokens, _head_name(conv), _head_weight)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(plan.to_dict()), encoding="utf-8")
+    os.replace(tmp, path)
+    return plan
 
 
 def _head_name(conv: _Converter) -> str:
@@ -357,8 +405,9 @@ def _head_weight(conv: _Converter) -> torch.Tensor:
     return conv.tensor(name).T
 
 
-def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool) -> float | None:
-    if conv.options.head_bits >= 16:
+def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool,
+          head_bits: int) -> float | None:
+    if head_bits >= 16:
         return None
     path = work_dir / "head.safetensors"
     if resume and path.is_file():
@@ -368,10 +417,10 @@ def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool) 
     acc.add(x)
     name = _head_name(conv)
     q, = quantize_group([name], [_head_weight(conv)], [None], acc.hessian(),
-                        conv.settings(conv.options.head_bits))
+                        conv.settings(head_bits))
     _atomic_save({f"{name}.{k}": v for k, v in q.tensors.items()}, path,
                  {"report": json.dumps({"error": q.proxy_error})})
-    conv.progress(f"head {conv.options.head_bits}b {q.proxy_error:.2e}")
+    conv.progress(f"head {head_bits}b {q.proxy_error:.2e}")
     return q.proxy_error
 
 
@@ -386,7 +435,7 @@ def _wrapper_tensors(conv: _Converter) -> list[str]:
 
 
 def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: ConvertOptions,
-                  bits: dict, shapes: list[GroupShape]) -> None:
+                  plan: BitPlan) -> None:
     raw = json.loads((conv.src / "config.json").read_text(encoding="utf-8"))
     if isinstance(raw.get("text_config"), dict) and "tie_word_embeddings" in raw["text_config"]:
         # The engine reads text_config over the top level: untie there too (the
@@ -403,13 +452,17 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
             writer.add_tensor(name, conv.reader.get(name))
         for modules in conv.layer_modules(i).values():
             for m in modules:
-                writer.add_linear_tensors(m, _module_tensors(stored, m))
+                if plan.tensor_bits[m] > 8:
+                    bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
+                    writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
+                else:
+                    writer.add_linear_tensors(m, _module_tensors(stored, m))
         for m in kept_dense_modules(conv.spec, conv.config, i):
             bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
             writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
     writer.add_tensor(t.final_norm, conv.reader.get(t.final_norm))
     head = _head_name(conv)
-    if options.head_bits >= 16:
+    if plan.head_bits >= 16:
         writer.add_dense_linear(head, _head_weight(conv).T)
     else:
         stored, _ = _load_checkpoint(work_dir / "head.safetensors")
@@ -417,10 +470,14 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     for name in _wrapper_tensors(conv):  # 16-bit, under ExLlamaV3's names
         writer.add_tensor(stored_tensor_name(conv.spec.name, name), conv.reader.get(name))
     qconfig = make_quantization_config(
-        average_bits(shapes, bits), options.head_bits, options.codebook,
+        plan.average, plan.head_bits, options.codebook,
         {"rows": options.rows, "cols": options.cols},
+        tensor_bits=dict(plan.tensor_bits),
     )
     writer.close(qconfig)
+    write_recipe(building / RECIPE_FILE, plan.recipe_bits(head),
+                 note="bits per tensor of this conversion: edit, then pass this file to "
+                      "`exl3 convert --recipe` (later entries override earlier ones)")
     for path in sorted(conv.src.iterdir()):
         if path.is_file() and path.name not in _WEIGHT_FILES and path.suffix != ".safetensors":
             shutil.copyfile(path, building / path.name)

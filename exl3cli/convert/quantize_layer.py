@@ -16,13 +16,16 @@ Public API:
   suh/svh float16, codebook marker, bias), ``weight`` (float32 (in, out), the stored
   tensors dequantized exactly as a loader sees them), ``proxy_error``.
 - ``quantize_group(names, weights[(in, out_i)], biases, hessian, settings)
-  -> list[QuantizedLinear]``.
+  -> list[QuantizedLinear]``; ``quantize_mixed(..., settings, k_bits[per tensor])``:
+  the same with bits per tensor (tensors of one K quantized together).
+- ``group_scales(names, weights, seed) -> GroupScales(suh, sides)``: the scales and
+  signs ``quantize_group`` uses (the allocation's error estimate needs them).
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -136,6 +139,58 @@ def _search_scales(
     return chosen
 
 
+@dataclass
+class GroupScales:
+    """The input-side scale of a group (``suh``: signs x row RMS, float16-rounded) and
+    each tensor's output-side factor before the global multiplier (signs x column RMS)."""
+    suh: torch.Tensor
+    sides: list[torch.Tensor]
+
+
+def group_scales(names: list[str], weights: list[torch.Tensor], seed: int) -> GroupScales:
+    """Row/column scales and random signs of linears sharing an input (``weights[i]``
+    (in, out_i) float32), exactly as ``quantize_group`` draws them."""
+    device = weights[0].device
+    in_features = weights[0].shape[0]
+    in_pad = padded_size(in_features)
+    gen = _generator(seed, names[0], device)
+    input_signs = _random_signs(in_pad, gen, device)
+    # Column (output) RMS first, then the row (input) RMS of the column-normalised group.
+    col_rms = [_rms(w, dim=0) for w in weights]
+    normalised = torch.cat([w / c for w, c in zip(weights, col_rms, strict=True)], dim=1)
+    row_rms = _rms(normalised, dim=1) * _block_fill(in_features, device)
+    row_rms = torch.nn.functional.pad(row_rms, (0, in_pad - in_features), value=1.0)
+    col_rms = [c * _block_fill(c.numel(), device) for c in col_rms]
+    suh = (input_signs * row_rms).to(torch.float16).to(torch.float32)
+    sides = []
+    for name, w, c in zip(names, weights, col_rms, strict=True):
+        out_pad = padded_size(w.shape[1])
+        signs = _random_signs(out_pad, _generator(seed, name + ".out", device), device)
+        sides.append(signs * torch.nn.functional.pad(c, (0, out_pad - w.shape[1]), value=1.0))
+    return GroupScales(suh, sides)
+
+
+def quantize_mixed(
+    names: list[str],
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    hessian: torch.Tensor,
+    settings: QuantSettings,
+    k_bits: list[int],
+) -> list[QuantizedLinear]:
+    """``quantize_group`` with bits per tensor: the tensors of each distinct K are
+    quantized together (in their order), results come back in the order given."""
+    if len(set(k_bits)) == 1:
+        return quantize_group(names, weights, biases, hessian, replace(settings, k_bits=k_bits[0]))
+    results: dict[str, QuantizedLinear] = {}
+    for k in sorted(set(k_bits)):
+        part = [i for i, b in enumerate(k_bits) if b == k]
+        done = quantize_group([names[i] for i in part], [weights[i] for i in part],
+                              [biases[i] for i in part], hessian, replace(settings, k_bits=k))
+        results.update({q.name: q for q in done})
+    return [results[n] for n in names]
+
+
 def quantize_group(
     names: list[str],
     weights: list[torch.Tensor],
@@ -147,27 +202,16 @@ def quantize_group(
     device = weights[0].device
     in_features = weights[0].shape[0]
     in_pad = padded_size(in_features)
-    gen = _generator(settings.seed, names[0], device)
-    input_signs = _random_signs(in_pad, gen, device)
     weights = [w.to(torch.float32) for w in weights]
-
-    # Column (output) RMS first, then the row (input) RMS of the column-normalised group.
-    col_rms = [_rms(w, dim=0) for w in weights]
-    normalised = torch.cat([w / c for w, c in zip(weights, col_rms, strict=True)], dim=1)
-    row_rms = _rms(normalised, dim=1) * _block_fill(in_features, device)
-    row_rms = torch.nn.functional.pad(row_rms, (0, in_pad - in_features), value=1.0)
-    col_rms = [c * _block_fill(c.numel(), device) for c in col_rms]
-    suh = (input_signs * row_rms).to(torch.float16).to(torch.float32)
+    scales = group_scales(names, weights, settings.seed)
+    suh = scales.suh
 
     cb_rms = _codebook_rms(settings.codebook, device)
     out_signs, unit_rotated, padded = [], [], []
-    for name, w, c in zip(names, weights, col_rms, strict=True):
-        out_pad = padded_size(w.shape[1])
-        signs = _random_signs(out_pad, _generator(settings.seed, name + ".out", device), device)
-        col = torch.nn.functional.pad(c, (0, out_pad - w.shape[1]), value=1.0)
-        wp = _pad(w, in_pad, out_pad)
-        rotated = block_hadamard(block_hadamard(wp / suh[:, None] / (signs * col)[None, :], 0), 1)
-        out_signs.append(signs * col)
+    for w, side in zip(weights, scales.sides, strict=True):
+        wp = _pad(w, in_pad, side.numel())
+        rotated = block_hadamard(block_hadamard(wp / suh[:, None] / side[None, :], 0), 1)
+        out_signs.append(side)
         unit_rotated.append(rotated)
         padded.append(wp)
     multipliers = _search_scales(unit_rotated, settings, cb_rms)

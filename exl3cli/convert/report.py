@@ -2,10 +2,13 @@
 
 Public API:
 - ``LayerReport(layer, bits: dict[group, int], errors: dict[group, float], seconds,
-  resumed, expert_tokens=None)``; ``.line(num_layers) -> str`` (one progress line; a
-  mixture-of-experts layer lists the calibration tokens each expert received).
-- ``ConversionSummary(layers, head_bits, head_error, average_bits, seconds, out_dir)``;
-  ``.table() -> str``: bits and mean proxy error per layer group, wall time.
+  resumed, expert_tokens=None, tensor_bits=None)``; ``.line(num_layers) -> str`` (one
+  progress line; a mixture-of-experts layer lists the calibration tokens each expert
+  received; ``tensor_bits``, by short module name, shows mixed bits inside a group).
+- ``ConversionSummary(layers, head_bits, head_error, average_bits, seconds, out_dir,
+  extra)``; ``.table() -> str``: bits and mean proxy error per layer group, the bits of
+  every tensor (one line per layer), how they were chosen and where the recipe is
+  (``extra["allocation"]``, ``extra["recipe"]``), wall time.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .allocation import GROUPS
+
+# Short module names of each group, in the order the summary prints them.
+_GROUP_TENSORS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+                  "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+_TENSOR_ORDER = [n for names in _GROUP_TENSORS.values() for n in names]
 
 
 @dataclass
@@ -25,10 +33,20 @@ class LayerReport:
     resumed: bool = False
     # Mixture-of-experts layers: the calibration rows each routed expert received.
     expert_tokens: list[int] | None = None
+    # Bits by short module name (q_proj, ...) of the layer's dense linears.
+    tensor_bits: dict[str, int] | None = None
+
+    def group_bits(self, group: str) -> str:
+        """'4' or, when the group's tensors differ, '5/4/4' (in module order)."""
+        names = _GROUP_TENSORS.get(group, ())
+        found = [self.tensor_bits[n] for n in names if n in (self.tensor_bits or {})]
+        if len(set(found)) > 1:
+            return "/".join(str(b) for b in found)
+        return str(self.bits[group])
 
     def line(self, num_layers: int) -> str:
         parts = "  ".join(
-            f"{g} {self.bits[g]}b {self.errors[g]:.2e}" for g in GROUPS if g in self.bits
+            f"{g} {self.group_bits(g)}b {self.errors[g]:.2e}" for g in GROUPS if g in self.bits
         )
         if self.expert_tokens:
             parts += f"  expert tokens {' '.join(str(n) for n in self.expert_tokens)}"
@@ -47,14 +65,18 @@ class LayerReport:
                 "seconds": self.seconds}
         if self.expert_tokens is not None:
             data["expert_tokens"] = self.expert_tokens
+        if self.tensor_bits is not None:
+            data["tensor_bits"] = self.tensor_bits
         return data
 
     @classmethod
     def from_dict(cls, data: dict, resumed: bool = True) -> LayerReport:
         tokens = data.get("expert_tokens")
+        tensor_bits = data.get("tensor_bits")
         return cls(int(data["layer"]), dict(data["bits"]), dict(data["errors"]),
                    float(data["seconds"]), resumed,
-                   [int(n) for n in tokens] if tokens is not None else None)
+                   [int(n) for n in tokens] if tokens is not None else None,
+                   dict(tensor_bits) if tensor_bits is not None else None)
 
 
 def format_eta(seconds: float) -> str:
@@ -97,6 +119,9 @@ class ConversionSummary:
         rows = [f"{'group':<8} {'bits (min-max)':>15} {'mean proxy error':>17} {'max':>10}"]
         for group in GROUPS:
             bits = [r.bits[group] for r in self.layers if group in r.bits]
+            bits += [b for r in self.layers for n, b in (r.tensor_bits or {}).items()
+                     if n in _GROUP_TENSORS[group]]
+            bits = [b for b in bits if b <= 8] or bits  # 16: kept, shown only if all are
             errors = [r.errors[group] for r in self.layers if group in r.errors]
             if not bits:
                 continue
@@ -109,6 +134,24 @@ class ConversionSummary:
         if counts:
             rows.append(f"expert calibration tokens: min {min(counts)}  max {max(counts)}  "
                         f"(experts with fewer than their inputs are topped up, pooled)")
+        rows.extend(self.tensor_lines())
         rows.append(f"average bits per weight (layers): {self.average_bits:.3f}")
+        if "allocation" in self.extra:
+            rows.append(f"bits chosen by: {self.extra['allocation']}")
+        if "recipe" in self.extra:
+            rows.append(f"recipe (edit, then --recipe FILE): {self.extra['recipe']}")
         rows.append(f"wall time: {self.seconds:.1f}s")
         return "\n".join(rows)
+
+    def tensor_lines(self) -> list[str]:
+        """Bits of every tensor, one line per layer (16: kept unquantized)."""
+        names = [n for n in _TENSOR_ORDER if any(n in (r.tensor_bits or {}) for r in self.layers)]
+        if not names:
+            return []
+        short = [n.removesuffix("_proj") for n in names]
+        lines = ["bits per tensor:  layer " + " ".join(f"{s:>4}" for s in short)]
+        for r in self.layers:
+            tb = r.tensor_bits or {}
+            lines.append(f"{'':18}{r.layer:>5} " + " ".join(
+                f"{tb[n] if n in tb else '-':>4}" for n in names))
+        return lines

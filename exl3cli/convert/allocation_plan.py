@@ -1,0 +1,164 @@
+"""Decide the bits of every tensor of a conversion: recipe, then measurement or fixed order.
+
+1. The recipe (``--recipe``, recipe.py) fixes the tensors its patterns match (the head
+   too, by its module name, e.g. ``lm_head``; else ``--head-bits``). 16 = unquantized:
+   such tensors are outside the bit budget, like the head.
+2. The other layer tensors share what is left of the budget ``bpw x stored weights of
+   all quantized layer tensors``:
+   - "measured" (default): each tensor's cost comes from a sensitivity pass over a few
+     calibration rows (sensitivity.py) and a knapsack chooses bits per tensor
+     (knapsack.py), per tensor or, with ``allocation_unit="group"``, per group of
+     tensors sharing an input (one LDLQ pass per group, as the fixed order has);
+   - "fixed": allocation.py's fixed promotion order over groups (the behaviour before
+     measurement), recipe overrides applied on top.
+   Mixtures of experts and families calibrated through the engine's blocks (Gemma and
+   others the raw runner cannot run) use the fixed order (with its attention bonus for
+   mixtures of experts); a recipe that leaves no tensor free needs neither.
+
+Public API:
+- ``BitPlan(tensor_bits, head_bits, average, method)``; ``.to_dict()``,
+  ``.from_dict(d)``, ``.recipe_bits(head_name) -> dict[name, bits]`` (what
+  ``write_recipe`` writes: every tensor, then the head).
+- ``make_plan(conv, shapes, tokens, head_name, head_weight) -> BitPlan``
+  (``head_weight(conv) -> (in, out)`` tensor, only called for a measurement).
+- ``representative_bits(layer_modules, bits) -> dict[group, int]``: per group the most
+  bits of its quantized tensors (16 when all are kept).
+- ``average_tensor_bits(bits, sizes) -> float``: weighted by stored size, over quantized
+  tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from exl3cli.engine.quant.format import padded_size
+from exl3cli.errors import ConversionError
+
+from .allocation import GroupShape, allocate_bits
+from .knapsack import TensorCost, allocate_measured
+from .recipe import resolve, unused_patterns
+
+ALLOCATIONS = ("measured", "fixed")
+
+
+@dataclass
+class BitPlan:
+    tensor_bits: dict[str, int]
+    head_bits: int
+    average: float
+    method: str
+
+    def to_dict(self) -> dict:
+        return {"tensor_bits": self.tensor_bits, "head_bits": self.head_bits,
+                "average": self.average, "method": self.method}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BitPlan:
+        return cls({k: int(v) for k, v in data["tensor_bits"].items()}, int(data["head_bits"]),
+                   float(data["average"]), str(data["method"]))
+
+    def recipe_bits(self, head_name: str) -> dict[str, int]:
+        return {**self.tensor_bits, head_name: self.head_bits}
+
+
+def representative_bits(layer_modules: dict[str, list[str]],
+                        bits: dict[str, int]) -> dict[str, int]:
+    out = {}
+    for group, modules in layer_modules.items():
+        quantized = [bits[m] for m in modules if bits[m] <= 8]
+        out[group] = max(quantized) if quantized else 16
+    return out
+
+
+def average_tensor_bits(bits: dict[str, int], sizes: dict[str, int]) -> float:
+    quantized = [m for m in bits if bits[m] <= 8]
+    total = sum(sizes[m] for m in quantized)
+    return sum(sizes[m] * bits[m] for m in quantized) / total if total else 16.0
+
+
+def _sizes(conv) -> dict[str, int]:
+    sizes = {}
+    for i in range(conv.config.num_layers):
+        for modules in conv.layer_modules(i).values():
+            for m in modules:
+                out_f, in_f = conv.reader.get(m + ".weight").shape
+                sizes[m] = padded_size(in_f) * padded_size(out_f)
+    return sizes
+
+
+def _fixed_order(conv, shapes: list[GroupShape], bpw: float) -> dict[str, int]:
+    groups = allocate_bits(shapes, bpw, attention_bonus=2 if conv.spec.moe else 0)
+    return {m: groups[(i, g)] for i in range(conv.config.num_layers)
+            for g, ms in conv.layer_modules(i).items() for m in ms}
+
+
+def _by_group(conv, costs: dict[str, float], sizes: dict[str, int], bpw: float,
+              fixed: dict[str, int]) -> dict[str, int]:
+    """The knapsack over whole groups (q/k/v, gate/up share bits: one LDLQ pass each);
+    a group with a recipe-fixed tensor keeps its other tensors' items separate."""
+    items, members = [], {}
+    for i in range(conv.config.num_layers):
+        for group, modules in conv.layer_modules(i).items():
+            if any(m in fixed for m in modules):
+                items += [TensorCost(m, sizes[m], costs[m]) for m in modules]
+                members.update({m: [m] for m in modules})
+                continue
+            key = f"{i}:{group}"
+            items.append(TensorCost(key, sum(sizes[m] for m in modules),
+                                    sum(costs[m] for m in modules)))
+            members[key] = modules
+    chosen = allocate_measured(items, bpw, fixed)
+    return {m: b for key, b in chosen.items() for m in members.get(key, [key])}
+
+
+def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: str,
+              head_weight: Callable) -> BitPlan:
+    options = conv.options
+    if options.allocation not in ALLOCATIONS:
+        raise ConversionError(f"allocation must be one of {', '.join(ALLOCATIONS)}, "
+                              f"got {options.allocation!r}")
+    sizes = _sizes(conv)
+    names = list(sizes)
+    fixed = resolve(tuple(options.recipe), [*names, head_name])
+    if options.recipe:
+        unused = unused_patterns(tuple(options.recipe), [*names, head_name])
+        if unused:
+            raise ConversionError(f"recipe pattern(s) match no tensor of this model: "
+                                  f"{', '.join(unused)} (names look like {names[0]})")
+        if conv.spec.moe:
+            raise ConversionError("--recipe is not supported for mixtures of experts yet")
+    head_bits = fixed.pop(head_name, options.head_bits)
+    free = [m for m in names if m not in fixed]
+    if not free:
+        bits, method = fixed, "recipe"
+        average = average_tensor_bits(bits, sizes)
+        if options.bits is not None and average > options.bits + 1e-6:
+            raise ConversionError(f"the recipe needs {average:.3f} bits per weight, more "
+                                  f"than -b {options.bits}")
+    elif options.bits is None:
+        raise ConversionError(f"the recipe leaves {len(free)} tensor(s) without bits (e.g. "
+                              f"{free[0]}): give -b BPW for them, or cover them with '*'")
+    elif options.allocation == "fixed" or conv.spec.moe or conv.engine_layers is not None:
+        bits = {**_fixed_order(conv, shapes, options.bits), **fixed}
+        method = "fixed order" + (" and recipe" if fixed else "")
+    else:
+        rows = tokens[: max(1, min(options.sensitivity_rows, tokens.shape[0]))]
+        conv.progress(f"measuring the sensitivity of {len(names)} tensors on "
+                      f"{rows.shape[0]} x {rows.shape[1]} calibration tokens")
+        from .sensitivity import measure_costs
+
+        started = time.perf_counter()
+        costs = measure_costs(conv, rows, head_weight(conv), options.seed)
+        conv.progress(f"sensitivity measured in {time.perf_counter() - started:.1f}s")
+        if options.allocation_unit == "group":
+            bits = _by_group(conv, costs, sizes, options.bits, fixed)
+        else:
+            items = [TensorCost(m, sizes[m], costs[m]) for m in names]
+            bits = allocate_measured(items, options.bits, fixed)
+        method = "measurement" + (" and recipe" if fixed else "")
+    bits = {m: bits[m] for m in names}
+    return BitPlan(bits, int(head_bits), average_tensor_bits(bits, sizes), method)

@@ -1,0 +1,151 @@
+"""Measured cost of each tensor's quantization error, for the bit allocation (knapsack.py).
+
+For a linear ``y = x W`` quantized at ``K`` bits, the trellis error is about i.i.d. in
+the rotated domain with variance ``D(K)`` per unit-RMS weight; LDLQ shapes it so that
+output column ``j`` gets a mean squared error of about
+
+    E_j(K) = D(K) · tr(D_rot) · side_j²
+
+where ``side_j`` is the column's scale (its RMS, the sign aside) and ``D_rot`` the
+block-diagonal factor of the damped, rotated Hessian (ldlq.py: the proxy error is
+``Σ_k tr(ε_kᵀ D_k ε_k)``). How much an output error costs the model is measured with
+the diagonal Fisher information of that output, ``F_j = E[(∂ℓ/∂y_j)²]``, where ``ℓ`` is
+the log-likelihood of tokens sampled from the unquantized model's own predictions (so
+``½ δᵀ F δ`` is the expected KL divergence a small output change ``δ`` adds). The
+tensor's cost per unit codec MSE is then ``½ · tr(D_rot) · Σ_j F_j side_j²``.
+
+The pass: one forward of the unquantized model over a few calibration rows (keeping
+each layer's input), the head's loss on sampled tokens, then layer by layer from the
+top a recomputation with zero "probe" biases on every linear output, whose gradients
+are ``∂ℓ/∂y``. Memory is one layer's activations plus the layer inputs. Hessians come
+from the same forward. Families the raw-weight runner cannot run (``layer_forward``'s
+``unsupported_features``) are not measured (the caller falls back).
+
+Public API:
+- ``measure_costs(conv, tokens, head_weight, seed=0) -> dict[module, float]``:
+  ``conv`` is the pipeline's converter (names, weights, layer modules, options).
+- ``predicted_error(hessian, names, weights, seed, damping) -> list[Tensor]``: per tensor,
+  ``tr(D_rot) · side_j²`` for each output column (times ``D(K)``: the expected output MSE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .hessian import HessianAccumulator, damp_hessian, pad_hessian, rotate_hessian
+from .layer_forward import LayerRunner
+from .ldlq import block_ldl_feedback
+from .quantize_layer import group_scales
+
+
+def predicted_error(hessian: torch.Tensor, names: list[str], weights: list[torch.Tensor],
+                    seed: int, damping: float) -> list[torch.Tensor]:
+    """Per tensor of a group, ``tr(D_rot) · side_j²`` per padded output column."""
+    weights = [w.to(torch.float32) for w in weights]
+    scales = group_scales(names, weights, seed)
+    h = damp_hessian(pad_hessian(hessian.to(weights[0].device, torch.float64),
+                                 scales.suh.numel()), damping)
+    _, d = block_ldl_feedback(rotate_hessian(h, scales.suh))
+    trace = float(d.diagonal(dim1=1, dim2=2).sum())
+    return [trace * s.double().pow(2) for s in scales.sides]
+
+
+class _Layer:
+    """One decoder layer of the unquantized model, with optional probes and Hessians."""
+
+    def __init__(self, conv, runner: LayerRunner, index: int):
+        self.conv, self.runner, self.i = conv, runner, index
+        self.mods = conv.layer_modules(index)
+
+    def __call__(self, hidden: torch.Tensor, probes: dict | None = None,
+                 hessians: dict | None = None) -> torch.Tensor:
+        conv, r, i, t = self.conv, self.runner, self.i, self.conv.names
+
+        def group(name: str, x: torch.Tensor) -> list[tuple]:
+            if hessians is not None:
+                acc = hessians.setdefault(name, HessianAccumulator(x.shape[-1], x.device))
+                acc.add(x.detach())
+            out = []
+            for m in self.mods[name]:
+                b = conv.bias(m)
+                if probes is not None:
+                    b = probes[m] if b is None else b + probes[m]
+                out.append((conv.weight(m), b))
+            return out
+
+        qk_norms = None
+        if conv.spec.uses_qk_norm(conv.config):
+            qk_norms = (conv.tensor(t.q_norm.format(i=i)), conv.tensor(t.k_norm.format(i=i)))
+        x = r.rms_norm(hidden, conv.tensor(t.input_norm.format(i=i)))
+        qkv = group("qkv", x)
+        attn = r.attention_core(x, i, tuple(w for w, _ in qkv), tuple(b for _, b in qkv),
+                                qk_norms)
+        (o_w, o_b), = group("o", attn)
+        hidden = hidden + r.linear(attn, o_w, o_b)
+        x = r.rms_norm(hidden, conv.tensor(t.post_attention_norm.format(i=i)))
+        (g_w, g_b), (u_w, u_b) = group("gate_up", x)
+        mid = r.gated(x, g_w, u_w, (g_b, u_b))
+        (d_w, d_b), = group("down", mid)
+        return hidden + r.linear(mid, d_w, d_b)
+
+    def out_features(self) -> dict[str, int]:
+        return {m: self.conv.reader.get(m + ".weight").shape[0]
+                for ms in self.mods.values() for m in ms}
+
+
+def _head_gradient(conv, runner: LayerRunner, hidden: torch.Tensor, head_weight: torch.Tensor,
+                   seed: int) -> torch.Tensor:
+    """∂ℓ/∂hidden for ℓ = Σ log p(sampled token), one row at a time."""
+    gen = torch.Generator(device=hidden.device)
+    gen.manual_seed(seed + 7)
+    norm = conv.tensor(conv.names.final_norm)
+    grads = []
+    for row in hidden:
+        h = row.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            logp = F.log_softmax(runner.rms_norm(h, norm) @ head_weight, dim=-1)
+            sampled = torch.multinomial(logp.detach().exp(), 1, generator=gen)
+            loss = logp.gather(-1, sampled).sum()
+            grad, = torch.autograd.grad(loss, h)
+        grads.append(grad)
+    return torch.stack(grads)
+
+
+def measure_costs(conv, tokens: torch.Tensor, head_weight: torch.Tensor,
+                  seed: int = 0) -> dict[str, float]:
+    """Each layer linear's expected error per unit codec MSE (module name -> cost)."""
+    runner = LayerRunner(conv.config, conv.spec, conv.device, row_chunk=tokens.shape[0])
+    layers = [_Layer(conv, runner, i) for i in range(conv.config.num_layers)]
+    inputs, hessians = [], []
+    with torch.no_grad():
+        hidden = conv.embeddings(tokens).float()
+        for layer in layers:
+            inputs.append(hidden)
+            found: dict[str, HessianAccumulator] = {}
+            hidden = layer(hidden, hessians=found)
+            hessians.append({g: acc.hessian() for g, acc in found.items()})
+    grad = _head_gradient(conv, runner, hidden, head_weight, seed)
+    del hidden
+    costs: dict[str, float] = {}
+    for i in reversed(range(len(layers))):
+        layer = layers[i]
+        shape = inputs[i].shape[:-1]
+        probes = {m: torch.zeros(*shape, n, device=conv.device, requires_grad=True)
+                  for m, n in layer.out_features().items()}
+        start = inputs[i].detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            out = layer(start, probes=probes)
+            found = torch.autograd.grad(out, [start, *probes.values()], grad)
+        grad = found[0]
+        fisher = {m: g.pow(2).reshape(-1, g.shape[-1]).mean(0).double()
+                  for m, g in zip(probes, found[1:], strict=True)}
+        for group, modules in layer.mods.items():
+            weights = [conv.weight(m) for m in modules]
+            for m, per_col in zip(modules, predicted_error(
+                    hessians[i][group], modules, weights, conv.options.seed,
+                    conv.options.damping), strict=True):
+                f = fisher[m]
+                costs[m] = 0.5 * float((per_col[: f.numel()] * f).sum())
+        inputs[i] = None
+    return costs
