@@ -140,6 +140,23 @@ GLM4_MOE = ArchitectureSpec(
     ),
 )
 
+# gpt-oss (20b, 120b): q/k/v/o with biases, a learned attention sink per head, sliding
+# and full layers alternating (layer_types), YaRN; every layer a mixture whose router
+# (with bias) takes the top-k logits and softmaxes them, experts with biases and the
+# clamped SwiGLU. Hugging Face checkpoints store each layer's experts as one tensor;
+# EXL3 folders split them (experts.{e}.gate_proj, ...), as ExLlamaV3 does.
+GPT_OSS = ArchitectureSpec(
+    name="GptOssForCausalLM", qkv_bias=True, o_bias=True, mlp_bias=True,
+    attention_sinks=True, sliding_window="pattern", sliding_pattern=2,
+    moe=MoESpec(
+        router="model.layers.{i}.mlp.router", router_bias=True,
+        expert_size_key="intermediate_size", scoring="topk_softmax", normalize_key=None,
+        activation="swiglu_clamped",
+        fused_gate_up="model.layers.{i}.mlp.experts.gate_up_proj",
+        fused_down="model.layers.{i}.mlp.experts.down_proj",
+    ),
+)
+
 # EXAONE 4.0: per-head q/k norms and norms after attention and MLP instead of before
 # them; with a sliding window (32B) three sliding layers per global one, which has no
 # rope.
@@ -209,5 +226,5 @@ def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
              GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
-             COHERE, COHERE2)
+             COHERE, COHERE2, GPT_OSS)
     return {spec.name: spec for spec in specs}

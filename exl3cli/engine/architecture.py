@@ -39,6 +39,8 @@ class TensorNames:
     mlp_out_norm: str = "model.layers.{i}.post_feedforward_layernorm.weight"
     q_norm: str = "model.layers.{i}.self_attn.q_norm.weight"
     k_norm: str = "model.layers.{i}.self_attn.k_norm.weight"
+    # Per-head attention sink logits (gpt-oss), read when the spec has attention_sinks.
+    sinks: str = "model.layers.{i}.self_attn.sinks"
     gate_proj: str = "model.layers.{i}.mlp.gate_proj"
     up_proj: str = "model.layers.{i}.mlp.up_proj"
     down_proj: str = "model.layers.{i}.mlp.down_proj"
@@ -97,6 +99,14 @@ class MoESpec:
     normalize: bool = True
     normalize_key: str | None = "norm_topk_prob"
     sparse_layers: str = "all"
+    # The experts' activation when config.json's hidden_act does not say it (gpt-oss:
+    # "swiglu_clamped" with swiglu_limit / swiglu_alpha).
+    activation: str | None = None
+    # Checkpoints that hold all experts of a layer in one tensor (gpt-oss): [experts,
+    # in, out] with gate and up columns interleaved, biases at name + "_bias". The
+    # loader and converter see them as the per-expert modules above (fused_experts.py).
+    fused_gate_up: str | None = None
+    fused_down: str | None = None
 
     def is_sparse(self, config: ModelConfig, i: int) -> bool:
         """Whether layer `i` runs the experts (else the dense MLP)."""
@@ -186,6 +196,9 @@ class ArchitectureSpec:
     no_rope_key: str | None = None
     # With a sliding window, full-attention layers skip rope (EXAONE 4 32B, Cohere2).
     global_layers_without_rope: bool = False
+    # A learned per-head logit that joins every softmax over keys and takes its share
+    # of the probability with no value (gpt-oss).
+    attention_sinks: bool = False
     tensors: TensorNames = field(default_factory=TensorNames)
     alt_tensors: TensorNames | None = None
     moe: MoESpec | None = None

@@ -81,7 +81,9 @@ class Attention(nn.Module):
     scores to softcap * tanh(scores / softcap) before the mask: only the eager
     `softcapped_attention` of this module does that, never the fused kernels (contiguous
     or paged). `local_rope`: this layer rotates with the step's sliding-layer tables;
-    `rope=False`: it does not rotate at all.
+    `rope=False`: it does not rotate at all. `sinks` [heads] (gpt-oss): one more logit
+    per head in every softmax over keys, with no value; like `softcap`, only the eager
+    path applies it (and the paged steps' PyTorch references).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Attention(nn.Module):
         softcap: float | None = None,
         local_rope: bool = False,
         rope: bool = True,
+        sinks: torch.Tensor | None = None,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -113,6 +116,7 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.local_rope = local_rope
         self.rope = rope  # False: this layer's q and k are not rotated (SmolLM3's NoPE)
+        self.register_buffer("sinks", None if sinks is None else sinks.float(), persistent=False)
         # The query multiplier that turns SDPA's head_dim**-0.5 into `scale`.
         self._query_factor = None if scale is None else scale * head_dim**0.5
         self._fused: bool | None = None  # see _use_fused
@@ -150,7 +154,7 @@ class Attention(nn.Module):
         query = qk[:, :, :heads].transpose(1, 2)
         key = qk[:, :, heads:].transpose(1, 2)
         value = value.transpose(1, 2)
-        if self.softcap is not None:
+        if self.softcap is not None or self.sinks is not None:
             out = self._attend_softcapped(query, key, value, step)
             return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
         if self._query_factor is not None:
@@ -168,16 +172,18 @@ class Attention(nn.Module):
 
     def _attend_softcapped(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            step: AttentionStep) -> torch.Tensor:
-        """`attend` with soft-capped scores: [B, H, T, D]."""
+        """`attend` with soft-capped scores and/or sinks: [B, H, T, D]."""
         scale = self.scale if self.scale is not None else self.head_dim**-0.5
         if step.cache is not None:
+            extra = {} if self.sinks is None else {"sinks": self.sinks}
             return step.cache.attend(self.layer_index, query, key, value, self.window,
-                                     softcap=self.softcap, scale=scale)
+                                     softcap=self.softcap, scale=scale, **extra)
         mask, is_causal = step.mask(self.window)
         if is_causal:  # the plain square that SDPA would mask itself
             steps = query.shape[2]
             mask = torch.ones(steps, steps, dtype=torch.bool, device=query.device).tril()
-        return softcapped_attention(query, key, value, mask, scale, self.softcap)
+        return softcapped_attention(query, key, value, mask, scale, self.softcap,
+                                    sinks=self.sinks)
 
     def _use_fused(self, qkv: torch.Tensor) -> bool:
         """Fused CPU ops (cpu_kernels) for float32 on CPU; the answer is kept per module."""
@@ -189,9 +195,11 @@ class Attention(nn.Module):
 
 
 def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         allowed: torch.Tensor | None, scale: float, softcap: float,
-                         block: int = 512) -> torch.Tensor:
-    """Attention with scores softcap * tanh(q.k * scale / softcap) (Gemma 2): query
+                         allowed: torch.Tensor | None, scale: float, softcap: float | None,
+                         block: int = 512, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with scores softcap * tanh(q.k * scale / softcap) (Gemma 2; softcap
+    None: q.k * scale) and optional per-head `sinks` [H] (gpt-oss: a logit in every
+    softmax whose probability goes to no value): query
     [B, H, T, D], key and value [B, KV, S, D], `allowed` (boolean, [B or 1, 1, T, S] or
     [T, S]; None: every key) -> [B, H, T, D]. Query heads sharing a kv head are
     stacked as rows of one matmul, so kv heads are never copied; queries go `block` at
@@ -202,7 +210,7 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             softcapped_attention(
                 query[:, :, start : start + block], key, value,
                 None if allowed is None else allowed[..., start : start + block, :],
-                scale, softcap, block,
+                scale, softcap, block, sinks,
             )
             for start in range(0, steps, block)
         ], dim=2)
@@ -211,11 +219,24 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     group = heads // kv_heads
     grouped = query.reshape(batch, kv_heads, group * steps, dim)
     scores = torch.matmul(grouped, key.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(batch, kv_heads, group, steps, span)
     if allowed is not None:
         allowed = allowed.reshape(-1, 1, 1, steps, span)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(kv_heads, group))
+    probs = probs.to(value.dtype)
     out = torch.matmul(probs.view(batch, kv_heads, group * steps, span), value)
     return out.reshape(batch, heads, steps, dim)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax over the last dim of scores [B, KV, G, T, S] (or [B, KV, G, S]),
+    with sinks [KV, G] as one more logit per head whose probability is dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    scores = scores.float()
+    shape = (1, *sinks.shape) + (1,) * (scores.dim() - 3)
+    sink = sinks.float().view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

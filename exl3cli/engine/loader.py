@@ -20,6 +20,7 @@ from exl3cli.engine.architecture import (
 from exl3cli.engine.attention import Attention
 from exl3cli.engine.blocks import ParallelDecoderLayer
 from exl3cli.engine.config import ModelConfig
+from exl3cli.engine.fused_experts import split_fused_experts
 from exl3cli.engine.linear import (
     CPU_WEIGHT_MODES,
     DenseLinear,
@@ -87,7 +88,7 @@ def load_causal_lm(
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(config, device)
-    reader = WeightReader(folder)
+    reader = split_fused_experts(WeightReader(folder), config, spec)
     return build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
                            cpu_weights=cpu_weights)
 
@@ -156,6 +157,7 @@ def build_decoder_layer(
         rope=spec.layer_uses_rope(config, i) and not (
             spec.global_layers_without_rope and config.sliding_window is not None
             and not sliding),
+        sinks=tensor(names.sinks.format(i=i)).float() if spec.attention_sinks else None,
     )
     act = config.hidden_act or spec.activation
     mlp: GatedMLP | MoEMLP

@@ -152,10 +152,14 @@ def build_moe_mlp(config: ModelConfig, moe: MoESpec, i: int,
         raise ModelLoadError(f"config.json needs {moe.experts_keys[0]} and {moe.expert_size_key} "
                              "for a mixture-of-experts model")
 
+    act = moe.activation or activation
+    clamp = {"limit": float(raw.get("swiglu_limit") or 7.0),
+             "alpha": float(raw.get("swiglu_alpha") or 1.702)}
+
     def gated(names: tuple[str, str, str], width: int, **index: int) -> GatedMLP:
         gate, up, down = (n.format(i=i, **index) for n in names)
         gate_up = linear([gate, up], [(hidden, width), (hidden, width)], bias)
-        return GatedMLP(gate_up, linear([down], [(width, hidden)], bias), activation)
+        return GatedMLP(gate_up, linear([down], [(width, hidden)], bias), act, **clamp)
 
     experts = [gated((moe.gate_proj, moe.up_proj, moe.down_proj), size, e=e)
                for e in range(num_experts)]

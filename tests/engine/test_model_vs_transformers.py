@@ -91,6 +91,10 @@ CASES = {
     "cohere_qk_norm": ("cohere", {"use_qk_norm": True}),
     "cohere2": ("cohere2", {}),
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
+    # Attention sinks, biases everywhere, sliding/full layers alternating, YaRN; experts
+    # stored fused (gate/up interleaved), router with bias over top-k logits, clamped
+    # SwiGLU (limit 1.5 so the clamps bite).
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 
