@@ -221,10 +221,26 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 )
 
 
+# Ministral 3 (3B, 8B, 14B; text): Mistral blocks (explicit head_dim, YaRN) whose
+# rotated queries are scaled by 1 + beta * log(1 + floor(position / original context))
+# when its rope parameters give llama_4_scaling_beta (engine/attention.py).
+MINISTRAL3 = ArchitectureSpec(name="Ministral3ForCausalLM", sliding_window="all")
+
+# Mistral 3 (Mistral Small 3.1 / 3.2, Ministral 3, Magistral) ships as an image-text
+# model: the text model (Mistral, or Ministral 3 with its query scale) under
+# "language_model." (what save_pretrained writes) or "model.language_model."; the
+# vision tower and projector are not loaded (text only) and convert copies them.
+MISTRAL3_MULTIMODAL = ArchitectureSpec(
+    name="Mistral3ForConditionalGeneration", sliding_window="all",
+    tensors=_moved(TensorNames(), "language_model.model.", "language_model.lm_head.weight"),
+    alt_tensors=_moved(TensorNames(), "model.language_model.", "lm_head.weight"),
+)
+
+
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
              GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
-             COHERE, COHERE2, GPT_OSS)
+             COHERE, COHERE2, GPT_OSS, MINISTRAL3, MISTRAL3_MULTIMODAL)
     return {spec.name: spec for spec in specs}

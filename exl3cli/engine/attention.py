@@ -83,7 +83,9 @@ class Attention(nn.Module):
     or paged). `local_rope`: this layer rotates with the step's sliding-layer tables;
     `rope=False`: it does not rotate at all. `sinks` [heads] (gpt-oss): one more logit
     per head in every softmax over keys, with no value; like `softcap`, only the eager
-    path applies it (and the paged steps' PyTorch references).
+    path applies it (and the paged steps' PyTorch references). `position_query_scale`
+    (beta, length) (Ministral 3): rotated queries are multiplied by
+    1 + beta * log(1 + floor(position / length)).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class Attention(nn.Module):
         local_rope: bool = False,
         rope: bool = True,
         sinks: torch.Tensor | None = None,
+        position_query_scale: tuple[float, float] | None = None,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -117,6 +120,7 @@ class Attention(nn.Module):
         self.local_rope = local_rope
         self.rope = rope  # False: this layer's q and k are not rotated (SmolLM3's NoPE)
         self.register_buffer("sinks", None if sinks is None else sinks.float(), persistent=False)
+        self.position_query_scale = position_query_scale
         # The query multiplier that turns SDPA's head_dim**-0.5 into `scale`.
         self._query_factor = None if scale is None else scale * head_dim**0.5
         self._fused: bool | None = None  # see _use_fused
@@ -144,6 +148,11 @@ class Attention(nn.Module):
             )[:, : heads + kv_heads].view(batch, steps, heads + kv_heads, self.head_dim)
         else:
             qk = apply_rotary(qk, cos, sin)
+        if self.position_query_scale is not None:
+            beta, length = self.position_query_scale
+            factor = 1 + beta * torch.log1p(torch.floor(step.positions / length))
+            qk = torch.cat([qk[:, :, :heads] * factor[:, :, None, None].to(qk.dtype),
+                            qk[:, :, heads:]], dim=2)
         return self.o(self.attend(qk, qkv[:, :, heads + kv_heads :], step))
 
     def attend(self, qk: torch.Tensor, value: torch.Tensor, step: AttentionStep) -> torch.Tensor:

@@ -158,6 +158,7 @@ def build_decoder_layer(
             spec.global_layers_without_rope and config.sliding_window is not None
             and not sliding),
         sinks=tensor(names.sinks.format(i=i)).float() if spec.attention_sinks else None,
+        position_query_scale=_position_query_scale(config),
     )
     act = config.hidden_act or spec.activation
     mlp: GatedMLP | MoEMLP
@@ -181,6 +182,18 @@ def build_decoder_layer(
         pre_norm(names.input_norm.format(i=i)), attention,
         pre_norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
     )
+
+
+def _position_query_scale(config: ModelConfig) -> tuple[float, float] | None:
+    """(beta, length) of Ministral 3's position-dependent query scale (its rope
+    parameters' llama_4_scaling_beta), or None."""
+    beta = config.rope_scaling.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    length = config.rope_scaling.get("original_max_position_embeddings")
+    if not length:
+        raise ModelLoadError("llama_4_scaling_beta needs original_max_position_embeddings")
+    return float(beta), float(length)
 
 
 def family_norm(config: ModelConfig, spec: ArchitectureSpec,

@@ -95,6 +95,10 @@ CASES = {
     # stored fused (gate/up interleaved), router with bias over top-k logits, clamped
     # SwiGLU (limit 1.5 so the clamps bite).
     "gpt_oss": ("gpt_oss", {}),
+    # YaRN and a query scale growing with the position; Mistral 3's image-text wrapper
+    # (text model under language_model., tied head, vision tower not loaded).
+    "ministral3": ("ministral3", {}),
+    "mistral3": ("mistral3", {}),
 }
 
 
