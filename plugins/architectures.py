@@ -221,6 +221,22 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 )
 
 
+# DeepSeek-V3 / R1 / V3.1 (and Kimi K2's architecture): multi-head latent attention
+# (engine/mla.py; keys and values expanded per head before caching), YaRN with mscale;
+# GLM-4.5's router (sigmoid scores, choice bias, grouped top-k, routed scaling), shared
+# experts and first_k_dense_replace dense layers.
+DEEPSEEK_V3 = ArchitectureSpec(
+    name="DeepseekV3ForCausalLM", mla=True,
+    moe=MoESpec(
+        score_bias="model.layers.{i}.mlp.gate.e_score_correction_bias",
+        shared_gate_proj="model.layers.{i}.mlp.shared_experts.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_experts.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_experts.down_proj",
+        shared_size_key="moe_intermediate_size*n_shared_experts",
+        scoring="sigmoid", sparse_layers="first_k_dense",
+    ),
+)
+
 # Ministral 3 (3B, 8B, 14B; text): Mistral blocks (explicit head_dim, YaRN) whose
 # rotated queries are scaled by 1 + beta * log(1 + floor(position / original context))
 # when its rope parameters give llama_4_scaling_beta (engine/attention.py).
@@ -242,5 +258,6 @@ def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
              GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
-             COHERE, COHERE2, GPT_OSS, MINISTRAL3, MISTRAL3_MULTIMODAL)
+             COHERE, COHERE2, GPT_OSS, MINISTRAL3, MISTRAL3_MULTIMODAL,
+             DEEPSEEK_V3)
     return {spec.name: spec for spec in specs}

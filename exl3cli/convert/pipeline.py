@@ -112,6 +112,9 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
+        if self.spec.mla:
+            raise ConversionError(f"{self.config.architecture}: converting multi-head latent "
+                                  "attention is not supported yet (EXL3 folders of it load)")
         if self.spec.norm != "rms" or self.spec.parallel_block:
             raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
                                   "parallel-block families is not supported yet")

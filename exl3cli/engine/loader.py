@@ -31,6 +31,7 @@ from exl3cli.engine.linear import (
     permute_outputs,
     scale_outputs,
 )
+from exl3cli.engine.mla import HeadSlice, LatentQKV, mla_softmax_scale
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.moe import MoEMLP, build_moe_mlp
@@ -118,7 +119,9 @@ def build_decoder_layer(
 
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    if names.qkv_fused:  # one stored [q | k | v] matrix
+    if spec.mla:
+        qkv, o_proj = _latent_attention(config, names, i, tensor, linear, norm)
+    elif names.qkv_fused:  # one stored [q | k | v] matrix
         qkv = linear([names.qkv_fused.format(i=i)], [(hidden, q_size + 2 * kv_size)],
                      spec.qkv_bias)
     else:
@@ -126,8 +129,9 @@ def build_decoder_layer(
             [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
             [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
         )
-    o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
-    head_order = _head_order(config, spec)
+    if not spec.mla:
+        o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
+    head_order = None if spec.mla else _head_order(config, spec)
     if head_order is not None:
         qkv = permute_outputs(qkv, _qkv_order(config, head_order))
     qk_norm: RMSNorm | FullWidthQKNorm | None = None
@@ -148,6 +152,8 @@ def build_decoder_layer(
     sliding = layer_type == SLIDING_ATTENTION
     scale = (None if config.query_pre_attn_scalar is None
              else float(config.query_pre_attn_scalar) ** -0.5)
+    if spec.mla:
+        scale = mla_softmax_scale(config.raw, config.head_dim)
     attention = Attention(
         i, qkv, o_proj, config.num_heads, config.num_kv_heads,
         config.head_dim, qk_norm, config.sliding_window if sliding else None, scale=scale,
@@ -182,6 +188,35 @@ def build_decoder_layer(
         pre_norm(names.input_norm.format(i=i)), attention,
         pre_norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
     )
+
+
+def _latent_attention(config: ModelConfig, names: TensorNames, i: int,
+                      tensor: Callable[[str], torch.Tensor], linear: LinearFactory,
+                      norm: Callable[[str], nn.Module]) -> tuple[LatentQKV, HeadSlice]:
+    """Layer `i`'s multi-head latent attention as a qkv projection and an o_proj
+    (engine/mla.py: keys and values expanded per head before caching)."""
+    raw, hidden, heads = config.raw, config.hidden_size, config.num_heads
+    nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    v_dim = int(raw.get("v_head_dim") or nope)
+    rank, q_rank = int(raw["kv_lora_rank"]), raw.get("q_lora_rank")
+    bias = bool(raw.get("attention_bias"))
+    q_width = heads * (nope + rope)
+    q = q_a = q_norm = q_b = None
+    if q_rank:
+        q_a = linear([names.q_a_proj.format(i=i)], [(hidden, int(q_rank))], bias)
+        q_norm = norm(names.q_a_norm.format(i=i))
+        q_b = linear([names.q_b_proj.format(i=i)], [(int(q_rank), q_width)], False)
+    else:
+        q = linear([names.q_proj.format(i=i)], [(hidden, q_width)], False)
+    qkv = LatentQKV(
+        q, q_a, q_norm, q_b,
+        linear([names.kv_a_proj.format(i=i)], [(hidden, rank + rope)], bias),
+        norm(names.kv_a_norm.format(i=i)),
+        linear([names.kv_b_proj.format(i=i)], [(rank, heads * (nope + v_dim))], False),
+        heads, nope, rope, v_dim, bool(raw.get("rope_interleave", True)),
+    )
+    o = linear([names.o_proj.format(i=i)], [(heads * v_dim, hidden)], bias)
+    return qkv, HeadSlice(o, heads, nope + rope, v_dim)
 
 
 def _position_query_scale(config: ModelConfig) -> tuple[float, float] | None:

@@ -99,6 +99,11 @@ CASES = {
     # (text model under language_model., tied head, vision tower not loaded).
     "ministral3": ("ministral3", {}),
     "mistral3": ("mistral3", {}),
+    # Multi-head latent attention (query latent, v heads narrower than k heads, YaRN
+    # mscale in the score scale), interleaved and half-split rope pairs, no query latent.
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3_plain_rope_no_q_latent": ("deepseek_v3", {"rope_interleave": False,
+                                                           "q_lora_rank": None}),
 }
 
 
