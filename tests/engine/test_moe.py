@@ -16,6 +16,8 @@ import pytest
 import torch
 import transformers
 
+from exl3cli.engine.architecture import get_architecture, load_family_config
+from exl3cli.engine.fused_experts import split_fused_experts
 from exl3cli.engine.linear import DenseLinear, Exl3Linear, FusedLinear
 from exl3cli.engine.loader import load_causal_lm
 from exl3cli.engine.mlp import GatedMLP
@@ -155,13 +157,16 @@ def test_moe_config_without_expert_count_is_a_clear_error(tmp_path):
 # --- EXL3 folders -------------------------------------------------------------------
 
 _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                    "down_proj", "w1", "w2", "w3")
+                    "down_proj", "w1", "w2", "w3", "q_a_proj", "q_b_proj",
+                    "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def _quantize_folder(src: Path, out: Path, k_bits: int) -> Path:
     """Every projection and expert through the real trellis encoder under its own name
-    (experts.{e}.gate_proj / w1 ...); router, norms, embeddings kept as they are."""
-    reader = WeightReader(src)
+    (experts.{e}.gate_proj / w1 ...; gpt-oss's fused experts split as ExLlamaV3 writes
+    them); router, norms, sinks, embeddings kept as they are."""
+    config = load_family_config(src)
+    reader = split_fused_experts(WeightReader(src), config, get_architecture(config.architecture))
     writer = Exl3FolderWriter(out, json.loads((src / "config.json").read_text()), 2**40)
     for key in reader.keys():
         module, kind = key.rsplit(".", 1)
@@ -182,11 +187,17 @@ def _quantize_folder(src: Path, out: Path, k_bits: int) -> Path:
     ("qwen2_moe", "model.layers.0.mlp.shared_expert.down_proj"),
     # Interleaved rope: q and k of the trellis layers are reordered by a gather.
     ("ernie4_5_moe", "model.layers.0.mlp.shared_experts.up_proj"),
+    # Attention sinks; experts split out of the fused tensors, with biases.
+    ("gpt_oss", "model.layers.0.mlp.experts.3.gate_proj"),
+    # Multi-head latent attention: its projections quantized under their own names.
+    ("deepseek_v3", "model.layers.0.self_attn.kv_b_proj"),
 ])
 def test_exl3_moe_folder_loads_and_tracks_the_original(tmp_path, arch, expert):
     overrides = {"num_hidden_layers": 1, "vocab_size": 128}
     if arch == "ernie4_5_moe":
         overrides["moe_layer_start_index"] = 0
+    if arch == "deepseek_v3":
+        overrides["first_k_dense_replace"] = 0
     folder = _quantize_folder(write_tiny_model(tmp_path / "src", arch, **overrides),
                               tmp_path / "exl3", k_bits=7)
     assert WeightReader(folder).has(expert + ".trellis")
