@@ -56,7 +56,11 @@ class GatedMLP(nn.Module):
                 self._fused_silu = cpu_kernels.available()
             if self._fused_silu:
                 return self.down(cpu_kernels.silu_mul_cpu(gate_up))
+        return self.down(self.gated(gate_up))
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation between the projections: [gate | up] -> act(gate) * up."""
         gate, up = gate_up.chunk(2, dim=-1)
         if self.clamp is not None:
-            return self.down(clamped_swiglu(gate, up, *self.clamp))
-        return self.down(self.act(gate) * up)
+            return clamped_swiglu(gate, up, *self.clamp)
+        return self.act(gate) * up

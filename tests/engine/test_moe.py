@@ -214,3 +214,69 @@ def test_exl3_moe_folder_loads_and_tracks_the_original(tmp_path, arch, expert):
     assert isinstance(moe.experts[0].down, Exl3Linear)
     assert isinstance(moe.experts[0].gate_up, FusedLinear)  # gate and up side by side
     assert (trellis(ids) - got).abs().max() < 1e-2
+
+
+# --- the sync-free decode path (engine/moe_decode.py) --------------------------------
+
+
+def _clamped_block_with_biases() -> MoEMLP:
+    """gpt-oss's kind: biases on every expert projection, the clamped SwiGLU."""
+    gen = torch.Generator().manual_seed(3)
+    experts = [GatedMLP(_dense(2 * WIDTH, HIDDEN, gen, bias=True),
+                        _dense(HIDDEN, WIDTH, gen, bias=True), "swiglu_clamped", limit=1.0)
+               for _ in range(EXPERTS)]
+    return MoEMLP(Router(_dense(EXPERTS, HIDDEN, gen, bias=True), 2, "topk_softmax"), experts)
+
+
+@pytest.mark.parametrize("make", [lambda: _block(2, shared=True),
+                                  lambda: _block(3, shared=False, scoring="sigmoid",
+                                                 n_group=2, topk_group=1, scale=2.5),
+                                  _clamped_block_with_biases])
+def test_the_sync_free_path_matches_the_grouped_dispatch(make):
+    block = make()
+    x = torch.randn(5, 1, HIDDEN, generator=torch.Generator().manual_seed(4))  # 5 decode rows
+    grouped = block(x)
+    assert block.stack_experts()
+    block.last_counts = []
+    stacked = block(x)
+    assert block.last_counts == []  # it did not go through the grouped dispatch
+    assert (stacked - grouped).abs().max() < 1e-5
+    # Prefill-sized calls keep the grouped dispatch.
+    long = torch.randn(1, 40, HIDDEN, generator=torch.Generator().manual_seed(6))
+    block(long)
+    assert sum(block.last_counts) == 40 * block.router.top_k
+
+
+def test_the_sync_free_path_reads_nothing_back():
+    """On the meta device every value is unknown: an op that needs one on the host
+    (tolist, item, nonzero, a bincount sized by the data) fails there."""
+    block = _block(2, shared=True)
+    assert block.stack_experts()
+    block = block.to("meta")
+    x = torch.empty(4, 1, HIDDEN, device="meta")
+    assert block(x).shape == x.shape
+    block.stacked = None  # the grouped dispatch does read counts back
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        block(x)
+
+
+@pytest.mark.cuda
+def test_the_sync_free_path_is_captured_by_a_cuda_graph():
+    block = _block(2, shared=True).cuda()
+    assert block.stack_experts()
+    x = torch.randn(8, 1, HIDDEN, device="cuda")
+    expected = block(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the graph
+        block(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)
+    fresh = torch.randn(8, 1, HIDDEN, device="cuda")
+    x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out - block(fresh)).abs().max() < 1e-4
+    assert (out - expected).abs().max() > 0  # the replay computed the new rows
