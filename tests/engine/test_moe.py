@@ -280,3 +280,18 @@ def test_the_sync_free_path_is_captured_by_a_cuda_graph():
     torch.cuda.synchronize()
     assert (out - block(fresh)).abs().max() < 1e-4
     assert (out - expected).abs().max() > 0  # the replay computed the new rows
+
+
+def test_mxfp4_gpt_oss_experts_are_refused_in_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from exl3cli.errors import UnsupportedArchitecture
+
+    folder = write_tiny_model(tmp_path / "src", "gpt_oss", num_hidden_layers=2)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith("experts.gate_up_proj")]:
+        tensors[key + "_blocks"] = tensors.pop(key).to(torch.uint8)  # as OpenAI ships them
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(UnsupportedArchitecture, match="MXFP4") as info:
+        load_causal_lm(folder, device="cpu")
+    assert "\n" not in str(info.value)
