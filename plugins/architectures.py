@@ -140,6 +140,23 @@ GLM4_MOE = ArchitectureSpec(
     ),
 )
 
+# gpt-oss (20b, 120b): q/k/v/o with biases, a learned attention sink per head, sliding
+# and full layers alternating (layer_types), YaRN; every layer a mixture whose router
+# (with bias) takes the top-k logits and softmaxes them, experts with biases and the
+# clamped SwiGLU. Hugging Face checkpoints store each layer's experts as one tensor;
+# EXL3 folders split them (experts.{e}.gate_proj, ...), as ExLlamaV3 does.
+GPT_OSS = ArchitectureSpec(
+    name="GptOssForCausalLM", qkv_bias=True, o_bias=True, mlp_bias=True,
+    attention_sinks=True, sliding_window="pattern", sliding_pattern=2,
+    moe=MoESpec(
+        router="model.layers.{i}.mlp.router", router_bias=True,
+        expert_size_key="intermediate_size", scoring="topk_softmax", normalize_key=None,
+        activation="swiglu_clamped",
+        fused_gate_up="model.layers.{i}.mlp.experts.gate_up_proj",
+        fused_down="model.layers.{i}.mlp.experts.down_proj",
+    ),
+)
+
 # EXAONE 4.0: per-head q/k norms and norms after attention and MLP instead of before
 # them; with a sliding window (32B) three sliding layers per global one, which has no
 # rope.
@@ -204,10 +221,43 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 )
 
 
+# DeepSeek-V3 / R1 / V3.1 (and Kimi K2's architecture): multi-head latent attention
+# (engine/mla.py; keys and values expanded per head before caching), YaRN with mscale;
+# GLM-4.5's router (sigmoid scores, choice bias, grouped top-k, routed scaling), shared
+# experts and first_k_dense_replace dense layers.
+DEEPSEEK_V3 = ArchitectureSpec(
+    name="DeepseekV3ForCausalLM", mla=True,
+    moe=MoESpec(
+        score_bias="model.layers.{i}.mlp.gate.e_score_correction_bias",
+        shared_gate_proj="model.layers.{i}.mlp.shared_experts.gate_proj",
+        shared_up_proj="model.layers.{i}.mlp.shared_experts.up_proj",
+        shared_down_proj="model.layers.{i}.mlp.shared_experts.down_proj",
+        shared_size_key="moe_intermediate_size*n_shared_experts",
+        scoring="sigmoid", sparse_layers="first_k_dense",
+    ),
+)
+
+# Ministral 3 (3B, 8B, 14B; text): Mistral blocks (explicit head_dim, YaRN) whose
+# rotated queries are scaled by 1 + beta * log(1 + floor(position / original context))
+# when its rope parameters give llama_4_scaling_beta (engine/attention.py).
+MINISTRAL3 = ArchitectureSpec(name="Ministral3ForCausalLM", sliding_window="all")
+
+# Mistral 3 (Mistral Small 3.1 / 3.2, Ministral 3, Magistral) ships as an image-text
+# model: the text model (Mistral, or Ministral 3 with its query scale) under
+# "language_model." (what save_pretrained writes) or "model.language_model."; the
+# vision tower and projector are not loaded (text only) and convert copies them.
+MISTRAL3_MULTIMODAL = ArchitectureSpec(
+    name="Mistral3ForConditionalGeneration", sliding_window="all",
+    tensors=_moved(TensorNames(), "language_model.model.", "language_model.lm_head.weight"),
+    alt_tensors=_moved(TensorNames(), "model.language_model.", "lm_head.weight"),
+)
+
+
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
              GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
-             COHERE, COHERE2)
+             COHERE, COHERE2, GPT_OSS, MINISTRAL3, MISTRAL3_MULTIMODAL,
+             DEEPSEEK_V3)
     return {spec.name: spec for spec in specs}

@@ -63,10 +63,15 @@ def allocate_bits(shapes: list[GroupShape], bpw: float,
     """Integer bits per (layer, group) whose weighted average is at most ``bpw``.
 
     ``attention_bonus`` (mixtures of experts): attention groups start that many bits
-    higher, paid for by demoting MLP groups one bit each (middle layers first), but
-    only when that costs at most ``MAX_BONUS_COST`` bits per weight on average, i.e.
-    when attention is a small share of the weights, as in real MoE models (Mixtral
-    8x7B: 3%); otherwise the plain allocation."""
+    higher, paid for by demoting MLP (expert) groups one bit each, middle layers first,
+    never below ``EXPERT_FLOOR`` bits; when the experts cannot pay for the whole bonus
+    a smaller one is tried, down to none (the plain allocation). Measured on a tiny
+    Mixtral at 4.0 bpw, where attention is a quarter of the weights: logit correlation
+    0.9877 with every group at 4 bits, 0.9936 with attention at 6 and the gate/up
+    experts at 3; with attention at 8 (over budget) 0.9982, with the experts at 8
+    0.9889: a 4-bit attention's error flips expert choices, the experts' own error
+    matters less. Real mixtures' attention is a few % of the weights (Mixtral 8x7B:
+    3%), so there the bonus costs the experts little."""
     if not MIN_BITS <= bpw <= MAX_BITS:
         raise ConversionError(f"bits per weight must be within {MIN_BITS}..{MAX_BITS}, got {bpw}")
     base = max(MIN_BITS, math.floor(bpw + 1e-9))
@@ -86,32 +91,32 @@ def allocate_bits(shapes: list[GroupShape], bpw: float,
     return bits
 
 
-MAX_BONUS_COST = 0.125  # bits per weight the attention bonus may take from the MLPs
+EXPERT_FLOOR = 2  # bits an expert group keeps however much attention asks for
 
 
 def _favour_attention(bits: dict[tuple[int, str], int], weights: dict[tuple[int, str], int],
                       budget: float, bonus: int, num_layers: int) -> float:
-    """Raise attention groups by `bonus` bits and demote MLP groups to pay for it (in
-    place); the budget left, or `budget` with `bits` untouched when it costs too much."""
+    """Raise attention groups by `bonus` bits (or the largest smaller bonus the MLP
+    groups can pay for, one bit each) and demote MLP groups to pay for it, in place;
+    the budget left, or `budget` with `bits` untouched when not even one bit fits."""
     attention = [k for k in weights if k[1] in ("qkv", "o")]
-    cost = sum(weights[k] * (min(MAX_BITS, bits[k] + bonus) - bits[k]) for k in attention)
-    total = sum(weights.values())
-    if not attention or cost > MAX_BONUS_COST * total:
+    if not attention:
         return budget
-    planned = dict(bits)
-    for key in attention:
-        planned[key] = min(MAX_BITS, bits[key] + bonus)
-    left = budget - cost
     middle_first = list(reversed(ends_first(num_layers)))
-    for kind in ("gate_up", "down"):
-        for layer in middle_first:
-            key = (layer, kind)
-            if left >= -1e-6:
-                break
-            if key in weights and planned[key] > MIN_BITS:
-                planned[key] -= 1
-                left += weights[key]
-    if left < -1e-6:
-        return budget
-    bits.update(planned)
-    return left
+    for extra in range(bonus, 0, -1):
+        planned = dict(bits)
+        for key in attention:
+            planned[key] = min(MAX_BITS, bits[key] + extra)
+        left = budget - sum(weights[k] * (planned[k] - bits[k]) for k in attention)
+        for kind in ("gate_up", "down"):
+            for layer in middle_first:
+                key = (layer, kind)
+                if left >= -1e-6:
+                    break
+                if key in weights and planned[key] > EXPERT_FLOOR:
+                    planned[key] -= 1
+                    left += weights[key]
+        if left >= -1e-6:
+            bits.update(planned)
+            return left
+    return budget

@@ -46,6 +46,7 @@ def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[st
         "layers without rope": spec.global_layers_without_rope or not all(
             spec.layer_uses_rope(config, i) for i in range(config.num_layers)),
         "q/k norms over all heads": spec.qk_norm == "rms_full",
+        "attention sinks": spec.attention_sinks,
     }
     return [name for name, present in checks.items() if present]
 

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from exl3cli.engine.architecture import get_architecture, load_family_config
+from exl3cli.engine.fused_experts import split_fused_experts
 from exl3cli.engine.quant import dequantize_linear
 from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config, padded_size
 from exl3cli.engine.tokenizer import Tokenizer
@@ -123,12 +124,17 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
+        if self.spec.mla:
+            raise ConversionError(f"{self.config.architecture}: converting multi-head latent "
+                                  "attention is not supported yet (EXL3 folders of it load)")
         if self.spec.norm != "rms" or self.spec.parallel_block:
             raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
                                   "parallel-block families is not supported yet")
         # Fused q/k/v and gate/up (Phi-3, GLM-4) are converted as the split modules
         # EXL3 folders hold.
         self.reader, self.names = split_fused(self.reader, self.config, self.names)
+        # Experts stored as one tensor per layer (gpt-oss) are written per expert.
+        self.reader = split_fused_experts(self.reader, self.config, self.spec)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Families the raw-weight runner cannot reproduce (Gemma) run through the
         # engine's blocks; the others keep the raw runner (and their exact outputs).
@@ -182,6 +188,7 @@ class _Converter:
             self.spec, self.config, i)}
 
     def norm_names(self, i: int) -> list[str]:
+        """Layer `i`'s small tensors written as they are: norms and attention sinks."""
         t = self.names
         names = [] if self.spec.post_norm else [t.input_norm.format(i=i),
                                                  t.post_attention_norm.format(i=i)]
@@ -189,6 +196,8 @@ class _Converter:
             names += [t.attention_out_norm.format(i=i), t.mlp_out_norm.format(i=i)]
         if self.spec.uses_qk_norm(self.config):
             names += [t.q_norm.format(i=i), t.k_norm.format(i=i)]
+        if self.spec.attention_sinks:
+            names.append(t.sinks.format(i=i))
         return names
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.engine.config import ModelConfig, load_model_config
-from exl3cli.errors import UnsupportedArchitecture
+from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
 from exl3cli.plugins import get_plugin_manager
 
 FULL_ATTENTION = "full_attention"
@@ -39,6 +39,17 @@ class TensorNames:
     mlp_out_norm: str = "model.layers.{i}.post_feedforward_layernorm.weight"
     q_norm: str = "model.layers.{i}.self_attn.q_norm.weight"
     k_norm: str = "model.layers.{i}.self_attn.k_norm.weight"
+    # Per-head attention sink logits (gpt-oss), read when the spec has attention_sinks.
+    sinks: str = "model.layers.{i}.self_attn.sinks"
+    # Multi-head latent attention (DeepSeek-V2/V3), read when the spec has mla: queries
+    # through q_proj or the q_a / q_a_layernorm / q_b latent; keys and values from the
+    # kv_a_proj_with_mqa latent, normed and expanded by kv_b_proj.
+    q_a_proj: str = "model.layers.{i}.self_attn.q_a_proj"
+    q_a_norm: str = "model.layers.{i}.self_attn.q_a_layernorm.weight"
+    q_b_proj: str = "model.layers.{i}.self_attn.q_b_proj"
+    kv_a_proj: str = "model.layers.{i}.self_attn.kv_a_proj_with_mqa"
+    kv_a_norm: str = "model.layers.{i}.self_attn.kv_a_layernorm.weight"
+    kv_b_proj: str = "model.layers.{i}.self_attn.kv_b_proj"
     gate_proj: str = "model.layers.{i}.mlp.gate_proj"
     up_proj: str = "model.layers.{i}.mlp.up_proj"
     down_proj: str = "model.layers.{i}.mlp.down_proj"
@@ -97,6 +108,14 @@ class MoESpec:
     normalize: bool = True
     normalize_key: str | None = "norm_topk_prob"
     sparse_layers: str = "all"
+    # The experts' activation when config.json's hidden_act does not say it (gpt-oss:
+    # "swiglu_clamped" with swiglu_limit / swiglu_alpha).
+    activation: str | None = None
+    # Checkpoints that hold all experts of a layer in one tensor (gpt-oss): [experts,
+    # in, out] with gate and up columns interleaved, biases at name + "_bias". The
+    # loader and converter see them as the per-expert modules above (fused_experts.py).
+    fused_gate_up: str | None = None
+    fused_down: str | None = None
 
     def is_sparse(self, config: ModelConfig, i: int) -> bool:
         """Whether layer `i` runs the experts (else the dense MLP)."""
@@ -186,6 +205,13 @@ class ArchitectureSpec:
     no_rope_key: str | None = None
     # With a sliding window, full-attention layers skip rope (EXAONE 4 32B, Cohere2).
     global_layers_without_rope: bool = False
+    # A learned per-head logit that joins every softmax over keys and takes its share
+    # of the probability with no value (gpt-oss).
+    attention_sinks: bool = False
+    # Multi-head latent attention (engine/mla.py): the config's head_dim becomes
+    # qk_nope_head_dim + qk_rope_head_dim with as many kv heads as query heads (keys
+    # and values are expanded per head before caching), rope over the rope part.
+    mla: bool = False
     tensors: TensorNames = field(default_factory=TensorNames)
     alt_tensors: TensorNames | None = None
     moe: MoESpec | None = None
@@ -277,5 +303,24 @@ def family_config_defaults(data: dict) -> dict | None:
 
 
 def load_family_config(folder: str | Path) -> ModelConfig:
-    """`<folder>/config.json` with its family's defaults for the keys it leaves out."""
-    return load_model_config(folder, family_config_defaults)
+    """`<folder>/config.json` with its family's defaults for the keys it leaves out
+    (and, for latent-attention families, the shapes their expanded heads have)."""
+    config = load_model_config(folder, family_config_defaults)
+    spec = available_architectures().get(config.architecture)
+    return latent_attention_shapes(config) if spec is not None and spec.mla else config
+
+
+def latent_attention_shapes(config: ModelConfig) -> ModelConfig:
+    """An MLA model's config as the engine runs it: heads of qk_nope + qk_rope dims
+    (rope over the qk_rope part), one kv head per query head."""
+    raw = config.raw
+    try:
+        nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError("config.json needs qk_nope_head_dim and qk_rope_head_dim for "
+                             "multi-head latent attention") from exc
+    head_dim = nope + rope
+    partial = rope / head_dim
+    return replace(config, head_dim=head_dim, num_kv_heads=config.num_heads,
+                   partial_rotary_factor=partial,
+                   rope_scaling={**config.rope_scaling, "partial_rotary_factor": partial})

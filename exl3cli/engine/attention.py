@@ -87,7 +87,11 @@ class Attention(nn.Module):
     scores to softcap * tanh(scores / softcap) before the mask: only the eager
     `softcapped_attention` of this module does that, never the fused kernels (contiguous
     or paged). `local_rope`: this layer rotates with the step's sliding-layer tables;
-    `rope=False`: it does not rotate at all.
+    `rope=False`: it does not rotate at all. `sinks` [heads] (gpt-oss): one more logit
+    per head in every softmax over keys, with no value; like `softcap`, only the eager
+    path applies it (and the paged steps' PyTorch references). `position_query_scale`
+    (beta, length) (Ministral 3): rotated queries are multiplied by
+    1 + beta * log(1 + floor(position / length)).
     """
 
     def __init__(
@@ -105,6 +109,8 @@ class Attention(nn.Module):
         softcap: float | None = None,
         local_rope: bool = False,
         rope: bool = True,
+        sinks: torch.Tensor | None = None,
+        position_query_scale: tuple[float, float] | None = None,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -119,6 +125,8 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.local_rope = local_rope
         self.rope = rope  # False: this layer's q and k are not rotated (SmolLM3's NoPE)
+        self.register_buffer("sinks", None if sinks is None else sinks.float(), persistent=False)
+        self.position_query_scale = position_query_scale
         # The query multiplier that turns SDPA's head_dim**-0.5 into `scale`.
         self._query_factor = None if scale is None else scale * head_dim**0.5
         self._fused: bool | None = None  # see _use_fused
@@ -146,6 +154,11 @@ class Attention(nn.Module):
             )[:, : heads + kv_heads].view(batch, steps, heads + kv_heads, self.head_dim)
         else:
             qk = apply_rotary(qk, cos, sin)
+        if self.position_query_scale is not None:
+            beta, length = self.position_query_scale
+            factor = 1 + beta * torch.log1p(torch.floor(step.positions / length))
+            qk = torch.cat([qk[:, :, :heads] * factor[:, :, None, None].to(qk.dtype),
+                            qk[:, :, heads:]], dim=2)
         return self.o(self.attend(qk, qkv[:, :, heads + kv_heads :], step))
 
     def attend(self, qk: torch.Tensor, value: torch.Tensor, step: AttentionStep) -> torch.Tensor:
@@ -156,7 +169,7 @@ class Attention(nn.Module):
         query = qk[:, :, :heads].transpose(1, 2)
         key = qk[:, :, heads:].transpose(1, 2)
         value = value.transpose(1, 2)
-        if self.softcap is not None:
+        if self.softcap is not None or self.sinks is not None:
             out = self._attend_softcapped(query, key, value, step)
             return out.transpose(1, 2).reshape(batch, steps, heads * self.head_dim)
         if self._query_factor is not None:
@@ -174,16 +187,18 @@ class Attention(nn.Module):
 
     def _attend_softcapped(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            step: AttentionStep) -> torch.Tensor:
-        """`attend` with soft-capped scores: [B, H, T, D]."""
+        """`attend` with soft-capped scores and/or sinks: [B, H, T, D]."""
         scale = self.scale if self.scale is not None else self.head_dim**-0.5
         if step.cache is not None:
+            extra = {} if self.sinks is None else {"sinks": self.sinks}
             return step.cache.attend(self.layer_index, query, key, value, self.window,
-                                     softcap=self.softcap, scale=scale)
+                                     softcap=self.softcap, scale=scale, **extra)
         mask, is_causal = step.mask(self.window)
         if is_causal:  # the plain square that SDPA would mask itself
             steps = query.shape[2]
             mask = torch.ones(steps, steps, dtype=torch.bool, device=query.device).tril()
-        return softcapped_attention(query, key, value, mask, scale, self.softcap)
+        return softcapped_attention(query, key, value, mask, scale, self.softcap,
+                                    sinks=self.sinks)
 
     def _use_fused(self, qkv: torch.Tensor) -> bool:
         """Fused CPU ops (cpu_kernels) for float32 on CPU; the answer is kept per module."""
@@ -195,9 +210,11 @@ class Attention(nn.Module):
 
 
 def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         allowed: torch.Tensor | None, scale: float, softcap: float,
-                         block: int = 512) -> torch.Tensor:
-    """Attention with scores softcap * tanh(q.k * scale / softcap) (Gemma 2): query
+                         allowed: torch.Tensor | None, scale: float, softcap: float | None,
+                         block: int = 512, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with scores softcap * tanh(q.k * scale / softcap) (Gemma 2; softcap
+    None: q.k * scale) and optional per-head `sinks` [H] (gpt-oss: a logit in every
+    softmax whose probability goes to no value): query
     [B, H, T, D], key and value [B, KV, S, D], `allowed` (boolean, [B or 1, 1, T, S] or
     [T, S]; None: every key) -> [B, H, T, D]. Query heads sharing a kv head are
     stacked as rows of one matmul, so kv heads are never copied; queries go `block` at
@@ -208,7 +225,7 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             softcapped_attention(
                 query[:, :, start : start + block], key, value,
                 None if allowed is None else allowed[..., start : start + block, :],
-                scale, softcap, block,
+                scale, softcap, block, sinks,
             )
             for start in range(0, steps, block)
         ], dim=2)
@@ -217,11 +234,24 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     group = heads // kv_heads
     grouped = query.reshape(batch, kv_heads, group * steps, dim)
     scores = torch.matmul(grouped, key.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(batch, kv_heads, group, steps, span)
     if allowed is not None:
         allowed = allowed.reshape(-1, 1, 1, steps, span)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(kv_heads, group))
+    probs = probs.to(value.dtype)
     out = torch.matmul(probs.view(batch, kv_heads, group * steps, span), value)
     return out.reshape(batch, heads, steps, dim)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax over the last dim of scores [B, KV, G, T, S] (or [B, KV, G, S]),
+    with sinks [KV, G] as one more logit per head whose probability is dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    scores = scores.float()
+    shape = (1, *sinks.shape) + (1,) * (scores.dim() - 3)
+    sink = sinks.float().view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

@@ -3,6 +3,10 @@
 The environment matches what transformers gives templates (sandboxed, trim_blocks,
 lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII,
 the `{% generation %}` marker), so templates written for Hugging Face render the same.
+Messages are handed over the way transformers' `apply_chat_template` hands them:
+keys whose value is None dropped, the reasoning under all its names (`thinking`,
+`reasoning_content`), `documents` None, and the tokenizer's special tokens (bos, eos,
+unk, pad) as variables.
 """
 
 from __future__ import annotations
@@ -182,11 +186,29 @@ def _special_token(folder: Path, key: str) -> str:
     return value if isinstance(value, str) else ""
 
 
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_message(message: Any) -> Any:
+    """`message` as a template sees it (as in transformers): None values dropped, and
+    its reasoning, under whichever name it came, also as `thinking` (gpt-oss templates)
+    and `reasoning_content` (Qwen3, GLM-4.5, DeepSeek)."""
+    if not isinstance(message, dict):
+        return message
+    kept = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((kept[key] for key in _REASONING_KEYS if key in kept), None)
+    if reasoning is not None:
+        kept = {"thinking": reasoning, **kept, "reasoning_content": reasoning}
+    return kept
+
+
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may refer to."""
 
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "",
+                 other_tokens: dict[str, str] | None = None):
         self.is_fallback = source is None
+        self.other_tokens = dict(other_tokens or {})  # unk_token, pad_token when named
         self.source = FALLBACK_TEMPLATE if source is None else source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -207,6 +229,8 @@ class ChatTemplate:
             source,
             bos_token=_special_token(folder, "bos_token"),
             eos_token=_special_token(folder, "eos_token"),
+            other_tokens={key: value for key in ("unk_token", "pad_token")
+                          if (value := _special_token(folder, key))},
         )
 
     def render(
@@ -218,10 +242,12 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for `messages`; extra keyword arguments become template variables."""
         variables = {
+            **self.other_tokens,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "documents": None,
             **extra,
-            "messages": messages,
+            "messages": [template_message(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
             "tools": tools,
         }

@@ -148,19 +148,20 @@ class FixedDecodeStep:
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                window: int | None, *, softcap: float | None = None,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [1, H, B, D], new key/value [1, KV, B, D] -> [1, H, B, D]: write the new
-        keys/values, then each row attends to its first `kv_lengths` positions."""
+        keys/values, then each row attends to its first `kv_lengths` positions. `sinks`
+        (gpt-oss) take the PyTorch reference: the kernel has none."""
         pool = self.pool
         pool.write(layer, self.write_slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
         rows = query[0].transpose(0, 1)  # [B, H, D]
-        out = kernels.paged_attention(
+        out = None if sinks is not None else kernels.paged_attention(
             rows, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
             pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
             window, softcap=softcap, scale=scale)
         if out is None:  # no kernel for this device or layout: the PyTorch reference
             out = reference_paged_attention(rows, pool, layer, self.read_slots,
-                                            self.kv_lengths, window, softcap, scale)
+                                            self.kv_lengths, window, softcap, scale, sinks)
         return out.transpose(0, 1).unsqueeze(0)
 
     def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -304,9 +305,10 @@ class DecodeRunner:
 def reference_paged_attention(query: torch.Tensor, pool: PagePool, layer: int,
                               read_slots: torch.Tensor, kv_lengths: torch.Tensor,
                               window: int | None, softcap: float | None = None,
-                              scale: float | None = None) -> torch.Tensor:
+                              scale: float | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, H, D] over the first kv_lengths[b] positions of `read_slots` [B, S]
     (pages read and, for a quantized pool, dequantized): [B, H, D]."""
     keys, values = pool.read(layer, read_slots)
     return attend_decode(query, keys.to(query.dtype), values.to(query.dtype), kv_lengths,
-                         window, softcap=softcap, scale=scale)
+                         window, softcap=softcap, scale=scale, sinks=sinks)

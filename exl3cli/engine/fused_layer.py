@@ -18,8 +18,9 @@ activation dtype happens where the unfused path rounds.
 
 Public API:
 - ``FusedDecodeLayer.of(layer, force=False) -> FusedDecodeLayer | None``: the plan
-  for a plain pre-norm layer (RMSNorm, no q/k norm, no sandwich norms, a gated MLP
-  with SiLU or tanh-GELU, every linear an ``Exl3Linear`` in trellis mode), or None.
+  for a plain pre-norm layer (RMSNorm, no q/k norm or position query scale, no sandwich
+  norms, a gated MLP with SiLU or tanh-GELU, every linear an ``Exl3Linear`` in trellis
+  mode), or None.
   Without ``force`` it also needs CUDA kernels and ``EXL3_FUSED_LAYER`` not "0".
 - ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device) and
   ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
@@ -128,10 +129,12 @@ class FusedDecodeLayer:
     @staticmethod
     def of(layer: nn.Module, force: bool = False) -> FusedDecodeLayer | None:
         attention, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
-        if not isinstance(attention, Attention) or type(mlp) is not GatedMLP:
-            return None
+        if type(attention) is not Attention or type(mlp) is not GatedMLP:
+            return None  # a subclass may compute what Attention.forward does differently
         if getattr(layer, "attention_out_norm", None) is not None or attention.qk_norm is not None:
             return None
+        if getattr(attention, "position_query_scale", None) is not None:
+            return None  # Ministral 3's per-position query scale lives in Attention.forward
         if not (_plain_norm(layer.input_norm) and _plain_norm(layer.post_attention_norm)):
             return None
         activation = _ACTIVATIONS.get(mlp.activation)

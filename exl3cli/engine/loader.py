@@ -21,6 +21,7 @@ from exl3cli.engine.attention import Attention
 from exl3cli.engine.blocks import ParallelDecoderLayer
 from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.cpu_exl3 import compressed_linear
+from exl3cli.engine.fused_experts import split_fused_experts
 from exl3cli.engine.linear import (
     CPU_WEIGHT_MODES,
     DenseLinear,
@@ -31,6 +32,7 @@ from exl3cli.engine.linear import (
     permute_outputs,
     scale_outputs,
 )
+from exl3cli.engine.mla import HeadSlice, LatentQKV, mla_softmax_scale
 from exl3cli.engine.mlp import GatedMLP
 from exl3cli.engine.model import CausalLM, DecoderLayer
 from exl3cli.engine.moe import MoEMLP, build_moe_mlp
@@ -116,7 +118,7 @@ def load_causal_lm(
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(config, device)
-    reader = WeightReader(folder)
+    reader = split_fused_experts(WeightReader(folder), config, spec)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
     expand = None
     if device.type == "cpu" and (packing != "exl3" or linear_mode == "dense") \
@@ -158,7 +160,9 @@ def build_decoder_layer(
 
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    if names.qkv_fused:  # one stored [q | k | v] matrix
+    if spec.mla:
+        qkv, o_proj = _latent_attention(config, names, i, tensor, linear, norm)
+    elif names.qkv_fused:  # one stored [q | k | v] matrix
         qkv = linear([names.qkv_fused.format(i=i)], [(hidden, q_size + 2 * kv_size)],
                      spec.qkv_bias)
     else:
@@ -166,8 +170,9 @@ def build_decoder_layer(
             [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
             [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
         )
-    o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
-    head_order = _head_order(config, spec)
+    if not spec.mla:
+        o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
+    head_order = None if spec.mla else _head_order(config, spec)
     if head_order is not None:
         qkv = permute_outputs(qkv, _qkv_order(config, head_order))
     qk_norm: RMSNorm | FullWidthQKNorm | None = None
@@ -188,6 +193,8 @@ def build_decoder_layer(
     sliding = layer_type == SLIDING_ATTENTION
     scale = (None if config.query_pre_attn_scalar is None
              else float(config.query_pre_attn_scalar) ** -0.5)
+    if spec.mla:
+        scale = mla_softmax_scale(config.raw, config.head_dim)
     attention = Attention(
         i, qkv, o_proj, config.num_heads, config.num_kv_heads,
         config.head_dim, qk_norm, config.sliding_window if sliding else None, scale=scale,
@@ -197,6 +204,8 @@ def build_decoder_layer(
         rope=spec.layer_uses_rope(config, i) and not (
             spec.global_layers_without_rope and config.sliding_window is not None
             and not sliding),
+        sinks=tensor(names.sinks.format(i=i)).float() if spec.attention_sinks else None,
+        position_query_scale=_position_query_scale(config),
     )
     act = config.hidden_act or spec.activation
     mlp: GatedMLP | MoEMLP
@@ -220,6 +229,47 @@ def build_decoder_layer(
         pre_norm(names.input_norm.format(i=i)), attention,
         pre_norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
     )
+
+
+def _latent_attention(config: ModelConfig, names: TensorNames, i: int,
+                      tensor: Callable[[str], torch.Tensor], linear: LinearFactory,
+                      norm: Callable[[str], nn.Module]) -> tuple[LatentQKV, HeadSlice]:
+    """Layer `i`'s multi-head latent attention as a qkv projection and an o_proj
+    (engine/mla.py: keys and values expanded per head before caching)."""
+    raw, hidden, heads = config.raw, config.hidden_size, config.num_heads
+    nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    v_dim = int(raw.get("v_head_dim") or nope)
+    rank, q_rank = int(raw["kv_lora_rank"]), raw.get("q_lora_rank")
+    bias = bool(raw.get("attention_bias"))
+    q_width = heads * (nope + rope)
+    q = q_a = q_norm = q_b = None
+    if q_rank:
+        q_a = linear([names.q_a_proj.format(i=i)], [(hidden, int(q_rank))], bias)
+        q_norm = norm(names.q_a_norm.format(i=i))
+        q_b = linear([names.q_b_proj.format(i=i)], [(int(q_rank), q_width)], False)
+    else:
+        q = linear([names.q_proj.format(i=i)], [(hidden, q_width)], False)
+    qkv = LatentQKV(
+        q, q_a, q_norm, q_b,
+        linear([names.kv_a_proj.format(i=i)], [(hidden, rank + rope)], bias),
+        norm(names.kv_a_norm.format(i=i)),
+        linear([names.kv_b_proj.format(i=i)], [(rank, heads * (nope + v_dim))], False),
+        heads, nope, rope, v_dim, bool(raw.get("rope_interleave", True)),
+    )
+    o = linear([names.o_proj.format(i=i)], [(heads * v_dim, hidden)], bias)
+    return qkv, HeadSlice(o, heads, nope + rope, v_dim)
+
+
+def _position_query_scale(config: ModelConfig) -> tuple[float, float] | None:
+    """(beta, length) of Ministral 3's position-dependent query scale (its rope
+    parameters' llama_4_scaling_beta), or None."""
+    beta = config.rope_scaling.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    length = config.rope_scaling.get("original_max_position_embeddings")
+    if not length:
+        raise ModelLoadError("llama_4_scaling_beta needs original_max_position_embeddings")
+    return float(beta), float(length)
 
 
 def family_norm(config: ModelConfig, spec: ArchitectureSpec,

@@ -119,7 +119,8 @@ class _DecodePlan(NamedTuple):
                 or not attention.rope):
             return None
         if (layer.attention_out_norm is not None or attention.scale is not None
-                or attention.softcap is not None or attention.local_rope):
+                or attention.softcap is not None or attention.local_rope
+                or attention.sinks is not None or attention.position_query_scale is not None):
             return None
         if not all(type(n) is RMSNorm and n._fused and not n.unit_offset for n in norms):
             return None

@@ -13,7 +13,9 @@ Public API:
   n_group=1, topk_group=1, scale=1.0)``: ``forward(rows[N, H]) -> (weights[N, k]
   float32, experts[N, k] long)``.
 - ``MoEMLP(router, experts, shared=None, shared_gate=None)``: ``forward(x[..., H])``;
-  ``last_counts`` holds the tokens each expert received in the latest call.
+  ``last_counts`` holds the tokens each expert received in the latest grouped call;
+  ``stack_experts()`` turns on the sync-free path for decode-sized calls
+  (moe_decode.py).
 - ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
   block as a family's MoESpec describes it (the loader and the converter use it).
 """
@@ -29,6 +31,7 @@ from exl3cli.engine.architecture import MoESpec
 from exl3cli.engine.config import ModelConfig
 from exl3cli.engine.linear import Linear
 from exl3cli.engine.mlp import GatedMLP
+from exl3cli.engine.moe_decode import SYNC_FREE_MAX_PAIRS, StackedExperts
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
@@ -104,12 +107,22 @@ class MoEMLP(nn.Module):
         self.shared = shared
         self.shared_gate = shared_gate
         self.last_counts: list[int] = []
+        self.stacked: StackedExperts | None = None  # see stack_experts
+
+    def stack_experts(self) -> bool:
+        """Stack the experts' dense weights (a second copy) so that decode-sized calls
+        run without host syncs (moe_decode.py); False when some expert has none."""
+        self.stacked = StackedExperts.of(list(self.experts))  # type: ignore[arg-type]
+        return self.stacked is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         weights, chosen = self.router(rows)
-        out = self._routed(rows, weights, chosen)
+        if self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
+            out = self.stacked(rows, weights, chosen)
+        else:
+            out = self._routed(rows, weights, chosen)
         if self.shared is not None:
             shared = self.shared(rows)
             if self.shared_gate is not None:
@@ -152,10 +165,14 @@ def build_moe_mlp(config: ModelConfig, moe: MoESpec, i: int,
         raise ModelLoadError(f"config.json needs {moe.experts_keys[0]} and {moe.expert_size_key} "
                              "for a mixture-of-experts model")
 
+    act = moe.activation or activation
+    clamp = {"limit": float(raw.get("swiglu_limit") or 7.0),
+             "alpha": float(raw.get("swiglu_alpha") or 1.702)}
+
     def gated(names: tuple[str, str, str], width: int, **index: int) -> GatedMLP:
         gate, up, down = (n.format(i=i, **index) for n in names)
         gate_up = linear([gate, up], [(hidden, width), (hidden, width)], bias)
-        return GatedMLP(gate_up, linear([down], [(width, hidden)], bias), activation)
+        return GatedMLP(gate_up, linear([down], [(width, hidden)], bias), act, **clamp)
 
     experts = [gated((moe.gate_proj, moe.up_proj, moe.down_proj), size, e=e)
                for e in range(num_experts)]

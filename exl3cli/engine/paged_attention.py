@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from exl3cli import cpu_kernels
-from exl3cli.engine.attention import softcapped_attention
+from exl3cli.engine.attention import softcapped_attention, softmax_with_sinks
 from exl3cli.engine.paged_cache import PagePool, PageTable
 
 
@@ -50,11 +50,11 @@ def attend_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   lengths: torch.Tensor, window: int | None, *, softcap: float | None = None,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: query [B, H, D]; keys/values [B, S, KV, D] right-padded;
     `lengths` [B] valid keys per row (the query sits at position lengths - 1).
     Scores are q.k * `scale` (default D**-0.5), then soft-capped when `softcap` is set
-    (cap * tanh(score / cap), Gemma 2)."""
+    (cap * tanh(score / cap), Gemma 2); `sinks` [H] join each softmax (gpt-oss)."""
     batch, heads, dim = query.shape
     kv_heads = keys.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
@@ -67,7 +67,9 @@ def attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if window is not None:
         allowed &= key_pos >= (lengths[:, None] - window)
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    group = heads // kv_heads
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(kv_heads, group))
+    probs = probs.to(values.dtype)
     out = torch.matmul(probs, values.transpose(1, 2))  # [B, KV, G, D]
     return out.reshape(batch, heads, dim)
 
@@ -156,15 +158,17 @@ class PagedBatch:
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                window: int | None, *, softcap: float | None = None,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [1, H, N, D], new key/value [1, KV, N, D] -> attention output [1, H, N, D].
-        `softcap` (Gemma 2; with the score `scale`) runs every sequence through the eager
-        `attention.softcapped_attention`: the fused and SDPA paths do not cap scores."""
+        `softcap` (Gemma 2; with the score `scale`) or `sinks` (gpt-oss) run every
+        sequence through the eager `attention.softcapped_attention`: the fused and SDPA
+        paths do not cap scores or add sinks."""
         self.pool.write(layer, self.write_slots, key[0].transpose(0, 1),
                         value[0].transpose(0, 1))
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             return self._attend_softcapped(layer, query, window, softcap,
-                                           scale if scale is not None else query.shape[-1]**-0.5)
+                                           scale if scale is not None else query.shape[-1]**-0.5,
+                                           sinks)
         fused = self._fused and query.dtype == torch.float32
         if fused and not self._chunk_rows:
             # Decode only (the usual chat step): one op per layer reads the pages in
@@ -190,7 +194,8 @@ class PagedBatch:
         return out.unsqueeze(0)
 
     def _attend_softcapped(self, layer: int, query: torch.Tensor, window: int | None,
-                           softcap: float, scale: float) -> torch.Tensor:
+                           softcap: float | None, scale: float,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(query)
         for i in range(len(self.tables)):
             begin, end = self.offsets[i], self.offsets[i + 1]
@@ -204,6 +209,7 @@ class PagedBatch:
             out[:, :, begin:end] = softcapped_attention(
                 query[:, :, begin:end], keys.to(query.dtype).transpose(0, 1).unsqueeze(0),
                 values.to(query.dtype).transpose(0, 1).unsqueeze(0), allowed, scale, softcap,
+                sinks=sinks,
             )
         return out
 

@@ -81,10 +81,28 @@ def test_moe_attention_gets_two_more_bits_paid_by_the_experts(bpw):
     assert min(plain[(i, "gate_up")] for i in range(32)) == base
 
 
-def test_moe_bonus_is_skipped_when_attention_is_a_large_share():
-    # A tiny MoE: attention a quarter of the weights; two bits for it would starve
-    # the experts, so the allocation is the plain one.
-    shapes = [GroupShape(i, g, n) for i in range(2) for g, n in
-              {"qkv": 3 * 128 * 128, "o": 128 * 128, "gate_up": 8 * 128 * 128,
-               "down": 4 * 128 * 128}.items()]
-    assert allocate_bits(shapes, 4.0, attention_bonus=2) == allocate_bits(shapes, 4.0)
+def _tiny_moe(attention_blocks: int = 4) -> list[GroupShape]:
+    # The tiny Mixtral of test_convert_moe.py: attention a quarter of the weights.
+    block = 128 * 128
+    return [GroupShape(i, g, n) for i in range(2) for g, n in
+            {"qkv": 3 * block, "o": (attention_blocks - 3) * block, "gate_up": 8 * block,
+             "down": 4 * block}.items()]
+
+
+def test_a_tiny_moe_pays_for_attention_with_its_gate_up_experts():
+    shapes = _tiny_moe()
+    bits = allocate_bits(shapes, 4.0, attention_bonus=2)
+    assert average_bits(shapes, bits) <= 4.0 + 1e-9
+    assert all(bits[(i, g)] == 6 for i in range(2) for g in ("qkv", "o"))
+    assert all(bits[(i, "gate_up")] == 3 and bits[(i, "down")] == 4 for i in range(2))
+
+
+def test_the_bonus_shrinks_when_the_experts_cannot_pay_for_all_of_it():
+    # Attention as large as the experts: one expert bit pays for one attention bit.
+    shapes = _tiny_moe(attention_blocks=12)
+    bits = allocate_bits(shapes, 4.0, attention_bonus=2)
+    assert average_bits(shapes, bits) <= 4.0 + 1e-9
+    assert all(bits[(i, g)] == 5 for i in range(2) for g in ("qkv", "o"))
+    assert all(bits[(i, g)] == 3 for i in range(2) for g in ("gate_up", "down"))
+    # Experts never go below two bits: at 2.0 bpw nothing can pay, the plain allocation.
+    assert allocate_bits(shapes, 2.0, attention_bonus=2) == allocate_bits(shapes, 2.0)

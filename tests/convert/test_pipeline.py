@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,3 +136,31 @@ def test_a_rerun_without_resume_keeps_finished_layers_unless_forced(converted, t
     assert error.startswith("Error: ") and "--resume" in error and "--force" in error
     _prepare_work_dir(work, {"job": 1}, resume=False, force=True)
     assert not finished.exists() and (work / JOB_FILE).is_file()
+
+
+def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path):
+    src = write_tiny_chat_model(tmp_path / "src", "llama")
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"] = ["FalconMambaForCausalLM"]
+    (src / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["convert", str(src), *FAST_ARGS, "--out",
+                                       str(tmp_path / "out"), "--work", str(tmp_path / "w")],
+                                env={"EXL3_MODELS": str(tmp_path / "store")})
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert lines[0].startswith("Error: unsupported model architecture 'FalconMambaForCausalLM'")
+    # The supported list names the families, the new ones included.
+    for family in ("MixtralForCausalLM", "GptOssForCausalLM", "Ministral3ForCausalLM"):
+        assert family in lines[0]
+
+
+def test_latent_attention_is_refused_in_one_line(tmp_path):
+    src = write_tiny_chat_model(tmp_path / "src", "deepseek_v3")
+    result = CliRunner().invoke(main, ["convert", str(src), *FAST_ARGS, "--out",
+                                       str(tmp_path / "out"), "--work", str(tmp_path / "w")],
+                                env={"EXL3_MODELS": str(tmp_path / "store")})
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "DeepseekV3ForCausalLM" in lines[0]
+    assert "latent attention" in lines[0]

@@ -84,6 +84,10 @@ def test_layers_it_does_not_cover_are_refused(folders):
                            linear_mode="trellis")
     layer = model.layers[0]
     assert FusedDecodeLayer.of(layer) is None  # CPU: no kernels to fuse
+    layer.attention.position_query_scale = (0.1, 16.0)  # Ministral 3: applied in forward
+    assert FusedDecodeLayer.of(layer, force=True) is None
+    layer.attention.position_query_scale = None
+    assert FusedDecodeLayer.of(layer, force=True) is not None
     layer.mlp.activation = "gelu"  # exact GELU: no fused activation for it
     assert FusedDecodeLayer.of(layer, force=True) is None
 

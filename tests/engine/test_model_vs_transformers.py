@@ -91,6 +91,19 @@ CASES = {
     "cohere_qk_norm": ("cohere", {"use_qk_norm": True}),
     "cohere2": ("cohere2", {}),
     "glm4_moe_qk_norm": ("glm4_moe", {"use_qk_norm": True}),
+    # Attention sinks, biases everywhere, sliding/full layers alternating, YaRN; experts
+    # stored fused (gate/up interleaved), router with bias over top-k logits, clamped
+    # SwiGLU (limit 1.5 so the clamps bite).
+    "gpt_oss": ("gpt_oss", {}),
+    # YaRN and a query scale growing with the position; Mistral 3's image-text wrapper
+    # (text model under language_model., tied head, vision tower not loaded).
+    "ministral3": ("ministral3", {}),
+    "mistral3": ("mistral3", {}),
+    # Multi-head latent attention (query latent, v heads narrower than k heads, YaRN
+    # mscale in the score scale), interleaved and half-split rope pairs, no query latent.
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3_plain_rope_no_q_latent": ("deepseek_v3", {"rope_interleave": False,
+                                                           "q_lora_rank": None}),
 }
 
 

@@ -16,6 +16,8 @@ import pytest
 import torch
 import transformers
 
+from exl3cli.engine.architecture import get_architecture, load_family_config
+from exl3cli.engine.fused_experts import split_fused_experts
 from exl3cli.engine.linear import DenseLinear, Exl3Linear, FusedLinear
 from exl3cli.engine.loader import load_causal_lm
 from exl3cli.engine.mlp import GatedMLP
@@ -155,13 +157,16 @@ def test_moe_config_without_expert_count_is_a_clear_error(tmp_path):
 # --- EXL3 folders -------------------------------------------------------------------
 
 _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                    "down_proj", "w1", "w2", "w3")
+                    "down_proj", "w1", "w2", "w3", "q_a_proj", "q_b_proj",
+                    "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def _quantize_folder(src: Path, out: Path, k_bits: int) -> Path:
     """Every projection and expert through the real trellis encoder under its own name
-    (experts.{e}.gate_proj / w1 ...); router, norms, embeddings kept as they are."""
-    reader = WeightReader(src)
+    (experts.{e}.gate_proj / w1 ...; gpt-oss's fused experts split as ExLlamaV3 writes
+    them); router, norms, sinks, embeddings kept as they are."""
+    config = load_family_config(src)
+    reader = split_fused_experts(WeightReader(src), config, get_architecture(config.architecture))
     writer = Exl3FolderWriter(out, json.loads((src / "config.json").read_text()), 2**40)
     for key in reader.keys():
         module, kind = key.rsplit(".", 1)
@@ -182,11 +187,17 @@ def _quantize_folder(src: Path, out: Path, k_bits: int) -> Path:
     ("qwen2_moe", "model.layers.0.mlp.shared_expert.down_proj"),
     # Interleaved rope: q and k of the trellis layers are reordered by a gather.
     ("ernie4_5_moe", "model.layers.0.mlp.shared_experts.up_proj"),
+    # Attention sinks; experts split out of the fused tensors, with biases.
+    ("gpt_oss", "model.layers.0.mlp.experts.3.gate_proj"),
+    # Multi-head latent attention: its projections quantized under their own names.
+    ("deepseek_v3", "model.layers.0.self_attn.kv_b_proj"),
 ])
 def test_exl3_moe_folder_loads_and_tracks_the_original(tmp_path, arch, expert):
     overrides = {"num_hidden_layers": 1, "vocab_size": 128}
     if arch == "ernie4_5_moe":
         overrides["moe_layer_start_index"] = 0
+    if arch == "deepseek_v3":
+        overrides["first_k_dense_replace"] = 0
     folder = _quantize_folder(write_tiny_model(tmp_path / "src", arch, **overrides),
                               tmp_path / "exl3", k_bits=7)
     assert WeightReader(folder).has(expert + ".trellis")
@@ -203,3 +214,84 @@ def test_exl3_moe_folder_loads_and_tracks_the_original(tmp_path, arch, expert):
     assert isinstance(moe.experts[0].down, Exl3Linear)
     assert isinstance(moe.experts[0].gate_up, FusedLinear)  # gate and up side by side
     assert (trellis(ids) - got).abs().max() < 1e-2
+
+
+# --- the sync-free decode path (engine/moe_decode.py) --------------------------------
+
+
+def _clamped_block_with_biases() -> MoEMLP:
+    """gpt-oss's kind: biases on every expert projection, the clamped SwiGLU."""
+    gen = torch.Generator().manual_seed(3)
+    experts = [GatedMLP(_dense(2 * WIDTH, HIDDEN, gen, bias=True),
+                        _dense(HIDDEN, WIDTH, gen, bias=True), "swiglu_clamped", limit=1.0)
+               for _ in range(EXPERTS)]
+    return MoEMLP(Router(_dense(EXPERTS, HIDDEN, gen, bias=True), 2, "topk_softmax"), experts)
+
+
+@pytest.mark.parametrize("make", [lambda: _block(2, shared=True),
+                                  lambda: _block(3, shared=False, scoring="sigmoid",
+                                                 n_group=2, topk_group=1, scale=2.5),
+                                  _clamped_block_with_biases])
+def test_the_sync_free_path_matches_the_grouped_dispatch(make):
+    block = make()
+    x = torch.randn(5, 1, HIDDEN, generator=torch.Generator().manual_seed(4))  # 5 decode rows
+    grouped = block(x)
+    assert block.stack_experts()
+    block.last_counts = []
+    stacked = block(x)
+    assert block.last_counts == []  # it did not go through the grouped dispatch
+    assert (stacked - grouped).abs().max() < 1e-5
+    # Prefill-sized calls keep the grouped dispatch.
+    long = torch.randn(1, 40, HIDDEN, generator=torch.Generator().manual_seed(6))
+    block(long)
+    assert sum(block.last_counts) == 40 * block.router.top_k
+
+
+def test_the_sync_free_path_reads_nothing_back():
+    """On the meta device every value is unknown: an op that needs one on the host
+    (tolist, item, nonzero, a bincount sized by the data) fails there."""
+    block = _block(2, shared=True)
+    assert block.stack_experts()
+    block = block.to("meta")
+    x = torch.empty(4, 1, HIDDEN, device="meta")
+    assert block(x).shape == x.shape
+    block.stacked = None  # the grouped dispatch does read counts back
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        block(x)
+
+
+@pytest.mark.cuda
+def test_the_sync_free_path_is_captured_by_a_cuda_graph():
+    block = _block(2, shared=True).cuda()
+    assert block.stack_experts()
+    x = torch.randn(8, 1, HIDDEN, device="cuda")
+    expected = block(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the graph
+        block(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)
+    fresh = torch.randn(8, 1, HIDDEN, device="cuda")
+    x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out - block(fresh)).abs().max() < 1e-4
+    assert (out - expected).abs().max() > 0  # the replay computed the new rows
+
+
+def test_mxfp4_gpt_oss_experts_are_refused_in_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from exl3cli.errors import UnsupportedArchitecture
+
+    folder = write_tiny_model(tmp_path / "src", "gpt_oss", num_hidden_layers=2)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith("experts.gate_up_proj")]:
+        tensors[key + "_blocks"] = tensors.pop(key).to(torch.uint8)  # as OpenAI ships them
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(UnsupportedArchitecture, match="MXFP4") as info:
+        load_causal_lm(folder, device="cpu")
+    assert "\n" not in str(info.value)
