@@ -156,7 +156,7 @@ fi
 
 if [[ " $STAGES " == *" sweep "* ]]; then
   # The fused GEMM per decode group, K = 2..6, split heuristics (bench/gemm_sweep.py).
-  timeout 200 python3 bench/gemm_sweep.py --json "$OUT/gemm-sweep.json" \
+  timeout 200 python3 bench/gemm_sweep.py --warps "${SWEEP_WARPS:-0,16,64}" --json "$OUT/gemm-sweep.json" \
     >"$OUT/gemm-sweep.txt" 2>"$OUT/gemm-sweep.err" || { echo "FAIL: sweep"; \
     tail -5 "$OUT/gemm-sweep.err"; }
   cat "$OUT/gemm-sweep.txt"
