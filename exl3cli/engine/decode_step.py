@@ -222,6 +222,9 @@ class DecodeRunner:
         with captures; padding rows only touch the scratch page. Returns the graphs held."""
         if self.mode != "graph":
             return 0
+        adapters = getattr(self.model, "adapters", None)
+        if adapters is not None and adapters.names:
+            return 0  # graphs read the rows' adapter choice: captured with a job's selection
         if keys is None:
             keys = sorted({(1, 1), (1, bucket(min(2, self.max_pages), self.max_pages))})
         for key in keys:

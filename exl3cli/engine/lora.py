@@ -203,7 +203,12 @@ class AdapterBank:
         """[rows, R]: 1 where a rank column belongs to the row's adapter. Made once per
         forward for each stacking of columns (most projections share one), not per layer."""
         key = (id(columns), rows, dtype)
-        mine = self._owner == threading.get_ident()
+        # Never cached while a CUDA graph is captured: a tensor made in the capture and
+        # freed after it (release() clears the cache) goes back to the graphs' shared
+        # memory pool, where the next capture may place its own tensors while this
+        # graph's replays still write the mask there.
+        mine = (self._owner == threading.get_ident()
+                and not (columns.is_cuda and torch.cuda.is_current_stream_capturing()))
         mask = self._masks.get(key) if mine else None
         if mask is None:
             mask = (columns[None, :] == self.token_slots(rows)[:, None]).to(dtype)
