@@ -30,7 +30,10 @@ def _serve_help() -> str:
             ("EXL3_MAX_LOADED_MODELS", "models loaded at once (default 1)"),
             ("EXL3_KV_CACHE_TYPE", "fp16, q8, q6, q4 or e.g. k8v4 (default fp16)"),
             ("EXL3_DECODE_MODE", "graph (GPU default), static or off (CPU default)"),
-            ("EXL3_CPU_WEIGHTS", "fp32, bf16 or int8 weights on the CPU (default fp32)"),
+            ("EXL3_FUSED_LAYER", "0: GPU decode without the fused layer kernels (A/B)"),
+            ("EXL3_PDL", "1: programmatic dependent launch of the GPU kernels (opt-in)"),
+            ("EXL3_CPU_WEIGHTS", "exl3 (compressed, default with the CPU kernels), fp32, "
+                                 "bf16 or int8 weights on the CPU"),
             ("EXL3_NO_EXT", "1: pure-PyTorch paths, no compiled kernels"),
             *LIMIT_VARIABLES,
             ("EXL3_TEMPLATE_TIMEOUT", "seconds a chat template may render (default 5)"),
