@@ -352,7 +352,7 @@ def _scalar_lut(codebook: str) -> torch.Tensor | None:
 
 def exl3_decode_reference(trellis_t: torch.Tensor, k_bits: float, codebook: str) -> torch.Tensor:
     """Ŵ (16 kb, 16 nb) float32 of a (nb, kb, words) trellis (engine/quant decode_tiles)."""
-    from .engine.quant import decode_tiles
+    from .engine.quant.dequant import decode_tiles
 
     return decode_tiles(trellis_t.transpose(0, 1), k_bits, codebook).float()
 
@@ -368,7 +368,7 @@ def exl3_linear_reference(x: torch.Tensor, trellis_t: torch.Tensor, suh: torch.T
                           codebook: str, n: int) -> torch.Tensor:
     """y = H(H(pad(x) * suh) @ Ŵ) * svh (+ bias) over the first n outputs, float32
     (x (M, in) with in <= 16 kb; H the 128-point block Hadamard)."""
-    from .engine.quant import block_hadamard
+    from .engine.quant.hadamard import block_hadamard
 
     padded_in = 16 * trellis_t.shape[1]
     xs = torch.nn.functional.pad(x.float(), (0, padded_in - x.shape[-1])) * suh
