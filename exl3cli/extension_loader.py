@@ -8,12 +8,13 @@ say-why-once loading that falls back to the PyTorch reference paths.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -42,7 +43,6 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
                     cuda_cflags: Sequence[str] | None = None) -> ModuleType:
     """JIT-build `sources` (plus `hashed` headers in the key) under a name that changes
     whenever a source, `key` (torch/CUDA versions, flags, CPU) or a flag changes."""
-    from torch.utils import cpp_extension
 
     digest = hashlib.sha256()
     for path in [*sources, *hashed]:
@@ -51,8 +51,14 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
     name = f"{prefix}_{digest.hexdigest()[:16]}"
     build_dir = kernel_cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(build_dir)
-    (build_dir / OWNER_FILE).write_text(str(os.getpid()))
+    with build_guard(build_dir):
+        return _load(prefix, name, sources, build_dir, cflags, cuda_cflags)
+
+
+def _load(prefix: str, name: str, sources: Sequence[Path], build_dir: Path,
+          cflags: Sequence[str], cuda_cflags: Sequence[str] | None) -> ModuleType:
+    from torch.utils import cpp_extension
+
     os.environ.setdefault("MAX_JOBS", str(max(1, min(8, os.cpu_count() or 1))))
     extra = {"extra_cuda_cflags": list(cuda_cflags)} if cuda_cflags is not None else {}
     first_build = not any(build_dir.glob("*.so")) and not any(build_dir.glob("*.pyd"))
@@ -77,10 +83,39 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
 
 
 # torch's build lock is a file that a killed build never removes: every later build
-# would wait on it forever. Who holds it is written beside it; a lock whose owner is
-# gone, or older than any build takes, is removed.
+# would wait on it forever. Builds of one folder therefore take an flock of our own
+# first (the kernel drops it when its holder dies, however it dies): whoever holds it
+# is the only process of ours in torch's build, so a torch lock found then was left by
+# a killed build and goes. Where flock does not exist, the owner's pid is written
+# beside the lock instead, and a lock whose owner is gone, or older than any build
+# takes, is removed.
 OWNER_FILE = "exl3-build-owner"
+GUARD_FILE = "exl3-build.lock"
 STALE_LOCK_SECONDS = 30 * 60
+
+
+@contextlib.contextmanager
+def build_guard(build_dir: Path) -> Iterator[None]:
+    """Hold the build of `build_dir` (blocking until no other live process does); torch's
+    lock file, if a killed build left one, is removed on entry."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the pid-based check
+        clear_stale_lock(build_dir)
+        (build_dir / OWNER_FILE).write_text(str(os.getpid()))
+        yield
+        return
+    with open(build_dir / GUARD_FILE, "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            if (build_dir / "lock").exists():
+                (build_dir / "lock").unlink(missing_ok=True)
+                print(f"exl3: removed a stale kernel build lock in {build_dir} "
+                      "(a build was killed)", file=sys.stderr)
+            (build_dir / OWNER_FILE).write_text(str(os.getpid()))
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def _alive(pid: int) -> bool:
