@@ -74,6 +74,23 @@ def test_adapted_models_share_one_base_and_batch_together(local, store):
     steps: list[list[int]] = []
     generator = runner.generator_for("tiny")
     generator.step_observers.append(lambda report: steps.append(report.job_ids))
+    # The generator steps only once all three jobs are in: a job of 10 tokens can
+    # finish before a thread that starts late on a busy machine submits its own.
+    all_in, submitted = threading.Event(), []
+    submit, step = generator.submit, generator.step
+
+    def submit_counted(job):
+        handle = submit(job)
+        submitted.append(handle)
+        if len(submitted) == len(solo):
+            all_in.set()
+        return handle
+
+    def step_when_all_in():
+        all_in.wait(timeout=60)
+        return step()
+
+    generator.submit, generator.step = submit_counted, step_when_all_in
     threads = [threading.Thread(target=lambda n=name: results.update({n: greedy(local, n)}))
                for name in solo]
     for thread in threads:
@@ -81,6 +98,8 @@ def test_adapted_models_share_one_base_and_batch_together(local, store):
     for thread in threads:
         thread.join()
     generator.step_observers.clear()
+    del generator.submit, generator.step
+    assert all_in.is_set()
     assert results == solo
     assert max(len(ids) for ids in steps) >= 2  # rows of different adapters shared a step
 
