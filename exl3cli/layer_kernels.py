@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from exl3cli import kernels
 from exl3cli.engine.quant import block_hadamard, decode_tiles
+from exl3cli.engine.rope import apply_rotary
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -86,12 +87,9 @@ def gemm_parts(xhs: Sequence[torch.Tensor], trellises: Sequence[torch.Tensor], k
 
 
 def _rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rotate-half per head of y (rows, n*head_dim) in y's dtype, as engine/rope.py does."""
+    """Rotate-half per head of y (rows, n*head_dim) in y's dtype: engine/rope.py's rotary."""
     heads = y.view(y.shape[0], -1, head_dim)
-    half = head_dim // 2
-    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
-    cos, sin = cos.view(-1, 1, head_dim), sin.view(-1, 1, head_dim)
-    return (heads * cos + rotated * sin).view_as(y)
+    return apply_rotary(heads, cos.view(-1, 1, head_dim), sin.view(-1, 1, head_dim)).view_as(y)
 
 
 def _output(partial: torch.Tensor, post: torch.Tensor | None, bias: torch.Tensor | None,

@@ -226,7 +226,7 @@ class DecodeRunner:
         if adapters is not None and adapters.names:
             return 0  # graphs read the rows' adapter choice: captured with a job's selection
         if keys is None:
-            keys = sorted({(1, 1), (1, bucket(min(2, self.max_pages), self.max_pages))})
+            keys = sorted({(1, 1), (1, min(2, self.max_pages))})
         for key in keys:
             if self.mode != "graph":
                 break  # a capture failed: decoding goes on without graphs

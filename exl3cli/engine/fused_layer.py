@@ -63,7 +63,7 @@ class _Parts(NamedTuple):
                                   for p in layers):
             return None
         parts: list[Exl3Linear] = layers  # type: ignore[assignment]
-        k2s = {round(2 * float(p.k)) for p in parts}
+        k2s = {kernels._k2(p.k) for p in parts}
         if len(k2s) != 1 or len({p.codebook for p in parts}) != 1:
             return None
         if len({p.padded_in for p in parts}) != 1 or any(p.padded_out % 128 for p in parts):
