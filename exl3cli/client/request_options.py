@@ -111,13 +111,18 @@ UNSUPPORTED_OPTIONS = {
 }
 def refuse_unsupported(req: dict[str, Any]) -> None:
     """InvalidOption for request fields that would otherwise be accepted and ignored:
-    a nonzero mirostat. (Images are refused by the runner for text-only models:
-    client/request_images.py.)"""
+    a nonzero mirostat, a per-request num_gpu (layers are placed when the model loads,
+    from the Modelfile's PARAMETER num_gpu). (Images are refused by the runner for
+    text-only models: client/request_images.py.)"""
     options = req.get("options")
     if isinstance(options, dict):
         for name, message in UNSUPPORTED_OPTIONS.items():
             if options.get(name) not in (None, 0, 0.0, False, "0"):
                 raise InvalidOption(f"option {name}: {message}")
+        if options.get("num_gpu") is not None:
+            raise InvalidOption("option num_gpu: layers are placed when a model loads; set "
+                                "PARAMETER num_gpu in its Modelfile (a per-request num_gpu "
+                                "is not supported)")
 
 
 def merge_options(parameters: dict[str, Any] | None,

@@ -70,6 +70,13 @@ def test_fill_in_the_middle_prompt_uses_the_fim_tokens():
         fill_in_middle_ids(Tokenizer(train_byte_level_bpe()), "a", "b")
 
 
+def test_a_per_request_num_gpu_is_refused(client):
+    # Layers are placed at load from PARAMETER num_gpu: a request's value would be ignored.
+    assert "num_gpu" in refused(lambda: client.generate(
+        model="tiny", prompt="hi", options={**GREEDY, "num_gpu": 0}))
+    assert client.generate(model="tiny", prompt="hi", options=GREEDY).done
+
+
 def test_mirostat_is_refused_unless_off(client):
     assert "mirostat" in refused(lambda: client.generate(
         model="tiny", prompt="hi", options={**GREEDY, "mirostat": 2}))
