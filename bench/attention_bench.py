@@ -15,9 +15,9 @@ import json
 import torch
 from gpu_kernels import graph_time
 
-from exl3cli import kernels
-from exl3cli.engine.kv_quant import parse_kv_cache_type
-from exl3cli.engine.paged_cache import PagePool
+from exl3cli.engine.kvcache.kv_quant import parse_kv_cache_type
+from exl3cli.engine.kvcache.paged_cache import PagePool
+from exl3cli.ops import cuda_kernels as kernels
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 256
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from exl3cli.engine.kv_quant import parse_kv_cache_type
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PagePool, PageTable, pages_for
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.kvcache.kv_quant import parse_kv_cache_type
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/test.txt"
 

@@ -5,7 +5,7 @@ loads the Hugging Face folder given with --model (e.g. the real SmolLM2-135M-Ins
 then measures a 512-token prompt and greedy generation: ours with each CPU weight mode
 (float32 activations; "off" = plain F.linear, see engine/loader.resolve_cpu_weights) and
 with bfloat16 compute, transformers in float32 and bfloat16. Ours is timed on the
-paged cache, one PagedBatch per step, as engine/generator.py runs it. Each figure is the
+paged cache, one PagedBatch per step, as engine/generation/generator.py runs it. Each figure is the
 best of --repeats runs (the machine is shared; the best run is the least disturbed one).
 EXL3_NO_EXT=1 times the pure-PyTorch fallback of the CPU kernels.
 
@@ -21,11 +21,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from exl3cli.engine.architecture import get_architecture
-from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.loader import build_causal_lm, load_causal_lm
-from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
+from exl3cli.engine.models.loader import build_causal_lm, load_causal_lm
+from exl3cli.engine.spec.architecture import get_architecture
+from exl3cli.engine.spec.config import ModelConfig
 
 SMOLLM2_135M = {
     "architectures": ["LlamaForCausalLM"],
@@ -64,7 +64,7 @@ def best_of(repeats: int, timer, *args) -> tuple[float, ...]:
 
 def time_ours(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
     """Prompt and generation tok/s over the paged cache, one sequence, one PagedBatch
-    per step as engine/generator.py runs it (the terminal chat)."""
+    per step as engine/generation/generator.py runs it (the terminal chat)."""
     config = model.config
     total = prompt.shape[1] + new_tokens + 1
     pool = PagePool(pages_for(total), len(model.layers), config.num_kv_heads,

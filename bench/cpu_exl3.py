@@ -34,7 +34,7 @@ def rss_mib() -> tuple[float, float]:
 def one_mode(args: argparse.Namespace) -> None:
     from cpu_decode import best_of, time_ours
 
-    from exl3cli.engine.loader import load_causal_lm
+    from exl3cli.engine.models.loader import load_causal_lm
 
     if args.threads:
         torch.set_num_threads(args.threads)

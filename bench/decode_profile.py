@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
 
 KINDS = (("gemm", ("gemm", "exl3_", "decode_kernel", "trellis")),
          ("hadamard", ("hadamard",)),

@@ -11,5 +11,5 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>
     export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     echo "note: editable install unavailable; using PYTHONPATH and a hand-made dist-info"
 fi
-python3 -c "from exl3cli.engine.architecture import available_architectures as a; print('architectures:', a())" \
+python3 -c "from exl3cli.engine.spec.architecture import available_architectures as a; print('architectures:', a())" \
     || echo "FAIL: exl3cli not importable"

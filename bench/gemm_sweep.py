@@ -3,7 +3,7 @@ rate, for several split heuristics (warps per SM the splits aim for).
 
 Usage: python3 bench/gemm_sweep.py [--json OUT.json] [--warps 0,16,64] [--rows 1] (0: default)
 
-Groups are the launches of engine/fused_layer.py: q/k/v as one 3-part launch, o,
+Groups are the launches of engine/layers/fused_layer.py: q/k/v as one 3-part launch, o,
 gate/up as one 2-part launch, down, and the 6-bit head. Each case rotates over enough
 weight copies to defeat the L2 cache, inside a CUDA graph (bench/gpu_kernels.py).
 """
@@ -16,7 +16,8 @@ import json
 import torch
 from gpu_kernels import copy_bandwidth, graph_time
 
-from exl3cli import kernels, layer_kernels
+from exl3cli.ops import cuda_kernels as kernels
+from exl3cli.ops import layer_kernels
 
 GROUPS = {  # name: (in_features, [out_features per part]), per layer (head: once)
     "qkv": (4096, [4096, 1024, 1024]),

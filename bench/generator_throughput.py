@@ -5,7 +5,7 @@ KV cache memory per token of each cache type.
         [--prompt 128] [--kv fp16,q4] [--device cuda] [--json]
 
 With `--lora-rank R` every job runs with a random rank-R LoRA adapter on all seven
-projections of every layer (engine/lora.py), to compare against the bare model.
+projections of every layer (engine/adapters/lora.py), to compare against the bare model.
 
 N jobs with different random prompts are submitted at once (greedy, `--gen` tokens
 each, never stopping early: `ignore_eos`); the figure is decode tokens per second over
@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.generator import Generator, StepReport
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.generation.generator import Generator, StepReport
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -55,8 +55,8 @@ def new_generator(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen:
 
 def random_adapter(model: Any, rank: int, name: str = "bench") -> str:
     """Load a random rank-`rank` LoRA adapter on all attention and MLP projections."""
-    from exl3cli.engine.lora import load_adapter
-    from exl3cli.engine.lora_peft import LoraPair, PeftAdapter
+    from exl3cli.engine.adapters.lora import load_adapter
+    from exl3cli.engine.adapters.peft import LoraPair, PeftAdapter
 
     config = model.config
     hidden, inter = config.hidden_size, config.intermediate_size

@@ -60,14 +60,14 @@ else
     >/tmp/exl3-site/exl3-0.1.0.dist-info/entry_points.txt
   export PYTHONPATH="$REPO:/tmp/exl3-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python3 -c "from exl3cli.engine.architecture import get_architecture; \
+python3 -c "from exl3cli.engine.spec.architecture import get_architecture; \
 get_architecture('LlamaForCausalLM'); print('architectures ok')" || echo "FAIL: architectures not registered"
 EXL3="python3 -m exl3cli"
 
 # --- 3. kernels ----------------------------------------------------------------------
 python3 -c "
 import time; t = time.time()
-from exl3cli import kernels
+from exl3cli.ops import cuda_kernels as kernels
 ok = kernels.available()
 print('BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.time() - t:.1f} s')
 " >"$OUT/build.log" 2>&1

@@ -40,7 +40,7 @@ if ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
 fi
 python3 -c "
 import time; t = time.time()
-from exl3cli import kernels
+from exl3cli.ops import cuda_kernels as kernels
 ok = kernels.available()
 print('BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.time() - t:.1f} s')
 " >"$OUT/build.log" 2>&1
@@ -52,7 +52,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
     >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
-  # The same kernels launched with programmatic dependent launch (csrc/exl3_launch.cuh).
+  # The same kernels launched with programmatic dependent launch (csrc/ops/cuda/exl3_launch.cuh).
   [ "${PDL_TESTS:-0}" = 1 ] && EXL3_PDL=1 timeout 200 python3 -m pytest -q -m cuda -p no:randomly tests/kernels \
     tests/engine/test_generator_cuda.py >"$OUT/tests-cuda-pdl.log" 2>&1
   [ "${PDL_TESTS:-0}" = 1 ] && stamp "cuda tests, EXL3_PDL=1: $(tail -1 "$OUT/tests-cuda-pdl.log")"
@@ -101,7 +101,7 @@ if [[ " $STAGES " == *" attn "* ]]; then
 fi
 
 if [[ " $STAGES " == *" unfused "* ]]; then
-  # Before/after of the fused decode layer (engine/fused_layer.py), same call.
+  # Before/after of the fused decode layer (engine/layers/fused_layer.py), same call.
   for m in "8b $M8" "1b $M1"; do
     set -- $m
     EXL3_FUSED_LAYER=0 timeout 120 python3 bench/generator_throughput.py "$2" --device cuda \

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from exl3cli import kernels
+from exl3cli.ops import cuda_kernels as kernels
 
 SHAPES = {  # name: (in_features, out_features)
     "qkvo 4096x4096": (4096, 4096),

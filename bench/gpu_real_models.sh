@@ -65,7 +65,7 @@ stamp "models:$MODELS"
 if [ -z "$DRY" ]; then
   python3 -c "
 import time; t = time.time()
-from exl3cli import kernels
+from exl3cli.ops import cuda_kernels as kernels
 print('BUILD', 'ok' if kernels.available() else 'FAILED', kernels.unavailable_reason(),
       f'{time.time() - t:.1f} s')" >"$OUT/build.log" 2>&1 &
 fi

@@ -17,7 +17,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 
 EXL3_EXT_VERBOSE=1 python3 -c "
 import time; t = time.time()
-from exl3cli import kernels
+from exl3cli.ops import cuda_kernels as kernels
 ok = kernels.available()
 print('BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.time() - t:.1f} s')
 " >"$OUT/build.log" 2>&1

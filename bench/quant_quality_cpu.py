@@ -95,8 +95,8 @@ def _print_status(event) -> None:
 def main() -> None:
     from exl3cli.convert.pipeline import ConvertOptions, convert_model
     from exl3cli.convert.quality import token_windows
-    from exl3cli.engine.loader import load_causal_lm
-    from exl3cli.engine.tokenizer import Tokenizer
+    from exl3cli.engine.models.loader import load_causal_lm
+    from exl3cli.engine.text.tokenizer import Tokenizer
     from exl3cli.gguf.convert import gguf_to_hf_folder
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -15,10 +15,10 @@ import argparse
 import statistics
 from pathlib import Path
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.speculative import make_drafter
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.speculative import make_drafter
+from exl3cli.engine.generation.textmodel import TextModel
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog while the farmer watches from the "
            "porch, and the sun sets slowly behind the old red barn at the edge of the field.")

@@ -14,8 +14,8 @@ import argparse
 import time
 from pathlib import Path
 
-from exl3cli.engine.quant.format import DEFAULT_SHARD_BYTES
-from exl3cli.engine.quant.synthetic import SHAPES, write_synthetic_model
+from exl3cli.codec.format import DEFAULT_SHARD_BYTES
+from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from exl3cli import cpu_kernels, cuda_viterbi
-from exl3cli.engine.quant.codebooks import codebook_lut_float32
-from exl3cli.engine.quant.viterbi import viterbi_states_reference
+from exl3cli.codec.codebooks import codebook_lut_float32
+from exl3cli.ops import cpu_kernels, cuda_viterbi
+from exl3cli.ops.viterbi import viterbi_states_reference
 
 
 def _timed(fn, targets: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -18,7 +18,7 @@ messages (a text-only model refuses them with InvalidOption):
 
 `model` is a model folder (Hugging Face layout) or a name in the local model store
 (`exl3 pull` puts models there). Every call goes through one `Generator`
-(exl3cli/engine/generator.py): a paged, optionally quantized KV cache with continuous
+(exl3cli/engine/generation/generator.py): a paged, optionally quantized KV cache with continuous
 batching and prefix reuse, so concurrent callers (threads) share the model.
 LoRA adapters: `llm.load_adapter(folder, name)` (or `load(..., adapters={name: folder})`),
 then `adapter=name` per request; requests with different adapters share one batch.
@@ -30,10 +30,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from exl3cli.engine.generator import Generator, GeneratorThread
-from exl3cli.engine.generator_jobs import GenerationJob, JobHandle
-from exl3cli.engine.speculative import DEFAULT_DRAFT_TOKENS, make_drafter, resolve_draft
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.generator import Generator, GeneratorThread
+from exl3cli.engine.generation.jobs import GenerationJob, JobHandle
+from exl3cli.engine.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter, resolve_draft
+from exl3cli.engine.generation.textmodel import TextModel
 
 __all__ = ["LLM", "load"]
 
@@ -99,8 +99,8 @@ class LLM:
         a GGUF LoRA file (llama.cpp's layout), on the model under `name` (default: the folder's name), its scale times `scaling`;
         requests choose it with `adapter=name`, each its own, in one batch. AdapterError
         when it does not fit the model. Returns the name."""
-        from exl3cli.engine.lora import load_adapter
-        from exl3cli.engine.lora_peft import read_peft_adapter
+        from exl3cli.engine.adapters.lora import load_adapter
+        from exl3cli.engine.adapters.peft import read_peft_adapter
 
         if Path(path).suffix.lower() == ".gguf":  # llama.cpp's layout: made a PEFT folder
             import tempfile
@@ -119,7 +119,7 @@ class LLM:
 
     def unload_adapter(self, name: str) -> bool:
         """Remove adapter `name` (InvalidOption while a request uses it)."""
-        from exl3cli.engine.lora import unload_adapter
+        from exl3cli.engine.adapters.lora import unload_adapter
 
         return unload_adapter(self.model, name, self.generator)
 

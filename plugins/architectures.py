@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from exl3cli.engine.architecture import ArchitectureSpec, MoESpec, TensorNames
-from exl3cli.plugins import hookimpl
+from exl3cli.engine.spec.architecture import ArchitectureSpec, MoESpec, TensorNames
+from exl3cli.hookspecs import hookimpl
 
 # Llama 2, Llama 3, 3.1 and 3.2 (RoPE scaling comes from config.json), SmolLM2.
 LLAMA = ArchitectureSpec(name="LlamaForCausalLM")
@@ -222,7 +222,7 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 
 
 # DeepSeek-V3 / R1 / V3.1 (and Kimi K2's architecture): multi-head latent attention
-# (engine/mla.py; keys and values expanded per head before caching), YaRN with mscale;
+# (engine/layers/mla.py; keys and values expanded per head before caching), YaRN with mscale;
 # GLM-4.5's router (sigmoid scores, choice bias, grouped top-k, routed scaling), shared
 # experts and first_k_dense_replace dense layers.
 DEEPSEEK_V3 = ArchitectureSpec(
@@ -239,7 +239,7 @@ DEEPSEEK_V3 = ArchitectureSpec(
 
 # Ministral 3 (3B, 8B, 14B; text): Mistral blocks (explicit head_dim, YaRN) whose
 # rotated queries are scaled by 1 + beta * log(1 + floor(position / original context))
-# when its rope parameters give llama_4_scaling_beta (engine/attention.py).
+# when its rope parameters give llama_4_scaling_beta (engine/layers/attention.py).
 MINISTRAL3 = ArchitectureSpec(name="Ministral3ForCausalLM", sliding_window="all")
 
 # Mistral 3 (Mistral Small 3.1 / 3.2, Ministral 3, Magistral) ships as an image-text

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
-from exl3cli.engine.speculative import Drafter
+from exl3cli.engine.generation.speculative import Drafter
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
 from exl3cli.errors import InvalidOption
-from exl3cli.plugins import hookimpl
+from exl3cli.hookspecs import hookimpl
 
 
 class NgramDrafter:
@@ -77,7 +77,7 @@ def _draft_folder(spec: str) -> Path:
 
 
 def _draft_model(spec: str) -> Any:
-    from exl3cli.engine.loader import load_causal_lm
+    from exl3cli.engine.models.loader import load_causal_lm
 
     folder = _draft_folder(spec)
     with _LOAD_LOCK:

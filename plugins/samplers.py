@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from exl3cli.engine.sampling import ParamSpec, SamplerContext, SamplerStep
-from exl3cli.plugins import hookimpl
+from exl3cli.engine.generation.sampling import ParamSpec, SamplerContext, SamplerStep
+from exl3cli.hookspecs import hookimpl
 
 NEG_INF = float("-inf")
 

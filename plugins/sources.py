@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import ModelNotFound, PullError
-from exl3cli.plugins import hookimpl
+from exl3cli.hookspecs import hookimpl
 from exl3cli.store.sources import FetchedModel, Progress, split_ref
 
 HUB_TIMEOUT_S = 10.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli.engine.loader import load_causal_lm
+from exl3cli.engine.models.loader import load_causal_lm
 from tests.fixtures.tiny_model import write_tiny_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "real_models" / "pad_hidden.py"

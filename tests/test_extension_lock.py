@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from exl3cli.extension_loader import OWNER_FILE, build_guard, clear_stale_lock
+from exl3cli.ops.build import OWNER_FILE, build_guard, clear_stale_lock
 
 
 def _dead_pid() -> int:
@@ -54,7 +54,7 @@ def test_a_lock_beside_a_live_but_waiting_owner_goes_once_we_hold_the_guard(tmp_
 
 def test_the_guard_of_a_killed_holder_is_released(tmp_path):
     code = ("import sys, time; from pathlib import Path; "
-            "from exl3cli.extension_loader import build_guard\n"
+            "from exl3cli.ops.build import build_guard\n"
             "with build_guard(Path(sys.argv[1])):\n"
             "    print('held', flush=True); time.sleep(60)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
@@ -64,7 +64,7 @@ def test_the_guard_of_a_killed_holder_is_released(tmp_path):
         (tmp_path / "lock").write_text("")  # what torch's build leaves when killed
         waiter = subprocess.Popen(
             [sys.executable, "-c", "import sys; from pathlib import Path; "
-             "from exl3cli.extension_loader import build_guard\n"
+             "from exl3cli.ops.build import build_guard\n"
              "with build_guard(Path(sys.argv[1])): print('got it')", str(tmp_path)],
             stdout=subprocess.PIPE, text=True)
         time.sleep(1.0)

@@ -11,14 +11,14 @@ import textwrap
 import pytest
 import torch
 
-from exl3cli.engine.sampling import build_sampler
-from exl3cli.plugins import reset_plugin_manager
+from exl3cli.engine.generation.sampling import build_sampler
+from exl3cli.hookspecs import reset_plugin_manager
 
 PLUGIN_MODULE = '''
 import torch
 
-from exl3cli.engine.sampling import ParamSpec, SamplerStep
-from exl3cli.plugins import hookimpl
+from exl3cli.engine.generation.sampling import ParamSpec, SamplerStep
+from exl3cli.hookspecs import hookimpl
 
 
 class BanTokenStep(SamplerStep):

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from exl3cli.convert.quality import evaluate, token_windows
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.speculative import make_drafter
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.speculative import make_drafter
+from exl3cli.engine.generation.textmodel import TextModel
 
 PASSAGE = ("The old lighthouse stood on the northern cliff for two hundred years. Every "
            "night its keeper climbed the ninety steps, trimmed the wick and polished the "

@@ -210,7 +210,7 @@ def _speed_command(model_arg: str | None, synthetic: str | None, bits: float, he
         raise click.UsageError("give MODEL, --synthetic SHAPE, or --server URL")
     with exit_on_sigterm(), tempfile.TemporaryDirectory(prefix="exl3-bench-") as scratch:
         if synthetic is not None:
-            from exl3cli.engine.quant.synthetic import SHAPES, write_synthetic_model
+            from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
 
             if synthetic not in SHAPES:
                 raise click.BadParameter(f"unknown shape {synthetic!r}; choose from "

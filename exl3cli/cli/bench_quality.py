@@ -18,8 +18,8 @@ def run_quality(folder: Path, text_path: Path, *, windows: int, reference: Path 
                 device: str | None, window: int = WINDOW) -> dict[str, Any]:
     """Perplexity of the model in `folder` (and KL / top-1 agreement vs `reference`)."""
     from exl3cli.convert.quality import evaluate, token_windows
-    from exl3cli.engine.loader import load_causal_lm
-    from exl3cli.engine.tokenizer import Tokenizer
+    from exl3cli.engine.models.loader import load_causal_lm
+    from exl3cli.engine.text.tokenizer import Tokenizer
 
     try:
         text = Path(text_path).read_text(encoding="utf-8")
@@ -34,7 +34,7 @@ def run_quality(folder: Path, text_path: Path, *, windows: int, reference: Path 
     model = load_causal_lm(folder, target)
     ref_model = load_causal_lm(reference, target, torch.float32) if reference else None
     result = evaluate(model, token_ids, ref_model)
-    from exl3cli.engine.quant.format import read_quantization_config
+    from exl3cli.codec.format import read_quantization_config
 
     quantization = read_quantization_config(folder) or {}
     bits = quantization.get("bits")  # None for an unquantized model

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.cpu_exl3 import CpuExl3Linear
-from exl3cli.engine.linear import DenseLinear, Exl3Linear
-from exl3cli.engine.norm import RMSNorm
+from exl3cli.engine.layers.cpu_exl3 import CpuExl3Linear
+from exl3cli.engine.layers.linear import DenseLinear, Exl3Linear
+from exl3cli.engine.layers.norm import RMSNorm
 
 GIB = 2**30
 MEMORY_PREFILL_CHUNK = 512  # the generator's default prompt chunk
@@ -148,7 +148,7 @@ class _Generators:
         self._made: dict[tuple[int, int], Any] = {}
 
     def get(self, batch: int, context: int, prefill: int) -> Any:
-        from exl3cli.engine.generator import Generator
+        from exl3cli.engine.generation.generator import Generator
 
         key = (batch, context)
         if key not in self._made:
@@ -163,7 +163,7 @@ def _run_jobs(generator: Any, prompts: list[list[int]], gen_tokens: int
               ) -> tuple[float, float, int]:
     """(prefill seconds, decode seconds, decode steps) of one batch of greedy jobs
     through the generator: the prompt steps, then the steps that only decode."""
-    from exl3cli.engine.generator_jobs import GenerationJob
+    from exl3cli.engine.generation.jobs import GenerationJob
 
     device = torch.device(generator.model.device)
     for ids in prompts:  # the prompt step samples the first token: gen_tokens steps follow
@@ -240,9 +240,9 @@ def run_speed(
 ) -> dict[str, Any]:
     """Load the model in `folder` and measure it through the generator, the path `run`
     and `serve` take (see the module docstring)."""
-    from exl3cli import kernels
-    from exl3cli.engine.loader import load_causal_lm
-    from exl3cli.engine.tokenizer import Tokenizer
+    from exl3cli.engine.models.loader import load_causal_lm
+    from exl3cli.engine.text.tokenizer import Tokenizer
+    from exl3cli.ops import cuda_kernels as kernels
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bandwidth = copy_bandwidth(dev)

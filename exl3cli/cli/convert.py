@@ -95,7 +95,7 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
     target = Path(out_dir) if out_dir else work.with_name(work.name + "-out")
 
     from exl3cli.convert.report import LayerClock
-    from exl3cli.engine.architecture import load_family_config
+    from exl3cli.engine.spec.architecture import load_family_config
 
     num_layers = load_family_config(source).num_layers
     clock = LayerClock(num_layers)

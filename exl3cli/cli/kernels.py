@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from exl3cli.extension_loader import all_extensions, kernel_cache_root
+from exl3cli.ops.build import all_extensions, kernel_cache_root
 
 
 @click.command("kernels")

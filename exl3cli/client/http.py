@@ -17,9 +17,9 @@ from typing import Any
 
 from exl3cli.client.base import Body
 from exl3cli.errors import Exl3Error, ModelNotFound, ServerBusy
+from exl3cli.store.store_lock import LOCAL_TOKEN_HEADER
 
 PROBE_TIMEOUT = 0.3
-LOCAL_TOKEN_HEADER = "X-Exl3-Local-Token"
 
 
 def _local_token() -> str:
@@ -152,14 +152,14 @@ class HttpClient:
         from dataclasses import replace
         from pathlib import Path
 
-        from exl3cli.client.local import _from_path
+        from exl3cli.runtime.library import from_path
         from exl3cli.store.modelfile import parse_modelfile
 
         text = body.get("modelfile")
         modelfile = parse_modelfile(text) if isinstance(text, str) else None
         if modelfile is None or not modelfile.adapter:
             return body
-        path = _from_path(modelfile.adapter, Path(body["base_dir"]))
+        path = from_path(modelfile.adapter, Path(body["base_dir"]))
         if path is None or not path.exists():
             return body
         names = (["adapter_config.json", "adapter_model.safetensors"] if path.is_dir()
@@ -174,13 +174,13 @@ class HttpClient:
         """Upload the files of the Modelfile's FROM path; {name: digest}, or None."""
         from pathlib import Path
 
-        from exl3cli.client.local import _from_path
+        from exl3cli.runtime.library import from_path
         from exl3cli.store.modelfile import parse_modelfile
 
         text = body.get("modelfile")
         if not isinstance(text, str):
             return None
-        path = _from_path(parse_modelfile(text).from_, Path(body["base_dir"]))
+        path = from_path(parse_modelfile(text).from_, Path(body["base_dir"]))
         if path is None or not path.exists():
             return None
         if path.is_file():

@@ -35,12 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from exl3cli.engine.quant.format import padded_size
+from exl3cli.codec.format import padded_size
+from exl3cli.convert.allocation import GroupShape, allocate_bits
+from exl3cli.convert.knapsack import TensorCost, allocate_measured
+from exl3cli.convert.recipe import resolve, unused_patterns
 from exl3cli.errors import ConversionError
-
-from .allocation import GroupShape, allocate_bits
-from .knapsack import TensorCost, allocate_measured
-from .recipe import resolve, unused_patterns
 
 ALLOCATIONS = ("measured", "fixed")
 
@@ -149,7 +148,7 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
         rows = tokens[: max(1, min(options.sensitivity_rows, tokens.shape[0]))]
         conv.progress(f"measuring the sensitivity of {len(names)} tensors on "
                       f"{rows.shape[0]} x {rows.shape[1]} calibration tokens")
-        from .sensitivity import measure_costs
+        from exl3cli.convert.sensitivity import measure_costs
 
         started = time.perf_counter()
         costs = measure_costs(conv, rows, head_weight(conv), options.seed)

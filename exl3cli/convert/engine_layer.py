@@ -28,14 +28,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from exl3cli.engine.architecture import ArchitectureSpec, TensorNames
-from exl3cli.engine.attention import AttentionStep
-from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.linear import DenseLinear
-from exl3cli.engine.loader import build_decoder_layer
-from exl3cli.engine.model import DecoderLayer
-from exl3cli.engine.norm import RMSNorm
-from exl3cli.engine.rope import RotaryEmbedding
+from exl3cli.engine.layers.attention import AttentionStep
+from exl3cli.engine.layers.linear import DenseLinear
+from exl3cli.engine.layers.norm import RMSNorm
+from exl3cli.engine.layers.rope import RotaryEmbedding
+from exl3cli.engine.models.causal_lm import DecoderLayer
+from exl3cli.engine.models.loader import build_decoder_layer
+from exl3cli.engine.spec.architecture import ArchitectureSpec, TensorNames
+from exl3cli.engine.spec.config import ModelConfig
 
 Dense = dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # module -> ((in, out), bias)
 

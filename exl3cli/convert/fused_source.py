@@ -14,9 +14,9 @@ from dataclasses import replace
 
 import torch
 
-from exl3cli.engine.architecture import TensorNames
-from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.spec.architecture import TensorNames
+from exl3cli.engine.spec.config import ModelConfig
 
 
 class SplitFusedReader:

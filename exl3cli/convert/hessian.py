@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from exl3cli.engine.quant import block_hadamard
+from exl3cli.codec import block_hadamard
 
 
 class HessianAccumulator:

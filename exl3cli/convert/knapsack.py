@@ -31,7 +31,7 @@ from exl3cli.errors import ConversionError
 
 # MUL1 codebook, L = 16 trellis, tail-biting 256-step tiles, best global scale (MSE per
 # unit-variance Gaussian sample). K = 2..4 from BENCHMARKS.md's codec table; K = 1 and
-# 5..8 measured the same way here (48 tiles, exl3cli/engine/quant/NOTES.md).
+# 5..8 measured the same way here (48 tiles, exl3cli/codec/NOTES.md).
 CODEC_MSE = {1: 0.2656, 2: 0.0677, 3: 0.0173, 4: 0.00437, 5: 0.00111, 6: 0.000283,
              7: 0.0000759, 8: 0.0000202}
 MIN_BITS, MAX_BITS = 1, 8

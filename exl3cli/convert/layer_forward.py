@@ -21,11 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exl3cli.engine.architecture import SLIDING_ATTENTION, ArchitectureSpec
-from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.mlp import ACTIVATIONS
-from exl3cli.engine.rope import RotaryEmbedding, apply_rotary
+from exl3cli.engine.layers.mlp import ACTIVATIONS
+from exl3cli.engine.layers.rope import RotaryEmbedding
+from exl3cli.engine.spec.architecture import SLIDING_ATTENTION, ArchitectureSpec
+from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ConversionError, UnsupportedArchitecture
+from exl3cli.ops.reference import apply_rotary
 
 
 def unsupported_features(config: ModelConfig, spec: ArchitectureSpec) -> list[str]:

@@ -24,13 +24,9 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.quant import codebook_lut, pack_states, viterbi_states
-from exl3cli.engine.quant.tiles import (
-    matrix_to_tiles,
-    steps_to_tile,
-    tile_to_steps,
-    tiles_to_matrix,
-)
+from exl3cli.codec import codebook_lut, pack_states
+from exl3cli.codec.tiles import matrix_to_tiles, steps_to_tile, tile_to_steps, tiles_to_matrix
+from exl3cli.ops.viterbi import viterbi_states
 
 BlockQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, Any]]
 

@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from exl3cli.engine.architecture import ArchitectureSpec, MoESpec, TensorNames
-from exl3cli.engine.config import ModelConfig
-
-from .hessian import HessianAccumulator
+from exl3cli.convert.hessian import HessianAccumulator
+from exl3cli.engine.spec.architecture import ArchitectureSpec, MoESpec, TensorNames
+from exl3cli.engine.spec.config import ModelConfig
 
 
 def _moe(spec: ArchitectureSpec, config: ModelConfig, i: int) -> MoESpec | None:

@@ -36,26 +36,35 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from exl3cli.engine.architecture import get_architecture, load_family_config
-from exl3cli.engine.fused_experts import split_fused_experts
-from exl3cli.engine.quant import dequantize_linear
-from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config, padded_size
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.vision.loader import stored_tensor_name
-from exl3cli.engine.weights import WeightReader
+from exl3cli.codec import dequantize_linear
+from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config, padded_size
+from exl3cli.convert.allocation import GroupShape
+from exl3cli.convert.allocation_plan import BitPlan, make_plan, representative_bits
+from exl3cli.convert.calibration import (
+    DEFAULT_COLS,
+    DEFAULT_ROWS,
+    calibration_tokens,
+    read_calibration_text,
+)
+from exl3cli.convert.engine_layer import EngineLayerForward, activation_dtype
+from exl3cli.convert.fused_source import split_fused
+from exl3cli.convert.hessian import HessianAccumulator
+from exl3cli.convert.layer_forward import LayerRunner, unsupported_features
+from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
+from exl3cli.convert.quantize_layer import (
+    QuantizedLinear,
+    QuantSettings,
+    quantize_group,
+    quantize_mixed,
+)
+from exl3cli.convert.recipe import write_recipe
+from exl3cli.convert.report import ConversionSummary, LayerReport
+from exl3cli.engine.layers.fused_experts import split_fused_experts
+from exl3cli.engine.models.vision.loader import stored_tensor_name
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.spec.architecture import get_architecture, load_family_config
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ConversionError
-
-from .allocation import GroupShape
-from .allocation_plan import BitPlan, make_plan, representative_bits
-from .calibration import DEFAULT_COLS, DEFAULT_ROWS, calibration_tokens, read_calibration_text
-from .engine_layer import EngineLayerForward, activation_dtype
-from .fused_source import split_fused
-from .hessian import HessianAccumulator
-from .layer_forward import LayerRunner, unsupported_features
-from .moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
-from .quantize_layer import QuantizedLinear, QuantSettings, quantize_group, quantize_mixed
-from .recipe import write_recipe
-from .report import ConversionSummary, LayerReport
 
 JOB_FILE = "job.json"
 _WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")

@@ -29,18 +29,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from exl3cli.engine.quant import (
-    MARKER_VALUES,
-    block_hadamard,
-    codebook_lut,
-    dequantize_linear,
-    viterbi_states,
-)
-from exl3cli.engine.quant.format import padded_size
-from exl3cli.engine.quant.tiles import matrix_to_tiles, tile_to_steps
-
-from .hessian import damp_hessian, pad_hessian, proxy_error, rotate_hessian
-from .ldlq import ldlq, trellis_block_quantizer
+from exl3cli.codec import MARKER_VALUES, block_hadamard, codebook_lut, dequantize_linear
+from exl3cli.codec.format import padded_size
+from exl3cli.codec.tiles import matrix_to_tiles, tile_to_steps
+from exl3cli.convert.hessian import damp_hessian, pad_hessian, proxy_error, rotate_hessian
+from exl3cli.convert.ldlq import ldlq, trellis_block_quantizer
+from exl3cli.ops.viterbi import viterbi_states
 
 # Divisors of the unit-RMS rotated weight tried by the global scale search; the codec's
 # measurements put the best one between 1.0 (2 bits) and ~1.15 (4 bits).

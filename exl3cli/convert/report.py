@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .allocation import GROUPS
+from exl3cli.convert.allocation import GROUPS
 
 # Short module names of each group, in the order the summary prints them.
 _GROUP_TENSORS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),

@@ -33,10 +33,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .hessian import HessianAccumulator, damp_hessian, pad_hessian, rotate_hessian
-from .layer_forward import LayerRunner
-from .ldlq import block_ldl_feedback
-from .quantize_layer import group_scales
+from exl3cli.convert.hessian import HessianAccumulator, damp_hessian, pad_hessian, rotate_hessian
+from exl3cli.convert.layer_forward import LayerRunner
+from exl3cli.convert.ldlq import block_ldl_feedback
+from exl3cli.convert.quantize_layer import group_scales
 
 
 def predicted_error(hessian: torch.Tensor, names: list[str], weights: list[torch.Tensor],

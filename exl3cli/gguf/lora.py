@@ -1,5 +1,5 @@
 """GGUF LoRA adapters (llama.cpp's `convert_lora_to_gguf` layout, what Ollama's ADAPTER
-takes) turned into PEFT folders, which is what the engine reads (engine/lora_peft.py).
+takes) turned into PEFT folders, which is what the engine reads (engine/adapters/peft.py).
 
 A GGUF adapter has `general.type = "adapter"`, `adapter.type = "lora"`,
 `adapter.lora.alpha`, and for each adapted tensor of the base model two tensors named

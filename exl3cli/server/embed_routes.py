@@ -1,6 +1,6 @@
 """Embedding routes: Ollama's /api/embed and legacy /api/embeddings, and OpenAI's
 /v1/embeddings. The work (mean-pooled final hidden states) runs on a worker thread
-through the runner (client/embeddings.py)."""
+through the runner (runtime/embeddings.py)."""
 
 from __future__ import annotations
 

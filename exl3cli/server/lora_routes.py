@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from exl3cli.client.adapters import available_loras, load_default_loras, unload_default_loras
+from exl3cli.runtime.adapters import available_loras, load_default_loras, unload_default_loras
 from exl3cli.server.ollama_routes import MANAGER
 from exl3cli.server.tabby_routes import NoModelLoaded
 from exl3cli.server.validation import (

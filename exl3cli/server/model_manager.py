@@ -1,7 +1,7 @@
 """Engine work off the event loop: bounded per-model queues, streaming from threads,
 cancellation when a client goes away, and keep_alive expiry.
 
-`InferenceRunner` (client/inference.py) owns loading, caching and keep_alive
+`InferenceRunner` (runtime/residency.py) owns loading, caching and keep_alive
 bookkeeping; this module decides *when* its blocking calls run. Each job runs in a
 worker thread and hands its response objects to the event loop through an
 `asyncio.Queue`, so the loop only ever waits, never computes.
@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from exl3cli.client.inference import InferenceRunner, weights_key
-from exl3cli.client.local import LocalClient
 from exl3cli.errors import ServerBusy
+from exl3cli.runtime.library import ModelLibrary
+from exl3cli.runtime.residency import InferenceRunner, weights_key
 from exl3cli.server.limits import env_int
 from exl3cli.store.names import ModelName
 
@@ -177,10 +177,10 @@ class ModelManager:
         self.runner = runner or InferenceRunner(store, max_loaded=loaded,
                                                 num_parallel=self.num_parallel,
                                                 background=True)
-        self.local = LocalClient(store)  # store operations: list, show, pull, create, ...
+        self.local = ModelLibrary(store)  # store operations: list, show, pull, create, ...
         self.executor = ThreadPoolExecutor(max_workers=self.num_parallel * 2 + 8,
                                            thread_name_prefix="exl3-job")
-        self._slots: dict[str, _Slot] = {}  # by weights key (client/inference.py)
+        self._slots: dict[str, _Slot] = {}  # by weights key (runtime/residency.py)
         self._per_client: dict[str, int] = {}
         self.max_client_jobs = max_client_jobs
         self._jobs: dict[int, StreamJob] = {}

@@ -16,9 +16,8 @@ from typing import Any
 from aiohttp import web
 
 from exl3cli import __version__
-from exl3cli.client.http import LOCAL_TOKEN_HEADER
-from exl3cli.client.request_options import parse_keep_alive
 from exl3cli.errors import Exl3Error, ServerBusy
+from exl3cli.runtime.options import parse_keep_alive
 from exl3cli.server.limits import Limits, request_limits
 from exl3cli.server.model_manager import ModelManager, StreamJob
 from exl3cli.server.validation import (
@@ -38,6 +37,7 @@ from exl3cli.server.validation import (
     read_json,
 )
 from exl3cli.store.modelfile import Modelfile, parse_modelfile
+from exl3cli.store.store_lock import LOCAL_TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def create_request(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("quantize"):
         raise BadRequest("create: 'quantize' is not supported; name a model in "
                          "'from', or upload the model's files and list them in 'files'")
-    if body.get("adapters"):  # a LoRA adapter's uploaded files (client/adapters.py)
+    if body.get("adapters"):  # a LoRA adapter's uploaded files (runtime/adapters.py)
         adapters = body["adapters"]
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in adapters.items()):
             raise BadRequest("adapters must map file names to blob digests (sha256:<hex>)")
@@ -303,7 +303,7 @@ def create_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_local_cli(request: web.Request, store: Any) -> bool:
-    """Whether the request shows the store's local token (client/http.py): only then
+    """Whether the request shows the store's local token (store/store_lock.py): only then
     does create read server paths (FROM a folder or GGUF file, base_dir)."""
     given = request.headers.get(LOCAL_TOKEN_HEADER, "")
     return bool(given) and hmac.compare_digest(given.encode(),

@@ -18,9 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
-from exl3cli.client.inference import known_option_names
-from exl3cli.client.logprobs import completion_logprobs
 from exl3cli.errors import Exl3Error, ModelNotFound
+from exl3cli.runtime.logprobs import completion_logprobs
+from exl3cli.runtime.options import known_option_names
 from exl3cli.server.limits import request_limits
 from exl3cli.server.model_manager import StreamJob
 from exl3cli.server.ollama_routes import MANAGER, check_keep_alive, client_gone, watch_disconnect

@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from exl3cli.client.request_options import check_option_value
 from exl3cli.errors import Exl3Error, ModelNotFound
+from exl3cli.runtime.options import check_option_value
 from exl3cli.store.modelfile import PARAMETER_TYPES
 
 
@@ -198,7 +198,7 @@ def check_tools(tools: Any, where: str = "tools") -> None:
 
 def check_images(images: Any, where: str = "images") -> None:
     """Images must be base64 text. Whether the model reads them is the runner's call:
-    a text-only model refuses them with a 400 (client/request_images.py)."""
+    a text-only model refuses them with a 400 (runtime/images.py)."""
     if not images:
         return
     for index, image in enumerate(images):

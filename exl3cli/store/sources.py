@@ -63,7 +63,7 @@ def split_ref(ref: str) -> tuple[str, str]:
 
 def get_sources() -> list[ModelSource]:
     """Every registered source, highest priority first."""
-    from exl3cli.plugins import get_plugin_manager
+    from exl3cli.hookspecs import get_plugin_manager
 
     sources: list[ModelSource] = []
     for batch in get_plugin_manager().hook.exl3_model_sources():

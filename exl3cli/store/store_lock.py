@@ -78,6 +78,10 @@ def remove_leftover_files(places: Iterable[Path]) -> int:
     return removed
 
 
+# The HTTP header in which the local CLI shows this token to the daemon.
+LOCAL_TOKEN_HEADER = "X-Exl3-Local-Token"
+
+
 def read_local_token(root: Path) -> str:
     """A secret only this user's processes can read (`<root>/.local-token`, mode 0600):
     the CLI shows it to the daemon to prove that it runs on this machine as this user,

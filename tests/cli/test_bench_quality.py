@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from exl3cli.cli import main
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 

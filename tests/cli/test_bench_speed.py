@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from exl3cli.cli.bench import bench
 from exl3cli.cli.bench_speed import bytes_per_token
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.synthetic import write_synthetic_model
+from exl3cli.convert.synthetic import write_synthetic_model
+from exl3cli.engine.models.loader import load_causal_lm
 
 
 @pytest.fixture(scope="module")

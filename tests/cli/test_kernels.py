@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from exl3cli import cpu_kernels
+from exl3cli.ops import cpu_kernels
 
 
 def _kernels(**env: str) -> subprocess.CompletedProcess:

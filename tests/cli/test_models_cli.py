@@ -279,7 +279,7 @@ def test_table_columns_are_left_aligned_without_borders():
 
 
 def test_show_template_prints_the_models_own_template_without_a_TEMPLATE(workspace):
-    from exl3cli.engine.chat_template import ChatTemplate
+    from exl3cli.engine.text.chat_template import ChatTemplate
     from tests.fixtures.tiny_store import write_tiny_chat_model
 
     folder = write_tiny_chat_model(workspace / "chat")

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from exl3cli.cli import main
 from exl3cli.cli.output import StreamWriter, format_duration, format_stats
 from exl3cli.cli.run import build_one_shot_prompt
-from exl3cli.client.inference import InferenceRunner
+from exl3cli.runtime.residency import InferenceRunner
 from exl3cli.store.store import ModelStore
 from tests.fixtures.local_hub import LocalHub
 from tests.fixtures.tiny_store import make_tiny_store, write_tiny_chat_model

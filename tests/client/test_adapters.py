@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from exl3cli.client.adapters import adapter_files
 from exl3cli.client.local import LocalClient
-from exl3cli.engine.lora import AdapterBank
+from exl3cli.engine.adapters.lora import AdapterBank
 from exl3cli.errors import ModelfileError
+from exl3cli.runtime.adapters import adapter_files
 from tests.engine.test_lora import make_adapter
 from tests.fixtures.tiny_model import tiny_reference_model
 from tests.fixtures.tiny_store import TINY_VOCAB
@@ -132,7 +132,7 @@ def test_a_gguf_lora_file_as_adapter(local, loras, store, tmp_path):
 
 def test_idle_adapters_are_unloaded_past_the_resident_limit(local, store, monkeypatch,
                                                              tmp_path):
-    import exl3cli.client.adapters as adapters
+    import exl3cli.runtime.adapters as adapters
 
     first = {name: greedy(local, name) for name in ("tiny-a", "tiny-b")}
     monkeypatch.setattr(adapters, "MAX_RESIDENT_ADAPTERS", 2)

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from exl3cli.client.create_checks import looks_like_go_template
 from exl3cli.client.local import LocalClient
 from exl3cli.errors import ModelfileError
+from exl3cli.runtime.create_checks import looks_like_go_template
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 GO_TEMPLATE = ('{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}'

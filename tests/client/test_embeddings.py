@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from exl3cli.client.embeddings import embedding_inputs
-from exl3cli.client.inference import InferenceRunner
 from exl3cli.errors import ContextOverflow, InvalidOption, ModelNotFound
+from exl3cli.runtime.embeddings import embedding_inputs
+from exl3cli.runtime.residency import InferenceRunner
 from tests.fixtures.tiny_model import tiny_reference_model
 from tests.fixtures.tiny_store import TINY_VOCAB, make_tiny_store
 

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from exl3cli.client.http import HttpClient, daemon_url
-from exl3cli.client.inference import InferenceRunner
 from exl3cli.client.local import LocalClient
 from exl3cli.errors import Exl3Error, InvalidOption, ModelNotFound
+from exl3cli.runtime.residency import InferenceRunner
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 GREEDY = {"temperature": 0, "num_predict": 5}

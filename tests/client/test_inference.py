@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from exl3cli.client.inference import InferenceRunner, merge_options, parse_keep_alive
-from exl3cli.client.inference_jobs import ThinkingSplitter
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ContextOverflow, InvalidOption, ModelNotFound
+from exl3cli.runtime.jobs import ThinkingSplitter
+from exl3cli.runtime.options import merge_options, parse_keep_alive
+from exl3cli.runtime.residency import InferenceRunner
 from exl3cli.store.store import Manifest
 from tests.fixtures.tiny_store import make_tiny_store
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from exl3cli.cli.output import format_stats
-from exl3cli.client.inference import InferenceRunner
 from exl3cli.errors import InvalidOption
+from exl3cli.runtime.residency import InferenceRunner
 from exl3cli.store.store import Manifest
 
 GREEDY = {"temperature": 0}

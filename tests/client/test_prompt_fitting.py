@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from exl3cli.client.inference_jobs import PromptTooLong, encode_prompt, fit_prompt
 from exl3cli.errors import ContextOverflow
+from exl3cli.runtime.jobs import PromptTooLong, encode_prompt, fit_prompt
 
 
 class CountingChat:

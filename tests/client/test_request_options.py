@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from exl3cli.client.request_options import cache_type_option, default_num_parallel, int_option
 from exl3cli.errors import InvalidOption
+from exl3cli.runtime.options import cache_type_option, default_num_parallel, int_option
 
 
 def test_cache_type_option_prefers_the_request_then_the_environment(monkeypatch):

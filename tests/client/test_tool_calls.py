@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from exl3cli.client.tool_calls import ToolCallParser, parse_calls, tool_names
+from exl3cli.runtime.tool_calls import ToolCallParser, parse_calls, tool_names
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}},

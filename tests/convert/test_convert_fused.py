@@ -8,9 +8,9 @@ import torch
 
 from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ConversionError
 from tests.fixtures.tiny_store import write_tiny_chat_model
 

@@ -16,11 +16,11 @@ from exl3cli.convert.calibration import calibration_tokens, default_calibration_
 from exl3cli.convert.engine_layer import EngineLayerForward
 from exl3cli.convert.layer_forward import LayerRunner
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
-from exl3cli.engine.architecture import get_architecture, load_family_config
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.vision.gemma3 import exllamav3_name
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.vision.gemma3 import exllamav3_name
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.spec.architecture import get_architecture, load_family_config
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ConversionError
 from tests.fixtures.tiny_model import tiny_reference_model
 from tests.fixtures.tiny_store import TINY_VOCAB, write_tiny_chat_model

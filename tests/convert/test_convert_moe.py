@@ -11,11 +11,11 @@ from exl3cli.convert.calibration import calibration_tokens, default_calibration_
 from exl3cli.convert.hessian import HessianAccumulator
 from exl3cli.convert.moe_layer import pooled_hessian
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
-from exl3cli.engine.linear import Exl3Linear
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.moe import MoEMLP
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.layers.linear import Exl3Linear
+from exl3cli.engine.layers.moe import MoEMLP
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.text.tokenizer import Tokenizer
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
-from exl3cli.engine.textmodel import TextModel
-from exl3cli.engine.vision.gemma3 import exllamav3_name
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.generation.textmodel import TextModel
+from exl3cli.engine.models.vision.gemma3 import exllamav3_name
+from exl3cli.engine.models.weights import WeightReader
 from tests.fixtures.tiny_vision import image_bytes, write_tiny_gemma3_vision
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,

@@ -14,11 +14,11 @@ from click.testing import CliRunner
 
 from exl3cli.cli import main
 from exl3cli.cli.convert import convert
+from exl3cli.codec.format import read_quantization_config
 from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.format import read_quantization_config
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.text.tokenizer import Tokenizer
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 # Small calibration keeps the CPU conversion short; the head is quantized too.

@@ -9,14 +9,14 @@ import torch
 from click.testing import CliRunner
 
 from exl3cli.cli.convert import convert
+from exl3cli.codec.format import read_quantization_config
 from exl3cli.convert.hessian import HessianAccumulator, proxy_error
 from exl3cli.convert.knapsack import CODEC_MSE, TensorCost, allocate_measured, expected_error
 from exl3cli.convert.quantize_layer import QuantSettings, quantize_group, quantize_mixed
 from exl3cli.convert.recipe import load_recipe, parse_recipe, resolve, write_recipe
 from exl3cli.convert.sensitivity import predicted_error
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.format import read_quantization_config
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
 from exl3cli.errors import ConversionError
 from tests.fixtures.tiny_store import write_tiny_chat_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.textmodel import TextModel
 from tests.fixtures.tiny_model import write_tiny_model
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 

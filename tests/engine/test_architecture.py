@@ -1,13 +1,13 @@
 import pytest
 
-from exl3cli.engine.architecture import (
+from exl3cli.engine.spec.architecture import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     ArchitectureSpec,
     available_architectures,
     get_architecture,
 )
-from exl3cli.engine.config import ModelConfig
+from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import UnsupportedArchitecture
 
 
@@ -79,7 +79,7 @@ def test_fused_projection_names_apply_only_where_the_checkpoint_has_them():
 
 
 def test_rope_permutation_layouts():
-    from exl3cli.engine.rope import rope_permutation
+    from exl3cli.engine.layers.rope import rope_permutation
 
     # Llama-style pairs over 4 of 8 dimensions: (0, 2), (1, 3) rotate; 4..7 pass.
     assert rope_permutation(8, 4, False).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]

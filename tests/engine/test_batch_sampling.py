@@ -1,4 +1,4 @@
-"""Batched sampling (engine/batch_sampling.py) against each row's own Sampler."""
+"""Batched sampling (engine/generation/batch_sampling.py) against each row's own Sampler."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from exl3cli.engine.batch_sampling import batchable, batched_probs, sample_rows
-from exl3cli.engine.sampling import build_sampler
+from exl3cli.engine.generation.batch_sampling import batchable, batched_probs, sample_rows
+from exl3cli.engine.generation.sampling import build_sampler
 
 VOCAB = 300
 
@@ -73,7 +73,7 @@ def test_batched_draws_follow_the_distribution():
 
 
 def test_wrapped_samplers_and_inactive_steps():
-    from exl3cli.client.logprobs import LogprobRecorder
+    from exl3cli.runtime.logprobs import LogprobRecorder
 
     plain = build_sampler({"temperature": 0.7})
     assert batchable(plain)  # DRY and XTC are off by default: the batch may take it

@@ -3,7 +3,7 @@ from datetime import datetime
 
 import pytest
 
-from exl3cli.engine.chat_template import ChatTemplate
+from exl3cli.engine.text.chat_template import ChatTemplate
 from exl3cli.errors import ChatTemplateError
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from exl3cli.engine.config import ModelConfig, load_model_config
+from exl3cli.engine.spec.config import ModelConfig, load_model_config
 from exl3cli.errors import ModelLoadError
 
 LEGACY_LLAMA31 = {  # transformers 4.x layout, as published for Llama 3.1

@@ -1,5 +1,5 @@
-"""Fused CPU decode ops (csrc/cpu/decode_ops.cpp) against their PyTorch twins in
-exl3cli/cpu_kernels.py, and whole models on the fused path against the pure-PyTorch
+"""Fused CPU decode ops (csrc/ops/cpu/decode_ops.cpp) against their PyTorch twins in
+exl3cli/ops/cpu_kernels.py, and whole models on the fused path against the pure-PyTorch
 fallback (EXL3_NO_EXT=1) and transformers: same greedy tokens, logits within float32
 rounding, for the contiguous and the paged cache."""
 
@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-from exl3cli import cpu_kernels
-from exl3cli.engine.kv_quant import parse_kv_cache_type
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PagePool, PageTable
+from exl3cli.engine.kvcache.kv_quant import parse_kv_cache_type
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.ops import cpu_kernels
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
 

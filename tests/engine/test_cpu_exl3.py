@@ -1,5 +1,5 @@
 """EXL3 layers on the CPU at their compressed size: the trellis kernel
-(csrc/cpu/exl3_gemm_cpu.cpp) against its PyTorch twin and the codec's reference decode,
+(csrc/ops/cpu/exl3_gemm_cpu.cpp) against its PyTorch twin and the codec's reference decode,
 the CpuExl3Linear layer, and models loaded with ``cpu_weights="exl3"``."""
 
 from __future__ import annotations
@@ -9,18 +9,18 @@ import shutil
 import pytest
 import torch
 
-from exl3cli import cpu_kernels
 from exl3cli.cli.bench_speed import bytes_per_token
-from exl3cli.engine.cpu_exl3 import CpuExl3Linear
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.linear import DenseLinear, Exl3Linear, FusedLinear
-from exl3cli.engine.loader import load_causal_lm, resolve_cpu_weights
-from exl3cli.engine.quant import decode_tiles
-from exl3cli.engine.quant.bitstream import words_per_tile
-from exl3cli.engine.quant.synthetic import random_exl3_linear, write_synthetic_model
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.codec import decode_tiles
+from exl3cli.codec.bitstream import words_per_tile
+from exl3cli.convert.synthetic import random_exl3_linear, write_synthetic_model
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.layers.cpu_exl3 import CpuExl3Linear
+from exl3cli.engine.layers.linear import DenseLinear, Exl3Linear, FusedLinear
+from exl3cli.engine.models.loader import load_causal_lm, resolve_cpu_weights
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import InvalidOption
+from exl3cli.ops import cpu_kernels
 
 K_VALUES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 CASES = [(k, cb) for k in K_VALUES for cb in ("mul1", "mcg", "3inst")

@@ -1,4 +1,4 @@
-"""The generator's fixed-shape decode step (engine/decode_step.py) against its general
+"""The generator's fixed-shape decode step (engine/generation/decode_step.py) against its general
 paged path, on the CPU ("static" mode: exactly what a CUDA graph replays, run eagerly).
 
 Both paths must give the same greedy tokens for concurrent jobs that join and leave
@@ -13,12 +13,12 @@ import random
 import pytest
 import torch
 
-from exl3cli.engine.decode_step import DecodeRunner, bucket
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PagePool, PageTable
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.decode_step import DecodeRunner, bucket
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.textmodel import TextModel
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable
 from tests.fixtures.tiny_model import write_tiny_model
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 

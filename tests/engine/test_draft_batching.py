@@ -8,10 +8,10 @@ import random
 import pytest
 from exl3_plugins.drafters import ModelDrafter
 
-from exl3cli.engine.draft_policy import DraftBackoff
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.loader import load_causal_lm
+from exl3cli.engine.generation.draft_policy import DraftBackoff
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.models.loader import load_causal_lm
 from tests.fixtures.tiny_model import write_tiny_model
 
 GREEDY = {"temperature": 0}

@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config
-from exl3cli.engine.quant.synthetic import quantize_linear_plain, write_synthetic_model
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.weights import WeightReader
+from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config
+from exl3cli.convert.synthetic import quantize_linear_plain, write_synthetic_model
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.text.tokenizer import Tokenizer
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
 # One layer and a 128-token vocabulary keep the Viterbi work to a few hundred tiles.

@@ -14,7 +14,7 @@ import jinja2
 import pytest
 import transformers
 
-from exl3cli.engine.chat_template import ChatTemplate
+from exl3cli.engine.text.chat_template import ChatTemplate
 from exl3cli.errors import ChatTemplateError
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from exl3cli.engine.loader import load_causal_lm
+from exl3cli.engine.models.loader import load_causal_lm
 from tests.engine.quant.spec_reference import decode_tile
 
 MARKERS = {"mul1": -2082680531, "mcg": -877912083}  # section 2; 3inst has none

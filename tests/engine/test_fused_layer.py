@@ -1,4 +1,4 @@
-"""The fused decode layer (engine/fused_layer.py) on CPU, with the PyTorch twins of its
+"""The fused decode layer (engine/layers/fused_layer.py) on CPU, with the PyTorch twins of its
 kernels: it must give what DecoderLayer gives, for every rounding dtype, head size and
 GQA shape it accepts, and refuse the layers it does not cover. The CUDA kernels are
 checked against the same twins in tests/kernels/test_layer_kernels.py."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli.engine.fused_layer import FusedDecodeLayer
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.synthetic import SHAPES, write_synthetic_model
+from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
+from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
+from exl3cli.engine.models.loader import load_causal_lm
 
 SHAPE_128 = dict(SHAPES["tiny"], hidden_size=256, intermediate_size=384,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=128)

@@ -16,22 +16,22 @@ import pytest
 import torch
 import transformers
 
-from exl3cli.engine.architecture import (
+from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config
+from exl3cli.convert.synthetic import quantize_linear_plain
+from exl3cli.engine.generation.decode_step import DecodeRunner
+from exl3cli.engine.kvcache.kv_quant import KVCacheType
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable
+from exl3cli.engine.layers.linear import Exl3Linear
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.spec.architecture import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     get_architecture,
     load_family_config,
 )
-from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.decode_step import DecodeRunner
-from exl3cli.engine.kv_quant import KVCacheType
-from exl3cli.engine.linear import Exl3Linear
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PagePool, PageTable
-from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config
-from exl3cli.engine.quant.synthetic import quantize_linear_plain
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.spec.config import ModelConfig
 from tests.fixtures.paged import PagedSequences
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
@@ -230,7 +230,7 @@ def test_llama_decode_plan_kept_and_gemma_excluded(folders, tmp_path):
     layer = llama.layers[0]
     assert layer.attention_out_norm is None and layer.attention.scale is None
     assert llama.embed_scale is None and llama.final_softcap is None
-    from exl3cli import cpu_kernels
+    from exl3cli.ops import cpu_kernels
     if cpu_kernels.available():  # Llama's fast path is still taken
         assert layer._decode_plan() is not None
 
@@ -332,7 +332,7 @@ def test_gemma3_image_text_checkpoint_runs_as_text_model(tmp_path, variant):
 def test_softcapped_attention_is_the_gemma2_formula(block):
     """Against the formula written out with repeated kv heads and an additive mask,
     whole and in query blocks (a block of 3 splits the 7 queries unevenly)."""
-    from exl3cli.engine.attention import softcapped_attention
+    from exl3cli.engine.kvcache.attention_math import softcapped_attention
 
     gen = torch.Generator().manual_seed(20)
     query = torch.randn(2, 4, 7, 8, generator=gen) * 3

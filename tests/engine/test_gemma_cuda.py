@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli.engine.attention import softcapped_attention
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config
-from exl3cli.engine.quant.synthetic import quantize_linear_plain
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.weights import WeightReader
+from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config
+from exl3cli.convert.synthetic import quantize_linear_plain
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.kvcache.attention_math import softcapped_attention
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.text.tokenizer import Tokenizer
 from tests.fixtures.tiny_model import write_tiny_model
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.text_events import StopStringMatcher
-from exl3cli.engine.textmodel import TextModel
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.text_events import StopStringMatcher
+from exl3cli.engine.generation.textmodel import TextModel
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ContextOverflow
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 
@@ -197,7 +197,7 @@ def test_stop_string_matcher_earliest_stop_wins_and_flush():
 def test_end_to_end_on_a_tiny_real_model(tmp_path):
     """TextModel on a real checkpoint folder (written by transformers) + real tokenizer,
     checked against greedy decoding with the transformers model itself."""
-    from exl3cli.engine.textmodel import TextModel
+    from exl3cli.engine.generation.textmodel import TextModel
     from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
     vocab = Tokenizer.from_folder(write_tiny_tokenizer(tmp_path / "probe")).vocab_size

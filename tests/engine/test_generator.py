@@ -3,9 +3,9 @@ import threading
 
 import pytest
 
-from exl3cli.engine.generator import Generator, GeneratorThread
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.generator import Generator, GeneratorThread
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.textmodel import TextModel
 from exl3cli.errors import ContextOverflow, GeneratorBusy
 from tests.fixtures.paged import greedy_reference
 
@@ -199,7 +199,7 @@ def test_smollm2_concurrent_jobs_match_jobs_run_alone(tmp_path):
 def test_structured_output_constraints_apply_per_job_in_the_batch(text_model):
     import json
 
-    from exl3cli.engine.structured import build_constraint
+    from exl3cli.engine.grammar.constraints import build_constraint
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"},
                                                "ok": {"type": "boolean"}},

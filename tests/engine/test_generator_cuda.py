@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.synthetic import write_synthetic_model
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.convert.synthetic import write_synthetic_model
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.cuda
 GREEDY = {"temperature": 0}

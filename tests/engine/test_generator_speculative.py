@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.speculative import make_drafter
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.speculative import make_drafter
+from exl3cli.engine.generation.textmodel import TextModel
 
 GREEDY = {"temperature": 0}
 

@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
-from exl3cli.engine.vision.gemma3 import PROCESSOR_DEFAULTS
-from exl3cli.engine.vision.image_processor import ImageProcessor, decode_image
+from exl3cli.engine.models.vision.gemma3 import PROCESSOR_DEFAULTS
+from exl3cli.engine.models.vision.image_processor import ImageProcessor, decode_image
 from exl3cli.errors import InvalidOption
 from tests.fixtures.tiny_vision import PREPROCESSOR, image_bytes
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from exl3cli.engine.kv_quant import (
+from exl3cli.engine.kvcache.kv_quant import (
     GROUP_SIZE,
     KVCacheType,
     dequantize_rows,

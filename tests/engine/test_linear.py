@@ -6,17 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exl3cli.engine.linear import (
+from exl3cli.codec import decode_tiles
+from exl3cli.codec.format import Exl3FolderWriter
+from exl3cli.convert.synthetic import random_exl3_linear
+from exl3cli.engine.layers.linear import (
     DenseLinear,
     Exl3Linear,
     FusedLinear,
     fuse_linears,
     load_linear,
 )
-from exl3cli.engine.quant import decode_tiles
-from exl3cli.engine.quant.format import Exl3FolderWriter
-from exl3cli.engine.quant.synthetic import random_exl3_linear
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.models.weights import WeightReader
 from exl3cli.errors import ModelLoadError
 
 
@@ -172,7 +172,7 @@ def test_trellis_path_in_float16_survives_large_activations(layer):
 
 
 def test_permute_and_scale_outputs_fold_into_dense_or_wrap_the_rest():
-    from exl3cli.engine.linear import (
+    from exl3cli.engine.layers.linear import (
         DenseLinear,
         PermutedLinear,
         ScaledLinear,

@@ -1,4 +1,4 @@
-"""CPU decode path of DenseLinear: the packed GEMV kernel (csrc/cpu/gemv_cpu.cpp) against
+"""CPU decode path of DenseLinear: the packed GEMV kernel (csrc/ops/cpu/gemv_cpu.cpp) against
 its PyTorch twin, the packing format, and models loaded with each `cpu_weights` mode."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exl3cli import cpu_kernels
-from exl3cli.engine.linear import GEMV_MAX_ROWS, DenseLinear, pack_for_cpu
-from exl3cli.engine.loader import load_causal_lm, resolve_cpu_weights
+from exl3cli.engine.layers.linear import GEMV_MAX_ROWS, DenseLinear, pack_for_cpu
+from exl3cli.engine.models.loader import load_causal_lm, resolve_cpu_weights
 from exl3cli.errors import InvalidOption
+from exl3cli.ops import cpu_kernels
 from tests.fixtures.paged import PagedSequences
 from tests.fixtures.tiny_model import write_tiny_model
 

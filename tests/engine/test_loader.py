@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from exl3cli.engine.config import ModelConfig
-from exl3cli.engine.loader import default_dtype, load_causal_lm
+from exl3cli.engine.models.loader import default_dtype, load_causal_lm
+from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
 from tests.fixtures.tiny_model import write_tiny_model
 

@@ -1,4 +1,4 @@
-"""LoRA adapters (engine/lora.py, engine/lora_peft.py) against transformers + peft.
+"""LoRA adapters (engine/adapters/lora.py, engine/adapters/peft.py) against transformers + peft.
 
 Random adapters are made with `peft` on tiny random models and saved as PEFT folders;
 the engine's logits with the adapter match transformers + peft (float32, max abs diff
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.lora import AdaptedLinear, AdapterBank
-from exl3cli.engine.lora_peft import read_peft_adapter
-from exl3cli.engine.quant.dequant import dequantize_linear
-from exl3cli.engine.quant.format import read_exl3_linear
-from exl3cli.engine.weights import WeightReader
+from exl3cli.codec.dequant import dequantize_linear
+from exl3cli.codec.format import read_exl3_linear
+from exl3cli.engine.adapters.lora import AdaptedLinear, AdapterBank
+from exl3cli.engine.adapters.peft import read_peft_adapter
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
 from exl3cli.errors import AdapterError
 from tests.engine.test_exl3_model import convert_plain
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.lora import AdapterBank
-from exl3cli.engine.lora_peft import read_peft_adapter
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.adapters.lora import AdapterBank
+from exl3cli.engine.adapters.peft import read_peft_adapter
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.textmodel import TextModel
 from exl3cli.errors import InvalidOption
 from tests.engine.test_lora import make_adapter
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from exl3cli.engine.loader import load_causal_lm
+from exl3cli.engine.models.loader import load_causal_lm
 from tests.fixtures.paged import PagedSequences
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 

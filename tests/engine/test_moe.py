@@ -1,4 +1,4 @@
-"""The mixture-of-experts block (engine/moe.py) and MoE folders.
+"""The mixture-of-experts block (engine/layers/moe.py) and MoE folders.
 
 Prompt + greedy-decode logits of Mixtral, Qwen2-MoE and Qwen3-MoE against transformers
 live with the other families in test_model_vs_transformers.py. Here: the grouped
@@ -16,15 +16,15 @@ import pytest
 import torch
 import transformers
 
-from exl3cli.engine.architecture import get_architecture, load_family_config
-from exl3cli.engine.fused_experts import split_fused_experts
-from exl3cli.engine.linear import DenseLinear, Exl3Linear, FusedLinear
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.mlp import GatedMLP
-from exl3cli.engine.moe import MoEMLP, Router
-from exl3cli.engine.quant.format import Exl3FolderWriter, make_quantization_config
-from exl3cli.engine.quant.synthetic import quantize_linear_plain
-from exl3cli.engine.weights import WeightReader
+from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config
+from exl3cli.convert.synthetic import quantize_linear_plain
+from exl3cli.engine.layers.fused_experts import split_fused_experts
+from exl3cli.engine.layers.linear import DenseLinear, Exl3Linear, FusedLinear
+from exl3cli.engine.layers.mlp import GatedMLP
+from exl3cli.engine.layers.moe import MoEMLP, Router
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.spec.architecture import get_architecture, load_family_config
 from exl3cli.errors import ModelLoadError
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 
@@ -216,7 +216,7 @@ def test_exl3_moe_folder_loads_and_tracks_the_original(tmp_path, arch, expert):
     assert (trellis(ids) - got).abs().max() < 1e-2
 
 
-# --- the sync-free decode path (engine/moe_decode.py) --------------------------------
+# --- the sync-free decode path (engine/layers/moe_decode.py) --------------------------------
 
 
 def _clamped_block_with_biases() -> MoEMLP:

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from exl3cli.engine.kv_quant import parse_kv_cache_type
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.paged_attention import PagedBatch, attend_chunk, attend_decode
-from exl3cli.engine.paged_cache import PagePool, PageTable
+from exl3cli.engine.kvcache.kv_quant import parse_kv_cache_type
+from exl3cli.engine.kvcache.paged_attention import PagedBatch, attend_chunk, attend_decode
+from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable
+from exl3cli.engine.models.loader import load_causal_lm
 from tests.fixtures.tiny_model import write_tiny_model
 
 PAGE = 16  # small pages: a short prompt already spans many of them

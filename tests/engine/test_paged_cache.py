@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from exl3cli.engine.kv_quant import KVCacheType
-from exl3cli.engine.paged_cache import ROOT_HASH, PagePool, PageTable, chain_hash
+from exl3cli.engine.kvcache.kv_quant import KVCacheType
+from exl3cli.engine.kvcache.paged_cache import ROOT_HASH, PagePool, PageTable, chain_hash
 
 SIZE = 4  # small pages keep the bookkeeping tests readable
 

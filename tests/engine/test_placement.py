@@ -1,4 +1,4 @@
-"""Memory planning and layer offload (engine/placement.py, engine/offload.py).
+"""Memory planning and layer offload (engine/models/placement.py, engine/layers/offload.py).
 
 The GPU budget is faked with EXL3_GPU_MEMORY, so a CPU-only machine runs the planner
 and the split model: layers past the plan's count run behind a HostLinear (a device hop
@@ -10,22 +10,22 @@ import pytest
 import torch
 
 from exl3cli.cli.serve import processor_text
-from exl3cli.client.inference import LoadedModel
-from exl3cli.engine.architecture import load_family_config
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.offload import HostLinear
-from exl3cli.engine.placement import (
+from exl3cli.convert.synthetic import write_synthetic_model
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.layers.offload import HostLinear
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.models.placement import (
     MemoryEstimate,
     Placement,
     estimate_memory,
     parse_bytes,
     plan_placement,
 )
-from exl3cli.engine.quant.synthetic import write_synthetic_model
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.spec.architecture import load_family_config
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import InvalidOption, ModelLoadError
+from exl3cli.runtime.residency import LoadedModel
 
 MIB = 2**20
 

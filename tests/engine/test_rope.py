@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from exl3cli.engine.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from exl3cli.engine.layers.rope import RotaryEmbedding, rope_inv_freq
 from exl3cli.errors import UnsupportedArchitecture
+from exl3cli.ops.reference import apply_rotary
 
 
 def test_default_frequencies():
@@ -90,7 +91,7 @@ YARN_CASES = {
 
 @pytest.mark.parametrize("case", sorted(YARN_CASES))
 def test_yarn_matches_transformers(case):
-    from exl3cli.engine.rope import rope_attention_factor
+    from exl3cli.engine.layers.rope import rope_attention_factor
 
     scaling = YARN_CASES[case]
     expected, factor = _transformers_rope(scaling)
@@ -102,7 +103,7 @@ def test_yarn_matches_transformers(case):
 
 @pytest.mark.parametrize("seq_len", [None, 30, 100])
 def test_longrope_matches_transformers_on_both_sides_of_the_original_length(seq_len):
-    from exl3cli.engine.rope import rope_attention_factor
+    from exl3cli.engine.layers.rope import rope_attention_factor
 
     gen = torch.Generator().manual_seed(0)
     scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64,

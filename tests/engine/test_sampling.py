@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 import torch
 
-from exl3cli.engine.sampling import SamplerContext, build_sampler, collect_steps
+from exl3cli.engine.generation.sampling import SamplerContext, build_sampler, collect_steps
 from exl3cli.errors import InvalidOption
 
 PROBS = [0.5, 0.3, 0.15, 0.05]

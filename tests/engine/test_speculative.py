@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.engine.sampling import build_sampler
-from exl3cli.engine.speculative import draft_count, make_drafter, verify
+from exl3cli.engine.generation.sampling import build_sampler
+from exl3cli.engine.generation.speculative import draft_count, make_drafter, verify
 from exl3cli.errors import InvalidOption, ModelNotFound
 
 

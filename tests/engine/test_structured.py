@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from exl3cli.engine.structured import build_constraint, compile_format, token_bytes
-from exl3cli.engine.textmodel import TextModel
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.generation.textmodel import TextModel
+from exl3cli.engine.grammar.constraints import build_constraint, compile_format, token_bytes
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import InvalidOption
 from tests.fixtures.tiny_store import write_tiny_chat_model
 from tests.fixtures.tiny_tokenizer import (

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.sampling import build_sampler
-from exl3cli.engine.token_ids import check_token_ids
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.sampling import build_sampler
+from exl3cli.engine.text.token_ids import check_token_ids
 from exl3cli.errors import InvalidOption
 
 

@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ModelLoadError
 from tests.fixtures.tiny_tokenizer import (
     write_tiny_sentencepiece_tokenizer,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.engine.paged_attention import PagedBatch
-from exl3cli.engine.paged_cache import PagePool, PageTable
-from exl3cli.engine.textmodel import TextModel
-from exl3cli.engine.vision.image_processor import decode_image
+from exl3cli.engine.generation.textmodel import TextModel
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable
+from exl3cli.engine.models.vision.image_processor import decode_image
 from tests.fixtures.tiny_vision import (
     TOKENS_PER_IMAGE,
     image_bytes,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.engine.generator import Generator
-from exl3cli.engine.generator_jobs import GenerationJob
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.textmodel import TextModel
 from tests.fixtures.tiny_vision import TOKENS_PER_IMAGE, image_bytes, write_tiny_gemma3_vision
 
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.models.weights import WeightReader
 from exl3cli.errors import ModelLoadError
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.lora import AdapterBank
-from exl3cli.engine.lora_peft import read_peft_adapter
+from exl3cli.engine.adapters.lora import AdapterBank
+from exl3cli.engine.adapters.peft import read_peft_adapter
+from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.errors import AdapterError
 from exl3cli.gguf.lora import gguf_lora_to_peft
 from tests.engine.test_lora import IDS, make_adapter

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from torch.utils import cpp_extension
 
-from exl3cli import extension_loader
-from exl3cli.extension_loader import LazyExtension, build_extension
+from exl3cli.ops import build as extension_loader
+from exl3cli.ops.build import LazyExtension, build_extension
 
 
 def fake_load(calls: list):

@@ -1,4 +1,4 @@
-"""exl3cli.kernels: CUDA kernels against the reference codec, and the CPU fallback.
+"""exl3cli.ops.cuda_kernels: CUDA kernels against the reference codec, and the CPU fallback.
 
 CUDA tests (``-m cuda``, on the GPU machine): fresh random inputs per case, outputs
 poisoned with NaN before each run; decode must be bit-exact, GEMM relative error
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exl3cli import kernels
-from exl3cli.engine.quant import MARKER_VALUES, block_hadamard, decode_tiles, dequantize_linear
+from exl3cli.codec import MARKER_VALUES, block_hadamard, decode_tiles, dequantize_linear
+from exl3cli.ops import cuda_kernels as kernels
 
 VECTORS = Path(__file__).parents[1] / "data" / "exl3-vectors" / "decode-vectors.safetensors"
 INTEGER_CASES = [(k, cb) for cb in ("mul1", "mcg", "3inst") for k in range(1, 9)]
@@ -104,7 +104,7 @@ def test_wrappers_reject_bad_bits_and_codebooks() -> None:
 
 def test_no_ext_environment_variable_forces_fallback() -> None:
     script = (
-        "import torch; from exl3cli import kernels\n"
+        "import torch; from exl3cli.ops import cuda_kernels as kernels\n"
         "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
         "t = torch.randint(-32768, 32768, (8, 8, 64), dtype=torch.int16, device=dev)\n"
         "x = torch.randn(2, 128, device=dev)\n"

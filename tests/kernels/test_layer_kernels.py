@@ -1,4 +1,4 @@
-"""exl3cli.layer_kernels: the fused decode-layer CUDA kernels against their PyTorch
+"""exl3cli.ops.layer_kernels: the fused decode-layer CUDA kernels against their PyTorch
 twins (``-m cuda``), and the fused layer against DecoderLayer on the GPU.
 
 Each case draws fresh inputs, runs the kernel on CUDA and the twin on CPU copies;
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli import kernels, layer_kernels
-from exl3cli.engine.fused_layer import FusedDecodeLayer
-from exl3cli.engine.loader import load_causal_lm
-from exl3cli.engine.quant.synthetic import SHAPES, write_synthetic_model
+from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
+from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.ops import cuda_kernels as kernels
+from exl3cli.ops import layer_kernels
 
 pytestmark = pytest.mark.cuda
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -1,5 +1,5 @@
-"""The paged decode-attention and quantized cache-write kernels (csrc/paged_attention.cu)
-against the PyTorch reference (engine/decode_step.py, kv_quant.py), on the GPU.
+"""The paged decode-attention and quantized cache-write kernels (csrc/ops/cuda/paged_attention.cu)
+against the PyTorch reference (engine/generation/decode_step.py, kv_quant.py), on the GPU.
 
 Pools with shuffled page tables, lengths across several 256-position chunks, sliding
 windows, soft-caps, grouped heads (G = 1..8), head dims 64/128/256, float16/bfloat16
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli import kernels
-from exl3cli.engine.decode_step import reference_paged_attention
-from exl3cli.engine.kv_quant import KVCacheType, pack_codes, quantize_rows
-from exl3cli.engine.paged_cache import PagePool
+from exl3cli.engine.generation.decode_step import reference_paged_attention
+from exl3cli.engine.kvcache.kv_quant import KVCacheType, pack_codes, quantize_rows
+from exl3cli.engine.kvcache.paged_cache import PagePool
+from exl3cli.ops import cuda_kernels as kernels
 
 
 def test_no_kernel_on_cpu_means_none():

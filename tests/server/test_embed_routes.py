@@ -11,7 +11,7 @@ import ollama
 import openai
 import pytest
 
-from exl3cli.client.inference import InferenceRunner
+from exl3cli.runtime.residency import InferenceRunner
 
 TEXTS = ["The sky is blue.", "Once upon a time"]
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from exl3cli.client.inference import InferenceRunner
+from exl3cli.runtime.residency import InferenceRunner
 
 PROMPT = "Once upon a time"
 GREEDY = {"temperature": 0, "num_predict": 5}

@@ -121,8 +121,8 @@ def test_loading_loras_needs_the_admin_key(store, lora_dir):
 
 def test_the_cli_uploads_an_adapter_folder_to_a_daemon_that_does_not_read_its_paths(
         served, store, lora_dir, tmp_path, monkeypatch):
-    from exl3cli.client.adapters import adapter_files
     from exl3cli.client.http import HttpClient
+    from exl3cli.runtime.adapters import adapter_files
 
     daemon, client = served
     monkeypatch.setenv("EXL3_MODELS", str(tmp_path / "elsewhere"))  # another local token

@@ -11,7 +11,7 @@ import ollama
 import openai
 import pytest
 
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.text.tokenizer import Tokenizer
 from tests.fixtures.daemon import Daemon
 
 

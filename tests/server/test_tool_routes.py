@@ -13,8 +13,8 @@ import ollama
 import openai
 import pytest
 
-from exl3cli.client.inference_jobs import _message_list, render_prompt_ids
-from exl3cli.engine.textmodel import TextModel
+from exl3cli.engine.generation.textmodel import TextModel
+from exl3cli.runtime.jobs import _message_list, render_prompt_ids
 from exl3cli.store.store import ModelStore
 from tests.fixtures.daemon import Daemon
 from tests.fixtures.tiny_model import write_tiny_model

@@ -8,9 +8,9 @@ import ollama
 import openai
 import pytest
 
-from exl3cli.client.inference_jobs import FIM_TOKENS, fill_in_middle_ids
-from exl3cli.engine.tokenizer import Tokenizer
+from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import InvalidOption
+from exl3cli.runtime.jobs import FIM_TOKENS, fill_in_middle_ids
 from tests.fixtures.tiny_tokenizer import train_byte_level_bpe
 
 HELLO = [{"role": "user", "content": "hello"}]

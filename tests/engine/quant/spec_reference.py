@@ -1,7 +1,7 @@
 """Plain-Python EXL3 tile decoding written from EXL3-FORMAT.md 3.1-3.4 alone.
 
 Deliberately slow and loop-based (Python ints, numpy halves): the independent twin
-that the vectorised codec in ``exl3cli.engine.quant`` is checked against.
+that the vectorised codec in ``exl3cli.codec`` is checked against.
 """
 
 from __future__ import annotations

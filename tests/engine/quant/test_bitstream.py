@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.engine.quant.bitstream import (
+from exl3cli.codec.bitstream import (
     k_bits_from_words,
     pack_states,
     ring_bits,

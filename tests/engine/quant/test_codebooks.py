@@ -6,12 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from exl3cli.engine.quant.codebooks import (
-    CODEBOOKS,
-    MARKER_VALUES,
-    codebook_lut,
-    codebook_lut_float32,
-)
+from exl3cli.codec.codebooks import CODEBOOKS, MARKER_VALUES, codebook_lut, codebook_lut_float32
 
 from .spec_reference import codebook_value
 

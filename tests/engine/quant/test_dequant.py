@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from exl3cli.engine.quant.codebooks import MARKER_VALUES
-from exl3cli.engine.quant.dequant import (
+from exl3cli.codec.codebooks import MARKER_VALUES
+from exl3cli.codec.dequant import (
     codebook_from_tensors,
     decode_tiles,
     dequantize_linear,
     unpack_sign_bits,
 )
-from exl3cli.engine.quant.hadamard import hadamard_matrix
+from exl3cli.codec.hadamard import hadamard_matrix
 from exl3cli.errors import ModelLoadError
 
 from .spec_reference import decode_tile

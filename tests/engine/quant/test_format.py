@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from exl3cli.engine.quant import dequantize_linear
-from exl3cli.engine.quant.format import (
+from exl3cli.codec import dequantize_linear
+from exl3cli.codec.format import (
     Exl3FolderWriter,
     exl3_linear_layout,
     make_quantization_config,
@@ -18,8 +18,8 @@ from exl3cli.engine.quant.format import (
     read_quantization_config,
     write_exl3_linear,
 )
-from exl3cli.engine.quant.synthetic import quantize_linear_plain, random_exl3_linear
-from exl3cli.engine.weights import WeightReader
+from exl3cli.convert.synthetic import quantize_linear_plain, random_exl3_linear
+from exl3cli.engine.models.weights import WeightReader
 from exl3cli.errors import ModelLoadError
 
 # EXL3-FORMAT.md section 2: the marker values as written in the spec.

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from exl3cli.engine.quant.hadamard import block_hadamard, hadamard_matrix
+from exl3cli.codec.hadamard import block_hadamard, hadamard_matrix
 
 
 def _sylvester_entry(i: int, j: int) -> int:

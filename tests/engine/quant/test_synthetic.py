@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from exl3cli.engine.linear import Exl3Linear
-from exl3cli.engine.quant.synthetic import (
+from exl3cli.convert.synthetic import (
     SHAPES,
     copy_tokenizer,
     linear_shapes,
     random_exl3_linear,
     write_synthetic_model,
 )
-from exl3cli.engine.tokenizer import Tokenizer
-from exl3cli.engine.weights import WeightReader
+from exl3cli.engine.layers.linear import Exl3Linear
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.text.tokenizer import Tokenizer
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 
 # Parameter counts published on the models' Hugging Face pages.

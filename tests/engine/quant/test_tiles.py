@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from exl3cli.engine.quant.tiles import (
+from exl3cli.codec.tiles import (
     matrix_to_tiles,
     position_to_step,
     step_to_position,

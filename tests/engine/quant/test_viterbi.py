@@ -6,16 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.engine.quant.bitstream import states_are_consistent, unpack_states
-from exl3cli.engine.quant.codebooks import codebook_lut_float32
-from exl3cli.engine.quant.dequant import decode_tiles
-from exl3cli.engine.quant.tiles import (
-    matrix_to_tiles,
-    steps_to_tile,
-    tile_to_steps,
-    tiles_to_matrix,
-)
-from exl3cli.engine.quant.viterbi import encode_tiles, viterbi_states
+from exl3cli.codec.bitstream import states_are_consistent, unpack_states
+from exl3cli.codec.codebooks import codebook_lut_float32
+from exl3cli.codec.dequant import decode_tiles
+from exl3cli.codec.tiles import matrix_to_tiles, steps_to_tile, tile_to_steps, tiles_to_matrix
+from exl3cli.ops.viterbi import encode_tiles, viterbi_states
 
 
 @pytest.mark.parametrize(
@@ -105,7 +100,7 @@ def test_gaussian_mse_near_distortion_rate_bound(k_bits: int, scales: tuple[floa
         return (decoded.float() * scale - reference).pow(2).mean().item()
 
     # A global scale tuned over a small grid (a wide sweep found the optimum inside
-    # these; see exl3cli/engine/quant/NOTES.md).
+    # these; see exl3cli/codec/NOTES.md).
     results = {scale: mse(scale) for scale in scales}
     best = min(results.values())
     ratio = best / 2.0 ** (-2 * k_bits)

@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
-from exl3cli import cpu_kernels, cuda_viterbi
-from exl3cli.engine.quant.bitstream import pack_states, states_are_consistent, unpack_states
-from exl3cli.engine.quant.codebooks import codebook_lut_float32
-from exl3cli.engine.quant.dequant import decode_tiles
-from exl3cli.engine.quant.tiles import matrix_to_tiles, tile_to_steps
-from exl3cli.engine.quant.viterbi import viterbi_states, viterbi_states_reference
+from exl3cli.codec.bitstream import pack_states, states_are_consistent, unpack_states
+from exl3cli.codec.codebooks import codebook_lut_float32
+from exl3cli.codec.dequant import decode_tiles
+from exl3cli.codec.tiles import matrix_to_tiles, tile_to_steps
+from exl3cli.ops import cpu_kernels, cuda_viterbi
+from exl3cli.ops.viterbi import viterbi_states, viterbi_states_reference
 
 CASES = [("mul1", k) for k in (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)] + [
     ("3inst", 2), ("3inst", 4), ("mcg", 3), ("mcg", 6)]

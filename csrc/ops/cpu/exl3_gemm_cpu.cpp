@@ -1,0 +1,676 @@
+// EXL3 linear layers on the CPU straight from the packed trellis (exl3cli/ops/cpu_kernels.py
+// has the PyTorch twins; exl3cli/engine/layers/cpu_exl3.py is the layer that calls them).
+//
+//   y = H(H(x * suh) @ Ŵ) * svh + bias      (H: 128-point block Hadamard, Ŵ decoded)
+//
+// Ŵ is never stored: each 16x16 tile is decoded into registers row by row (16 output
+// columns per AVX-512 vector) and multiplied into the accumulators at once, so the
+// weights stay at their file size in RAM (K bits per weight) and a decode step reads
+// K/32 of the bytes of the float32 matrix.
+//
+// Decoding one tile row (16 positions): the tile's ring of 256*K bits is 8*K uint32
+// words (the int16 words of the file read as little-endian uint32, bits taken most
+// significant first). The 16-bit state at a position is the window ending at its step's
+// last bit; a per-K table gives, for every tile position, the word holding the window's
+// first bit, the next word of the ring and the bit offset. The two words come from
+// registers (vpermd / vpermt2d for rings of up to 32 words, K <= 4; two vpermt2d and a
+// blend up to 64 words, K <= 8); two variable shifts make the state; the codebook is
+// evaluated in registers (mul1: multiply, byte sum, one FMA; 3inst/mcg: multiply, mask,
+// xor, two float16 halves added) and rounded to float16 once like the reference (a
+// native float16 FMA/add with AVX512-FP16), so the decoded values are bit-identical to
+// exl3cli.codec.decode_tiles. A CPU without AVX-512 decodes through the codebook
+// table, one value at a time.
+//
+// Ops (registered in torch.ops.exl3_cpu):
+//   exl3_decode(trellis_t, k_bits, codebook, lut) -> Ŵ (16*kb, 16*nb) float32
+//   exl3_matmul(xh, trellis_t, k_bits, codebook, lut) -> xh @ Ŵ (M, 16*nb)
+//   exl3_linear(x, trellis_t, suh, svh, bias, k_bits, codebook, n, lut) -> y (M, n)
+// trellis_t is the file's trellis with its two tile axes swapped: (nb, kb, words), so
+// the tiles of one 16-column strip are contiguous. codebook: 0 3inst, 1 mcg, 2 mul1.
+// lut (65536 float32 values, codebook_lut_float32) serves the scalar build only.
+// Up to kGemvRows rows run the fused decode-multiply; more rows (prompts) decode
+// column strips of Ŵ once and multiply them with at::mm. Parallel over 16-column
+// strips with at::parallel_for.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kSteps = 256;
+constexpr int64_t kGemvRows = 8;
+constexpr int64_t kHadamard = 128;
+constexpr int64_t kStripBytes = 8 << 20;  // decoded strip size for the prompt path
+
+// Where each tile position's 16-bit window lies in the ring (see the header comment).
+struct StepTable {
+  alignas(64) int32_t first[kSteps];
+  alignas(64) int32_t second[kSteps];
+  alignas(64) int32_t offset[kSteps];
+  alignas(64) int32_t rest[kSteps];  // 32 - offset
+  // The same in 16-bit ring words (file word index, offset, 16 - offset) for the
+  // AVX512-FP16 path, which decodes two tile rows (32 positions) per vector.
+  alignas(64) int16_t first16[kSteps];
+  alignas(64) int16_t second16[kSteps];
+  alignas(64) int16_t offset16[kSteps];
+  alignas(64) int16_t rest16[kSteps];
+  int words32 = 0;
+};
+
+// Tile position (16 * row + col) of trellis step p (codec/tiles.py).
+int position_of_step(int p) {
+  static const int row_of_j[4] = {0, 1, 8, 9};
+  const int t = p / 8, j = p % 8;
+  const int row = (t % 4) * 2 + row_of_j[j % 4];
+  const int col = t / 4 + (j >= 4 ? 8 : 0);
+  return 16 * row + col;
+}
+
+StepTable make_table(int half_k) {
+  StepTable table;
+  int per_step[kSteps];
+  int ring = 0;
+  for (int i = 0; i < kSteps; ++i) {
+    per_step[i] = half_k % 2 == 0 ? half_k / 2 : half_k / 2 + ((0xAAAA >> (i & 15)) & 1);
+    ring += per_step[i];
+  }
+  table.words32 = ring / 32;
+  int end = 0;
+  for (int p = 0; p < kSteps; ++p) {
+    end += per_step[p];
+    const int start = ((end - 16) % ring + ring) % ring;
+    const int q = position_of_step(p);
+    table.first[q] = start >> 5;
+    table.second[q] = (table.first[q] + 1) % table.words32;
+    table.offset[q] = start & 31;
+    table.rest[q] = 32 - table.offset[q];
+    // Ring word c (16 bits, most significant first) is file word c ^ 1: each uint32
+    // is a little-endian pair of int16.
+    const int chunk = start >> 4, chunks = 2 * table.words32;
+    table.first16[q] = static_cast<int16_t>(chunk ^ 1);
+    table.second16[q] = static_cast<int16_t>(((chunk + 1) % chunks) ^ 1);
+    table.offset16[q] = static_cast<int16_t>(start & 15);
+    table.rest16[q] = static_cast<int16_t>(16 - (start & 15));
+  }
+  return table;
+}
+
+// Valid K (bits per weight) as 2K: 1..8 and 1.5, 2.5, 3.5.
+bool valid_half_k(int half_k) {
+  return (half_k >= 2 && half_k <= 16 && half_k % 2 == 0) || half_k == 3 || half_k == 5 ||
+         half_k == 7;
+}
+
+const StepTable& table_for(int half_k) {
+  static const std::array<StepTable, 17> tables = [] {
+    std::array<StepTable, 17> all{};
+    for (int h = 2; h <= 16; ++h)
+      if (valid_half_k(h)) all[h] = make_table(h);
+    return all;
+  }();
+  return tables[half_k];
+}
+
+// The state at tile position q of a tile whose ring is `ring` (scalar path).
+inline uint32_t state_at(const int16_t* tile, const StepTable& t, int q) {
+  uint32_t a, b;
+  std::memcpy(&a, tile + 2 * t.first[q], 4);
+  std::memcpy(&b, tile + 2 * t.second[q], 4);
+  const int o = t.offset[q];
+  const uint32_t window = (a << o) | (o ? b >> (32 - o) : 0u);
+  return window >> 16;
+}
+
+#if defined(__AVX512F__)
+constexpr bool kSimd = true;
+
+// Codebook values of 16 states, rounded to float16 (returned widened).
+template <int CB>
+inline __m512i codebook_hash(__m512i state) {
+  if constexpr (CB == 0)
+    return _mm512_add_epi32(_mm512_mullo_epi32(state, _mm512_set1_epi32(89226354)),
+                            _mm512_set1_epi32(64248484));
+  else if constexpr (CB == 1)
+    return _mm512_mullo_epi32(state, _mm512_set1_epi32(static_cast<int>(0xCBAC1FEDu)));
+  else
+    return _mm512_mullo_epi32(state, _mm512_set1_epi32(static_cast<int>(0x83DCD12Du)));
+}
+
+// 1024 + the sum of the four bytes of each lane (mul1).
+inline __m512i mul1_byte_sum(__m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_set1_epi32(1024), x, _mm512_set1_epi8(1));
+#else
+  const __m512i bytes = _mm512_set1_epi32(0x00FF00FF);
+  __m512i s = _mm512_add_epi32(_mm512_and_si512(x, bytes),
+                               _mm512_and_si512(_mm512_srli_epi32(x, 8), bytes));
+  s = _mm512_add_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(s, 16));
+  return _mm512_add_epi32(s, _mm512_set1_epi32(1024));
+#endif
+}
+
+// Codebook values of 16 states, rounded to float16 once like the reference (returned
+// widened). mul1: (1024 + bytesum(state * m)) * a + b; 3inst / mcg: the two float16
+// halves of a masked hash, added. Both are exact in float32 before the rounding.
+template <int CB>
+inline __m512 codebook16(__m512i state) {
+  constexpr float a = 1774.f / 262144.f;  // float16 0x1EEE
+  constexpr float b = -10.3828125f;       // float16 0xC931
+  const __m512i x = codebook_hash<CB>(state);
+#if defined(__AVX512FP16__)
+  if constexpr (CB == 2) {  // a float16 FMA rounds once, as the reference does
+    const __m256h n = _mm512_cvtepi32_ph(mul1_byte_sum(x));
+    const __m256h v = _mm256_fmadd_ph(n, _mm256_set1_ph(static_cast<_Float16>(a)),
+                                      _mm256_set1_ph(static_cast<_Float16>(b)));
+    return _mm512_cvtph_ps(_mm256_castph_si256(v));
+  } else {  // a float16 add of the halves, the sum landing in the low half of each lane
+    const __m512i m = _mm512_xor_si512(
+        _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0x8FFF8FFFu))),
+        _mm512_set1_epi32(0x3B603B60));
+    const __m512h sum = _mm512_add_ph(_mm512_castsi512_ph(m),
+                                      _mm512_castsi512_ph(_mm512_srli_epi32(m, 16)));
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_castph_si512(sum)));
+  }
+#else
+  __m512 v;
+  if constexpr (CB == 2) {
+    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mul1_byte_sum(x)), _mm512_set1_ps(a),
+                        _mm512_set1_ps(b));
+  } else {
+    const __m512i m = _mm512_xor_si512(
+        _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0x8FFF8FFFu))),
+        _mm512_set1_epi32(0x3B603B60));
+    const __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(m));
+    const __m512 hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(m, 16)));
+    v = _mm512_add_ps(lo, hi);
+  }
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+}
+
+// One tile's ring (8 K uint32 words, K <= 8: at most 64) in registers: MODE 0 up to 16
+// words (one vpermd per lookup), 1 up to 32 (vpermt2d), 2 up to 64 (two vpermt2d and a
+// blend on bit 5 of the index).
+template <int MODE>
+struct Ring {
+  __m512i r0, r1, r2, r3;
+  static __m512i part(const int* words, int have) {  // up to 16 words, zero past `have`
+    if (have >= 16) return _mm512_loadu_si512(words);
+    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << std::max(have, 0)) - 1), words);
+  }
+  Ring(const int16_t* tile, int words32) {
+    const int* words = reinterpret_cast<const int*>(tile);
+    r0 = part(words, words32);
+    if constexpr (MODE >= 1) r1 = part(words + 16, words32 - 16);
+    if constexpr (MODE >= 2) {
+      r2 = part(words + 32, words32 - 32);
+      r3 = part(words + 48, words32 - 48);
+    }
+  }
+  inline __m512i get(__m512i index) const {
+    if constexpr (MODE == 0) return _mm512_permutexvar_epi32(index, r0);
+    else if constexpr (MODE == 1) return _mm512_permutex2var_epi32(r0, index, r1);
+    else {
+      const __mmask16 upper = _mm512_test_epi32_mask(index, _mm512_set1_epi32(32));
+      return _mm512_mask_blend_epi32(upper, _mm512_permutex2var_epi32(r0, index, r1),
+                                     _mm512_permutex2var_epi32(r2, index, r3));
+    }
+  }
+};
+
+// Decoded row r (16 columns) of a tile.
+template <int CB, int MODE>
+inline __m512 decode_row(const Ring<MODE>& ring, const StepTable& t, int r) {
+  const __m512i first = _mm512_load_si512(t.first + 16 * r);
+  const __m512i second = _mm512_load_si512(t.second + 16 * r);
+  const __m512i offset = _mm512_load_si512(t.offset + 16 * r);
+  const __m512i rest = _mm512_load_si512(t.rest + 16 * r);
+  const __m512i a = ring.get(first), b = ring.get(second);
+  // srlv by 32 gives 0, so offset 0 needs no special case.
+  const __m512i window = _mm512_or_si512(_mm512_sllv_epi32(a, offset), _mm512_srlv_epi32(b, rest));
+  return codebook16<CB>(_mm512_srli_epi32(window, 16));
+}
+
+// out[m][0..16) = sum over the kb tiles of one strip of xh[m][16 i + r] * Ŵ_tile[r][..].
+template <int CB, int MODE, int MR>
+void strip_rows(const float* xh, int64_t ldx, const int16_t* strip, int64_t kb, int64_t words,
+                const StepTable& t, float* out, int64_t ldo) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kb; ++i) {
+    const Ring<MODE> ring(strip + i * words, t.words32);
+    const float* xi = xh + 16 * i;
+    for (int r = 0; r < 16; ++r) {
+      const __m512 w = decode_row<CB, MODE>(ring, t, r);
+      for (int m = 0; m < MR; ++m)
+        acc[m][r & 1] = _mm512_fmadd_ps(_mm512_set1_ps(xi[m * ldx + r]), w, acc[m][r & 1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
+template <int CB, int MODE>
+void strip_decode(const int16_t* strip, int64_t kb, int64_t words, const StepTable& t,
+                  float* out, int64_t ldo) {
+  for (int64_t i = 0; i < kb; ++i) {
+    const Ring<MODE> ring(strip + i * words, t.words32);
+    for (int r = 0; r < 16; ++r)
+      _mm512_storeu_ps(out + (16 * i + r) * ldo, decode_row<CB, MODE>(ring, t, r));
+  }
+}
+
+template <int CB, int MODE>
+void strip_rows_any(const float* xh, int64_t ldx, int64_t rows, const int16_t* strip,
+                    int64_t kb, int64_t words, const StepTable& t, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return strip_rows<CB, MODE, 1>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 2: return strip_rows<CB, MODE, 2>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 3: return strip_rows<CB, MODE, 3>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 4: return strip_rows<CB, MODE, 4>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 5: return strip_rows<CB, MODE, 5>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 6: return strip_rows<CB, MODE, 6>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 7: return strip_rows<CB, MODE, 7>(xh, ldx, strip, kb, words, t, out, ldo);
+    default: return strip_rows<CB, MODE, 8>(xh, ldx, strip, kb, words, t, out, ldo);
+  }
+}
+
+#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+// Two tile rows per vector in 16-bit lanes: vpermw/vpermt2w fetch the ring words, the
+// hash state * m (mod 2^32) is kept as its two 16-bit halves, and the codebook is
+// evaluated in float16 for 32 values at once.
+template <int MODE>
+struct Ring16 {  // the tile's 16 K int16 words: MODE 0 <= 32, 1 <= 64, 2 <= 128
+  __m512i r0, r1, r2, r3;
+  static __m512i part(const int16_t* words, int have) {
+    if (have >= 32) return _mm512_loadu_si512(words);
+    const __mmask32 mask = have <= 0 ? 0u : static_cast<__mmask32>((uint64_t{1} << have) - 1);
+    return _mm512_maskz_loadu_epi16(mask, words);
+  }
+  Ring16(const int16_t* tile, int words16) {
+    r0 = part(tile, words16);
+    if constexpr (MODE >= 1) r1 = part(tile + 32, words16 - 32);
+    if constexpr (MODE >= 2) {
+      r2 = part(tile + 64, words16 - 64);
+      r3 = part(tile + 96, words16 - 96);
+    }
+  }
+  inline __m512i get(__m512i index) const {
+    if constexpr (MODE == 0) return _mm512_permutexvar_epi16(index, r0);
+    else if constexpr (MODE == 1) return _mm512_permutex2var_epi16(r0, index, r1);
+    else {
+      const __mmask32 upper = _mm512_test_epi16_mask(index, _mm512_set1_epi16(64));
+      return _mm512_mask_blend_epi16(upper, _mm512_permutex2var_epi16(r0, index, r1),
+                                     _mm512_permutex2var_epi16(r2, index, r3));
+    }
+  }
+};
+
+// Rows 2p and 2p+1 of a tile, decoded.
+template <int CB, int MODE>
+inline void decode_pair(const Ring16<MODE>& ring, const StepTable& t, int p, __m512& row0,
+                        __m512& row1) {
+  const int q = 32 * p;
+  const __m512i a = ring.get(_mm512_load_si512(t.first16 + q));
+  const __m512i b = ring.get(_mm512_load_si512(t.second16 + q));
+  const __m512i state =
+      _mm512_or_si512(_mm512_sllv_epi16(a, _mm512_load_si512(t.offset16 + q)),
+                      _mm512_srlv_epi16(b, _mm512_load_si512(t.rest16 + q)));
+  constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  __m512i lo = _mm512_mullo_epi16(state, ml);
+  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+  if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
+    constexpr uint32_t add = 64248484u;
+    const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
+    const __mmask32 carry = _mm512_cmplt_epu16_mask(sum, lo);
+    hi = _mm512_add_epi16(hi, _mm512_set1_epi16(static_cast<int16_t>(add >> 16)));
+    hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
+    lo = sum;
+  }
+  __m512h v;
+  if constexpr (CB == 2) {  // (1024 + byte sum) * a + b, one float16 rounding
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i n = _mm512_add_epi16(
+        _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones)),
+        _mm512_set1_epi16(1024));
+    v = _mm512_fmadd_ph(_mm512_cvtepi16_ph(n), _mm512_set1_ph(static_cast<_Float16>(1774.f / 262144.f)),
+                        _mm512_set1_ph(static_cast<_Float16>(-10.3828125f)));
+  } else {
+    const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
+    const __m512i flip = _mm512_set1_epi16(0x3B60);
+    v = _mm512_add_ph(_mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(lo, mask), flip)),
+                      _mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(hi, mask), flip)));
+  }
+  const __m512i bits = _mm512_castph_si512(v);
+  row0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  row1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+}
+
+template <int CB, int MODE, int MR>
+void strip_rows16(const float* xh, int64_t ldx, const int16_t* strip, int64_t kb,
+                  int64_t words, const StepTable& t, float* out, int64_t ldo) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kb; ++i) {
+    const Ring16<MODE> ring(strip + i * words, static_cast<int>(words));
+    const float* xi = xh + 16 * i;
+    for (int p = 0; p < 8; ++p) {
+      __m512 w0, w1;
+      decode_pair<CB, MODE>(ring, t, p, w0, w1);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][0] = _mm512_fmadd_ps(_mm512_set1_ps(xi[m * ldx + 2 * p]), w0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(_mm512_set1_ps(xi[m * ldx + 2 * p + 1]), w1, acc[m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    _mm512_storeu_ps(out + m * ldo, _mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
+template <int CB, int MODE>
+void strip_decode16(const int16_t* strip, int64_t kb, int64_t words, const StepTable& t,
+                    float* out, int64_t ldo) {
+  for (int64_t i = 0; i < kb; ++i) {
+    const Ring16<MODE> ring(strip + i * words, static_cast<int>(words));
+    for (int p = 0; p < 8; ++p) {
+      __m512 w0, w1;
+      decode_pair<CB, MODE>(ring, t, p, w0, w1);
+      _mm512_storeu_ps(out + (16 * i + 2 * p) * ldo, w0);
+      _mm512_storeu_ps(out + (16 * i + 2 * p + 1) * ldo, w1);
+    }
+  }
+}
+
+template <int CB, int MODE>
+void strip_rows16_any(const float* xh, int64_t ldx, int64_t rows, const int16_t* strip,
+                      int64_t kb, int64_t words, const StepTable& t, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: return strip_rows16<CB, MODE, 1>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 2: return strip_rows16<CB, MODE, 2>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 3: return strip_rows16<CB, MODE, 3>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 4: return strip_rows16<CB, MODE, 4>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 5: return strip_rows16<CB, MODE, 5>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 6: return strip_rows16<CB, MODE, 6>(xh, ldx, strip, kb, words, t, out, ldo);
+    case 7: return strip_rows16<CB, MODE, 7>(xh, ldx, strip, kb, words, t, out, ldo);
+    default: return strip_rows16<CB, MODE, 8>(xh, ldx, strip, kb, words, t, out, ldo);
+  }
+}
+#endif
+
+// The (CB, MODE) instantiation for a layer: f(strip_rows_any<CB, MODE>, strip_decode<CB, MODE>).
+template <typename F>
+void dispatch(int64_t codebook, int words32, F&& f) {
+  auto by_mode = [&](auto cb) {
+    constexpr int CB = decltype(cb)::value;
+#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+    if (words32 <= 16) f(strip_rows16_any<CB, 0>, strip_decode16<CB, 0>);
+    else if (words32 <= 32) f(strip_rows16_any<CB, 1>, strip_decode16<CB, 1>);
+    else f(strip_rows16_any<CB, 2>, strip_decode16<CB, 2>);
+#else
+    if (words32 <= 16) f(strip_rows_any<CB, 0>, strip_decode<CB, 0>);
+    else if (words32 <= 32) f(strip_rows_any<CB, 1>, strip_decode<CB, 1>);
+    else f(strip_rows_any<CB, 2>, strip_decode<CB, 2>);
+#endif
+  };
+  if (codebook == 0) by_mode(std::integral_constant<int, 0>{});
+  else if (codebook == 1) by_mode(std::integral_constant<int, 1>{});
+  else by_mode(std::integral_constant<int, 2>{});
+}
+#else
+constexpr bool kSimd = false;
+#endif
+
+// Portable decode through the codebook table (any CPU without AVX-512).
+void strip_rows_scalar(const float* xh, int64_t ldx, int64_t rows, const int16_t* strip,
+                       int64_t kb, int64_t words, const StepTable& t, const float* lut,
+                       float* out, int64_t ldo) {
+  float acc[kGemvRows][16] = {};
+  for (int64_t i = 0; i < kb; ++i) {
+    const int16_t* tile = strip + i * words;
+    for (int r = 0; r < 16; ++r) {
+      float w[16];
+      for (int c = 0; c < 16; ++c) w[c] = lut[state_at(tile, t, 16 * r + c)];
+      for (int64_t m = 0; m < rows; ++m) {
+        const float xv = xh[m * ldx + 16 * i + r];
+        for (int c = 0; c < 16; ++c) acc[m][c] += xv * w[c];
+      }
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) std::memcpy(out + m * ldo, acc[m], sizeof(acc[m]));
+}
+
+void strip_decode_scalar(const int16_t* strip, int64_t kb, int64_t words, const StepTable& t,
+                         const float* lut, float* out, int64_t ldo) {
+  for (int64_t i = 0; i < kb; ++i)
+    for (int q = 0; q < kSteps; ++q)
+      out[(16 * i + q / 16) * ldo + q % 16] = lut[state_at(strip + i * words, t, q)];
+}
+
+// In-place normalised 128-point Walsh-Hadamard transform of one block.
+inline void hadamard128(float* v) {
+  const float norm = 1.f / std::sqrt(static_cast<float>(kHadamard));
+#if defined(__AVX512F__)
+  // Eight vectors of 16: stages 1..8 inside each vector (swap lanes i and i ^ h, then
+  // a + b where bit h of the lane is clear, b - a where it is set), 16..64 across them.
+  __m512 r[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm512_loadu_ps(v + 16 * j);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int h = 1; h < 16; h <<= 1) {
+    const __m512i swap = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+    const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));
+    for (int j = 0; j < 8; ++j) {
+      const __m512 other = _mm512_permutexvar_ps(swap, r[j]);
+      r[j] = _mm512_mask_sub_ps(_mm512_add_ps(r[j], other), upper, other, r[j]);
+    }
+  }
+  for (int h = 1; h < 8; h <<= 1)
+    for (int j = 0; j < 8; ++j)
+      if (!(j & h)) {
+        const __m512 a = r[j], b = r[j + h];
+        r[j] = _mm512_add_ps(a, b);
+        r[j + h] = _mm512_sub_ps(a, b);
+      }
+  for (int j = 0; j < 8; ++j) _mm512_storeu_ps(v + 16 * j, _mm512_mul_ps(r[j], _mm512_set1_ps(norm)));
+#else
+  for (int64_t h = 1; h < kHadamard; h <<= 1)
+    for (int64_t i = 0; i < kHadamard; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], c = v[j + h];
+        v[j] = a + c;
+        v[j + h] = a - c;
+      }
+  for (int64_t j = 0; j < kHadamard; ++j) v[j] *= norm;
+#endif
+}
+
+// hadamard128 on each 128-block of rows x cols.
+void hadamard_rows(float* x, int64_t rows, int64_t cols) {
+  at::parallel_for(0, rows * (cols / kHadamard), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) hadamard128(x + b * kHadamard);
+  });
+}
+
+struct Layer {
+  const int16_t* trellis;
+  int64_t nb, kb, words;
+  const StepTable* table;
+  int64_t codebook;
+  const float* lut;
+};
+
+Layer check_layer(const at::Tensor& trellis_t, double k_bits, int64_t codebook,
+                  const c10::optional<at::Tensor>& lut) {
+  TORCH_CHECK(trellis_t.device().is_cpu() && trellis_t.scalar_type() == at::kShort &&
+                  trellis_t.dim() == 3 && trellis_t.is_contiguous(),
+              "exl3: trellis must be a contiguous CPU int16 (nb, kb, words) tensor");
+  const int half_k = static_cast<int>(std::lround(2 * k_bits));
+  TORCH_CHECK(std::abs(2 * k_bits - half_k) < 1e-9 && valid_half_k(half_k),
+              "exl3: unsupported bits per weight ", k_bits);
+  TORCH_CHECK(trellis_t.size(2) == 8 * half_k, "exl3: K=", k_bits, " needs ", 8 * half_k,
+              " words per tile, trellis has ", trellis_t.size(2));
+  TORCH_CHECK(codebook >= 0 && codebook <= 2, "exl3: codebook must be 0, 1 or 2");
+  const float* lp = nullptr;
+  if (lut.has_value() && lut->defined()) {
+    TORCH_CHECK(lut->scalar_type() == at::kFloat && lut->numel() == 65536 && lut->is_contiguous(),
+                "exl3: lut must be 65536 contiguous float32 values");
+    lp = lut->data_ptr<float>();
+  }
+  TORCH_CHECK(kSimd || lp, "exl3: this build decodes through the codebook table: pass lut");
+  return Layer{trellis_t.data_ptr<int16_t>(), trellis_t.size(0), trellis_t.size(1),
+               trellis_t.size(2), &table_for(half_k), codebook, lp};
+}
+
+// out (rows, 16 nb) = xh (rows, 16 kb) @ Ŵ, rows <= kGemvRows.
+void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
+  const int64_t ldx = 16 * L.kb, ldo = 16 * L.nb, tile_words = L.kb * L.words;
+#if defined(__AVX512F__)
+  dispatch(L.codebook, L.table->words32, [&](auto rows_fn, auto) {
+    at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j)
+        rows_fn(xh, ldx, rows, L.trellis + j * tile_words, L.kb, L.words, *L.table,
+                out + 16 * j, ldo);
+    });
+  });
+#else
+  at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      strip_rows_scalar(xh, ldx, rows, L.trellis + j * tile_words, L.kb, L.words, *L.table,
+                        L.lut, out + 16 * j, ldo);
+  });
+#endif
+}
+
+// Ŵ columns [16 j0, 16 j1) into out (16 kb, ldo).
+void decode_strips(const Layer& L, int64_t j0, int64_t j1, float* out, int64_t ldo) {
+  const int64_t tile_words = L.kb * L.words;
+#if defined(__AVX512F__)
+  dispatch(L.codebook, L.table->words32, [&](auto, auto decode_fn) {
+    at::parallel_for(j0, j1, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j)
+        decode_fn(L.trellis + j * tile_words, L.kb, L.words, *L.table, out + 16 * (j - j0), ldo);
+    });
+  });
+#else
+  at::parallel_for(j0, j1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      strip_decode_scalar(L.trellis + j * tile_words, L.kb, L.words, *L.table, L.lut,
+                          out + 16 * (j - j0), ldo);
+  });
+#endif
+}
+
+// xh (M, 16 kb) @ Ŵ -> (M, 16 nb), float32, any M.
+at::Tensor matmul_rotated(const Layer& L, const at::Tensor& xh) {
+  const int64_t M = xh.size(0), padded_out = 16 * L.nb, padded_in = 16 * L.kb;
+  at::Tensor out = at::empty({M, padded_out}, xh.options());
+  if (M == 0 || padded_out == 0) return out;
+  if (M <= kGemvRows) {
+    fused_matmul(L, xh.data_ptr<float>(), M, out.data_ptr<float>());
+    return out;
+  }
+  // Prompts: decode strips of Ŵ (bounded memory) and multiply each with at::mm.
+  const int64_t strip_tiles = std::max<int64_t>(1, kStripBytes / (4 * 16 * padded_in));
+  const int64_t cols = std::min(padded_out, 16 * strip_tiles);
+  at::Tensor strip = at::empty({padded_in, cols}, xh.options());
+  for (int64_t j0 = 0; j0 < L.nb; j0 += strip_tiles) {
+    const int64_t j1 = std::min(L.nb, j0 + strip_tiles), width = 16 * (j1 - j0);
+    at::Tensor part = strip.narrow(1, 0, width);
+    decode_strips(L, j0, j1, strip.data_ptr<float>(), cols);
+    out.narrow(1, 16 * j0, width).copy_(at::mm(xh, part));
+  }
+  return out;
+}
+
+at::Tensor float_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "exl3: ", what, " must be a 2-D CPU float32 tensor");
+  return x.contiguous();
+}
+
+}  // namespace
+
+namespace exl3_cpu {
+
+at::Tensor exl3_decode(const at::Tensor& trellis_t, double k_bits, int64_t codebook,
+                       const c10::optional<at::Tensor>& lut) {
+  const Layer L = check_layer(trellis_t, k_bits, codebook, lut);
+  at::Tensor out = at::empty({16 * L.kb, 16 * L.nb}, trellis_t.options().dtype(at::kFloat));
+  if (out.numel()) decode_strips(L, 0, L.nb, out.data_ptr<float>(), 16 * L.nb);
+  return out;
+}
+
+at::Tensor exl3_matmul(const at::Tensor& xh, const at::Tensor& trellis_t, double k_bits,
+                       int64_t codebook, const c10::optional<at::Tensor>& lut) {
+  const Layer L = check_layer(trellis_t, k_bits, codebook, lut);
+  at::Tensor x = float_rows(xh, "xh");
+  TORCH_CHECK(x.size(1) == 16 * L.kb, "exl3_matmul: xh has ", x.size(1), " columns, trellis ",
+              16 * L.kb, " rows");
+  return matmul_rotated(L, x);
+}
+
+at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const at::Tensor& suh,
+                       const at::Tensor& svh, const c10::optional<at::Tensor>& bias,
+                       double k_bits, int64_t codebook, int64_t n,
+                       const c10::optional<at::Tensor>& lut) {
+  const Layer L = check_layer(trellis_t, k_bits, codebook, lut);
+  const at::Tensor xc = float_rows(x, "x");
+  const int64_t M = xc.size(0), in = xc.size(1), padded_in = 16 * L.kb, padded_out = 16 * L.nb;
+  TORCH_CHECK(padded_in % kHadamard == 0 && padded_out % kHadamard == 0,
+              "exl3_linear: stored shape ", padded_in, "x", padded_out,
+              " is not a multiple of 128");
+  TORCH_CHECK(in <= padded_in && n >= 0 && n <= padded_out, "exl3_linear: x has ", in,
+              " features and n is ", n, " for a ", padded_in, "x", padded_out, " trellis");
+  TORCH_CHECK(suh.scalar_type() == at::kFloat && suh.numel() == padded_in && suh.is_contiguous() &&
+                  svh.scalar_type() == at::kFloat && svh.numel() == padded_out &&
+                  svh.is_contiguous(),
+              "exl3_linear: suh/svh must be contiguous float32 of the padded sizes");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() >= n && bias->is_contiguous(),
+                "exl3_linear: bias must be contiguous float32 (>= n)");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor xh = at::zeros({M, padded_in}, xc.options());
+  const float *xp = xc.data_ptr<float>(), *sp = suh.data_ptr<float>();
+  float* hp = xh.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < in; ++k) hp[m * padded_in + k] = xp[m * in + k] * sp[k];
+  hadamard_rows(hp, M, padded_in);
+  at::Tensor yr = matmul_rotated(L, xh);
+  float* yp = yr.data_ptr<float>();
+  hadamard_rows(yp, M, padded_out);
+  at::Tensor y = at::empty({M, n}, xc.options());
+  float* op = y.data_ptr<float>();
+  const float* vp = svh.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < n; ++j)
+      op[m * n + j] = yp[m * padded_out + j] * vp[j] + (bp ? bp[j] : 0.f);
+  return y;
+}
+
+}  // namespace exl3_cpu
+
+TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
+  m.def("exl3_decode(Tensor trellis_t, float k_bits, int codebook, Tensor? lut) -> Tensor");
+  m.def("exl3_matmul(Tensor xh, Tensor trellis_t, float k_bits, int codebook, Tensor? lut) -> Tensor");
+  m.def("exl3_linear(Tensor x, Tensor trellis_t, Tensor suh, Tensor svh, Tensor? bias, "
+        "float k_bits, int codebook, int n, Tensor? lut) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) {
+  m.impl("exl3_decode", &exl3_cpu::exl3_decode);
+  m.impl("exl3_matmul", &exl3_cpu::exl3_matmul);
+  m.impl("exl3_linear", &exl3_cpu::exl3_linear);
+}

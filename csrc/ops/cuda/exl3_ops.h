@@ -1,0 +1,114 @@
+// Plain launchers for the EXL3 CUDA kernels (raw pointers, no torch headers), so the
+// .cu files compile fast and in parallel; bindings.cpp checks tensors and calls these.
+// Each returns false for an unsupported (k2, codebook) pair; launch errors are left for
+// the caller's cudaGetLastError check.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace exl3 {
+
+// Element types of the Hadamard kernel's input and output.
+enum DType : int { DT_HALF = 0, DT_BF16 = 1, DT_FLOAT = 2 };
+
+// trellis: (kb, nb, 16*K) int16 -> out: (16*kb, 16*nb) float16, row-major.
+bool launch_decode(const void* trellis, void* out, int kb, int nb, int k2, int cb,
+                   cudaStream_t stream);
+
+// partial[s, r, n] = sum over the s-th run of input tiles of xh[r, k] * Ŵ[k, n].
+// xh: (rows, 16*kb) float16; partial: (splits, rows, 16*nb) float32; rows <= 64.
+// Up to kMaxParts parts with the same rows, kb, K and codebook run in one launch
+// (q/k/v or gate/up: each its own xh, trellis, partial and nb).
+constexpr int kMaxParts = 4;
+struct GemmPart {
+  const void* xh;
+  const void* trellis;
+  float* partial;
+  int nb;
+};
+struct GemmParts {
+  GemmPart part[kMaxParts];
+  int count;
+};
+bool launch_gemm_mul1(const GemmParts& parts, int rows, int kb, int k2, int splits,
+                      cudaStream_t stream);
+bool launch_gemm_mcg(const GemmParts& parts, int rows, int kb, int k2, int splits,
+                     cudaStream_t stream);
+bool launch_gemm_3inst(const GemmParts& parts, int rows, int kb, int k2, int splits,
+                       cudaStream_t stream);
+
+// out[r, c] = (H128(sum_s x[s, r, :] * pre)[c]) * post[c] + bias[c] for c < out_cols,
+// H128 applied per 128 columns over `width` columns (x columns >= x_cols read as 0).
+// pre/post/bias may be null (float32, at least `width` entries).
+bool launch_hadamard(int in_dtype, int out_dtype, const void* x, int64_t slice_stride,
+                     int64_t row_stride, int nslices, int x_cols, int width, const float* pre,
+                     const float* post, const float* bias, void* out, int64_t out_row_stride,
+                     int out_cols, int rows, cudaStream_t stream);
+
+// Decode attention over a paged KV cache (one query per row), see paged_attention.cu.
+// q/out: (batch, heads, dim) in `dtype` (DT_HALF or DT_BF16); k/v: (slots, kv_heads, dim)
+// in that dtype when k_bits/v_bits is 16, else bit-planed codes (slots, kv_heads*dim/8*bits)
+// with float16 scales (slots, kv_heads*dim/32). page_table: (batch, pages) int64;
+// lengths: (batch) int64 keys per row. part_acc (batch, heads, chunks, dim) and part_ml
+// (batch, heads, chunks, 2) float32 are scratch when chunks > 1 (chunks * 64 positions
+// must cover every row); dim 64, 128 or 256. window <= 0: none; softcap <= 0: none. False: unsupported shape.
+bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int kv_heads,
+                            int dim, const void* k, const void* k_scales, int k_bits,
+                            const void* v, const void* v_scales, int v_bits,
+                            const int64_t* page_table, int pages, const int64_t* lengths,
+                            int page_size, int window, float softcap, float scale,
+                            float* part_acc, float* part_ml, int chunks, void* out,
+                            cudaStream_t stream);
+
+// Quantize rows x (rows, channels) in `dtype` into a quantized cache at `slots`: codes
+// (slots, channels/8*bits) uint8 bit-planes (bits == 8: one byte per channel), float16
+// scales (slots, channels/32). Matches kv_quant.quantize_rows + pack_codes.
+bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int rows,
+                           int channels, int bits, void* codes, void* scales,
+                           cudaStream_t stream);
+
+// Fused decode-layer kernels (layer_fused.cu), rows <= 64, `dtype` the activations'.
+//
+// norm_hadamard: for each part p, out[p][r, :] = float16(H128(n(x[r]) * pre[p])) over
+// `width` columns, n = RMSNorm with float32 weight norm_w (rounded to dtype as
+// engine/layers/norm.py does; unit_offset: one rounding after the weight) or, with norm_w null,
+// the identity. x: (rows, x_cols) with row stride; out[p]: (rows, width) contiguous.
+bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_cols,
+                          int width, const float* norm_w, float eps, bool unit_offset,
+                          int nparts, const float* const* pre, void* const* out, int rows,
+                          cudaStream_t stream);
+
+// hadamard_out: for each part, y = H128(sum of its splits) * post + bias rounded to
+// dtype; columns below rope_cols rotated per head (rotate-half, cos/sin (rows, head_dim)
+// in dtype; head_dim 64 or 128); plus residual (rows, *) when given; written to out
+// (rows, out_cols) with out_row_stride.
+struct OutPart {
+  const float* partial;  // (splits, rows, width)
+  int splits;
+  int width;
+  const float* post;
+  const float* bias;
+  void* out;
+  int64_t out_row_stride;
+  int out_cols;
+  int rope_cols;
+};
+struct OutParts {
+  OutPart part[kMaxParts];
+  int count;
+};
+bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
+                         int64_t residual_stride, const void* cos, const void* sin,
+                         int head_dim, cudaStream_t stream);
+
+// glu_hadamard: gate and up partials (splits, rows, width) -> their outputs as
+// hadamard_out computes them, a = act(gate) * up (act 0: SiLU, 1: GELU tanh; columns
+// >= inter are 0), then out = float16(H128(a * pre)) (rows, width): the next (down)
+// projection's rotated input.
+bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
+                         int width, const float* post_gate, const float* post_up,
+                         const float* bias_gate, const float* bias_up, int inter, int act,
+                         const float* pre, void* out, int rows, cudaStream_t stream);
+
+}  // namespace exl3

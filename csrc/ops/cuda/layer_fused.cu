@@ -1,0 +1,303 @@
+// The kernels around the fused EXL3 GEMM in a decode layer (exl3_ops.h, "Fused
+// decode-layer kernels"): the steps between two GEMMs become one launch each.
+//   norm_hadamard  RMSNorm + suh + input Hadamard for up to 4 projections of one input
+//   hadamard_out   split sum + output Hadamard + svh + bias (+ rotary, + residual)
+//   glu_hadamard   gate/up outputs + act(gate) * up + the down projection's input side
+// Every value that the PyTorch path rounds to the activation dtype is rounded here at
+// the same place (engine/layers/norm.py, engine/layers/rope.py, engine/layers/mlp.py), so the fused layer
+// follows the reference to the last bit in most positions. One warp per (row,
+// 128-column block), the butterfly of exl3_hadamard.cuh.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "exl3_convert.cuh"
+#include "../../codec/exl3_hadamard.cuh"
+#include "exl3_launch.cuh"
+#include "exl3_ops.h"
+
+namespace exl3 {
+namespace {
+
+constexpr int kWarps = 8;
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_f32(from_f32<T>(v));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// Sum of the splits of partial (splits, rows, width) at 4 columns from `col`.
+__device__ __forceinline__ void load_split_sum(const float* __restrict__ partial, int splits,
+                                               int rows, int width, int row, int col,
+                                               float (&v)[4]) {
+  const size_t slice = (size_t)rows * width;
+  const float* p = partial + (size_t)row * width + col;
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int sl = 0; sl < splits; sl++) {
+    const float4 t = __ldg(reinterpret_cast<const float4*>(p + sl * slice));
+    s.x += t.x;
+    s.y += t.y;
+    s.z += t.z;
+    s.w += t.w;
+  }
+  v[0] = s.x;
+  v[1] = s.y;
+  v[2] = s.z;
+  v[3] = s.w;
+}
+
+struct InParts {
+  const float* pre[kMaxParts];
+  __half* out[kMaxParts];
+};
+
+// grid (blocks of 8 column blocks, parts, rows); each block normalises its row itself.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    norm_hadamard_kernel(const T* __restrict__ x, int64_t row_stride, int x_cols, int width,
+                         const float* __restrict__ norm_w, float eps, bool unit_offset,
+                         const __grid_constant__ InParts parts) {
+  pdl_trigger();
+  pdl_wait();
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int row = blockIdx.z;
+  const T* xr = x + row * row_stride;
+  float rs = 1.0f;
+  if (norm_w != nullptr) {
+    __shared__ float partial[kWarps];
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < x_cols; c += kWarps * 32) {
+      const float f = to_f32(xr[c]);
+      s += f * f;
+    }
+    s = warp_sum(s);
+    if (lane == 0) partial[warp] = s;
+    __syncthreads();
+    s = warp_sum(lane < kWarps ? partial[lane] : 0.0f);
+    rs = rsqrtf(s / (float)x_cols + eps);
+  }
+  const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
+  if (base >= width) return;  // whole warps: width is a multiple of 128
+  const float* pre = parts.pre[blockIdx.y];
+  float v[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int c = base + e;
+    float f = 0.0f;
+    if (c < x_cols) {
+      f = to_f32(xr[c]);
+      if (norm_w != nullptr)
+        f = unit_offset ? round_to<T>(f * rs * norm_w[c])
+                        : round_to<T>(round_to<T>(f * rs) * norm_w[c]);
+      f *= pre[c];
+    }
+    v[e] = f;
+  }
+  hadamard128_warp(v, lane);
+  __half* out = parts.out[blockIdx.y] + (size_t)row * width + base;
+  __half2* out2 = reinterpret_cast<__half2*>(out);
+  out2[0] = __floats2half2_rn(v[0] * kHadamardScale, v[1] * kHadamardScale);
+  out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
+}
+
+// grid (warps over rows x column blocks of the widest part / 8, parts).
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    hadamard_out_kernel(const __grid_constant__ OutParts parts, int rows,
+                        const T* __restrict__ residual, int64_t residual_stride,
+                        const T* __restrict__ cos, const T* __restrict__ sin, int head_dim) {
+  pdl_trigger();
+  pdl_wait();
+  const OutPart& part = parts.part[blockIdx.y];
+  const int lane = threadIdx.x & 31;
+  const int blocks_per_row = part.width / 128;
+  const int id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row = id / blocks_per_row;
+  if (row >= rows) return;  // whole warps
+  const int base = (id % blocks_per_row) * 128 + lane * 4;
+  float v[4];
+  load_split_sum(part.partial, part.splits, rows, part.width, row, base, v);
+  hadamard128_warp(v, lane);
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int c = base + e;
+    float y = v[e] * kHadamardScale;
+    if (part.post != nullptr) y *= part.post[c];
+    if (part.bias != nullptr && c < part.out_cols) y += part.bias[c];
+    v[e] = round_to<T>(y);
+  }
+  if (cos != nullptr && part.rope_cols > 0) {
+    // rotate-half: d < h pairs with d + h (x*cos - x[d+h]*sin), d >= h with d - h.
+    const int half = head_dim / 2;
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) p[e] = __shfl_xor_sync(0xffffffffu, v[e], half / 4);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int c = base + e;
+      if (c >= part.rope_cols) continue;
+      const int d = c % head_dim;
+      const float rot = d < half ? -p[e] : p[e];
+      const float cs = to_f32(cos[(size_t)row * head_dim + d]);
+      const float sn = to_f32(sin[(size_t)row * head_dim + d]);
+      v[e] = round_to<T>(round_to<T>(v[e] * cs) + round_to<T>(rot * sn));
+    }
+  }
+  T* out = static_cast<T*>(part.out) + (size_t)row * part.out_row_stride;
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int c = base + e;
+    if (c >= part.out_cols) continue;
+    float y = v[e];
+    if (residual != nullptr) y = to_f32(residual[(size_t)row * residual_stride + c]) + y;
+    out[c] = from_f32<T>(y);
+  }
+}
+
+__device__ __forceinline__ float activation(float g, int act) {
+  if (act == 0) return g / (1.0f + expf(-g));
+  const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return 0.5f * g * (1.0f + tanhf(inner));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    glu_hadamard_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+                        int splits, int width, const float* __restrict__ post_gate,
+                        const float* __restrict__ post_up, const float* __restrict__ bias_gate,
+                        const float* __restrict__ bias_up, int inter, int act,
+                        const float* __restrict__ pre, __half* __restrict__ out, int rows) {
+  pdl_trigger();
+  pdl_wait();
+  const int lane = threadIdx.x & 31;
+  const int blocks_per_row = width / 128;
+  const int id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row = id / blocks_per_row;
+  if (row >= rows) return;
+  const int base = (id % blocks_per_row) * 128 + lane * 4;
+  float g[4], u[4];
+  load_split_sum(gate, splits, rows, width, row, base, g);
+  load_split_sum(up, splits, rows, width, row, base, u);
+  hadamard128_warp(g, lane);
+  hadamard128_warp(u, lane);
+  float v[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    const int c = base + e;
+    float a = 0.0f;
+    if (c < inter) {
+      float gv = g[e] * kHadamardScale;
+      float uv = u[e] * kHadamardScale;
+      if (post_gate != nullptr) gv *= post_gate[c];
+      if (post_up != nullptr) uv *= post_up[c];
+      if (bias_gate != nullptr) gv += bias_gate[c];
+      if (bias_up != nullptr) uv += bias_up[c];
+      gv = round_to<T>(gv);
+      uv = round_to<T>(uv);
+      a = round_to<T>(round_to<T>(activation(gv, act)) * uv);
+    }
+    v[e] = a * pre[c];
+  }
+  hadamard128_warp(v, lane);
+  __half2* out2 = reinterpret_cast<__half2*>(out + (size_t)row * width + base);
+  out2[0] = __floats2half2_rn(v[0] * kHadamardScale, v[1] * kHadamardScale);
+  out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
+}
+
+unsigned warp_blocks(int64_t warps) { return (unsigned)((warps + kWarps - 1) / kWarps); }
+
+template <typename T>
+void run_norm(const void* x, int64_t row_stride, int x_cols, int width, const float* norm_w,
+              float eps, bool unit_offset, const InParts& parts, int nparts, int rows,
+              cudaStream_t stream) {
+  dim3 grid(warp_blocks(width / 128), nparts, rows);
+  launch(norm_hadamard_kernel<T>, grid, dim3(kWarps * 32), 0, stream, static_cast<const T*>(x),
+         row_stride, x_cols, width, norm_w, eps, unit_offset, parts);
+}
+
+template <typename T>
+void run_out(const OutParts& parts, int rows, const void* residual, int64_t residual_stride,
+             const void* cos, const void* sin, int head_dim, cudaStream_t stream) {
+  int width = 0;
+  for (int p = 0; p < parts.count; p++) width = max(width, parts.part[p].width);
+  dim3 grid(warp_blocks((int64_t)rows * (width / 128)), parts.count);
+  launch(hadamard_out_kernel<T>, grid, dim3(kWarps * 32), 0, stream, parts, rows,
+         static_cast<const T*>(residual), residual_stride, static_cast<const T*>(cos),
+         static_cast<const T*>(sin), head_dim);
+}
+
+template <typename T>
+void run_glu(const float* gate, const float* up, int splits, int width, const float* post_gate,
+             const float* post_up, const float* bias_gate, const float* bias_up, int inter,
+             int act, const float* pre, void* out, int rows, cudaStream_t stream) {
+  launch(glu_hadamard_kernel<T>, dim3(warp_blocks((int64_t)rows * (width / 128))),
+         dim3(kWarps * 32), 0, stream, gate, up, splits, width, post_gate, post_up, bias_gate,
+         bias_up, inter, act, pre, static_cast<__half*>(out), rows);
+}
+
+}  // namespace
+
+bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_cols,
+                          int width, const float* norm_w, float eps, bool unit_offset,
+                          int nparts, const float* const* pre, void* const* out, int rows,
+                          cudaStream_t stream) {
+  if (width % 128 != 0 || x_cols > width || nparts < 1 || nparts > kMaxParts || rows < 0)
+    return false;
+  if (rows == 0) return true;
+  InParts parts{};
+  for (int p = 0; p < nparts; p++) {
+    if (pre[p] == nullptr || out[p] == nullptr) return false;
+    parts.pre[p] = pre[p];
+    parts.out[p] = static_cast<__half*>(out[p]);
+  }
+  switch (dtype) {
+    case DT_HALF: run_norm<__half>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, stream); return true;
+    case DT_BF16: run_norm<__nv_bfloat16>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, stream); return true;
+    case DT_FLOAT: run_norm<float>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, stream); return true;
+    default: return false;
+  }
+}
+
+bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
+                         int64_t residual_stride, const void* cos, const void* sin,
+                         int head_dim, cudaStream_t stream) {
+  if (parts.count < 1 || parts.count > kMaxParts || rows < 0) return false;
+  for (int p = 0; p < parts.count; p++) {
+    const OutPart& part = parts.part[p];
+    if (part.width % 128 != 0 || part.out_cols > part.width || part.splits < 1) return false;
+    if (part.rope_cols > 0 && (cos == nullptr || sin == nullptr)) return false;
+  }
+  if (cos != nullptr && head_dim != 64 && head_dim != 128) return false;
+  if (rows == 0) return true;
+  switch (dtype) {
+    case DT_HALF: run_out<__half>(parts, rows, residual, residual_stride, cos, sin, head_dim, stream); return true;
+    case DT_BF16: run_out<__nv_bfloat16>(parts, rows, residual, residual_stride, cos, sin, head_dim, stream); return true;
+    case DT_FLOAT: run_out<float>(parts, rows, residual, residual_stride, cos, sin, head_dim, stream); return true;
+    default: return false;
+  }
+}
+
+bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
+                         int width, const float* post_gate, const float* post_up,
+                         const float* bias_gate, const float* bias_up, int inter, int act,
+                         const float* pre, void* out, int rows, cudaStream_t stream) {
+  if (width % 128 != 0 || inter > width || splits < 1 || (act != 0 && act != 1) ||
+      pre == nullptr || rows < 0)
+    return false;
+  if (rows == 0) return true;
+  switch (dtype) {
+    case DT_HALF: run_glu<__half>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, stream); return true;
+    case DT_BF16: run_glu<__nv_bfloat16>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, stream); return true;
+    case DT_FLOAT: run_glu<float>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, stream); return true;
+    default: return false;
+  }
+}
+
+}  // namespace exl3

@@ -1,0 +1,145 @@
+"""Sampling every row of a generator step at once, on the logits' device.
+
+`sample_rows(logits, samplers, histories)` returns one token per row. Rows whose
+sampler is the built-in pipeline with only the common steps active (greedy, or
+temperature with top_k / top_p / min_p) are sampled together with tensor ops and read
+back with one copy for the whole batch; any other row (penalties, typical_p, a seed,
+a plugin's step) runs its own `Sampler.sample`, the reference every batched row
+must agree with (same distribution: tests/engine/test_batch_sampling.py).
+
+The batched pipeline applies the steps in the same order as the reference (top_k,
+top_p, min_p, then temperature) to the row's `top_k` best candidates (the whole
+vocabulary when a row has top_k off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from exl3cli.engine.generation.sampling import Sampler
+
+# Built-in steps the batched path reproduces, and those it may pass over when the
+# request leaves them off.
+_BUILTIN_MODULE = "exl3_plugins.samplers"
+_BATCHED_STEPS = {"top_k", "top_p", "min_p", "temperature"}
+
+
+def _penalties_off(options: dict) -> bool:
+    return (options.get("repeat_last_n", 64) == 0
+            or (options.get("repeat_penalty", 1.0) == 1.0
+                and options.get("presence_penalty", 0.0) == 0.0
+                and options.get("frequency_penalty", 0.0) == 0.0))
+
+
+_OFF_WHEN = {
+    "penalties": _penalties_off,
+    "typical_p": lambda options: float(options.get("typical_p", 1.0)) >= 1.0,
+    "dry": lambda options: float(options.get("dry_multiplier", 0.0)) == 0.0,
+    "xtc": lambda options: float(options.get("xtc_probability", 0.0)) == 0.0,
+}
+
+
+def batchable(sampler: Sampler) -> bool:
+    """Whether `sample_rows` may sample this row with the batched tensor pipeline: a
+    plain Sampler (not a wrapper that watches its own calls), no seed, and every
+    built-in step either reproduced here or off for this request."""
+    if type(sampler) is not Sampler or sampler.seed is not None:
+        return False
+    greedy = sampler.greedy
+    for step in sampler.steps:
+        if type(step).__module__ != _BUILTIN_MODULE:
+            return False
+        if (greedy and step.skip_when_greedy) or step.name in _BATCHED_STEPS:
+            continue
+        off = _OFF_WHEN.get(step.name)
+        if off is None or not off(sampler.options):
+            return False
+    return True
+
+
+@dataclass
+class _Params:
+    temperature: torch.Tensor  # [n, 1]
+    top_k: int  # candidates kept per row (the largest top_k; vocabulary when any is off)
+    row_top_k: torch.Tensor  # [n, 1]
+    top_p: torch.Tensor  # [n, 1]
+    min_p: torch.Tensor  # [n, 1]
+
+
+def _params(samplers: Sequence[Sampler], vocab: int, device: torch.device) -> _Params:
+    temps, ks, ps, mins = [], [], [], []
+    for sampler in samplers:
+        options = sampler.options
+        k = int(options.get("top_k", 0))
+        ks.append(k if 0 < k < vocab else vocab)
+        temps.append(float(options.get("temperature", 1.0)))
+        ps.append(float(options.get("top_p", 1.0)))
+        mins.append(float(options.get("min_p", 0.0)))
+    table = torch.tensor([temps, ks, ps, mins], dtype=torch.float32).t().contiguous()
+    table = table.to(device, non_blocking=True)
+    return _Params(table[:, 0:1], max(ks), table[:, 1:2], table[:, 2:3], table[:, 3:4])
+
+
+def batched_probs(logits: torch.Tensor, samplers: Sequence[Sampler]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling distribution of each (non-greedy, batchable) row over its
+    candidates: (probs [n, k], token ids [n, k]); masked candidates have probability 0."""
+    logits = logits.float()
+    params = _params(samplers, logits.shape[-1], logits.device)
+    if params.top_k < logits.shape[-1]:
+        values, ids = torch.topk(logits, params.top_k, dim=-1)
+    else:
+        values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(values.shape[-1], device=logits.device)[None, :]
+    neg_inf = torch.tensor(float("-inf"), device=logits.device)
+    values = torch.where(ranks < params.row_top_k, values, neg_inf)
+    # top_p: keep the smallest prefix whose mass reaches p (at least one token).
+    probs = torch.softmax(values, dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    keep = (mass_before < params.top_p) | (ranks == 0) | (params.top_p >= 1.0)
+    values = torch.where(keep, values, neg_inf)
+    # min_p: drop tokens below min_p times the most likely one.
+    probs = torch.softmax(values, dim=-1)
+    keep = (probs >= probs[:, :1] * params.min_p) | (params.min_p <= 0.0)
+    values = torch.where(keep, values, neg_inf)
+    temperature = torch.where(params.temperature == 1.0, torch.ones_like(params.temperature),
+                              params.temperature)
+    return torch.softmax(values / temperature, dim=-1), ids
+
+
+def sample_on_device(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor | None:
+    """Every row's token as a device tensor [n] (nothing read back), or None when a row
+    needs its own sampler."""
+    if not all(batchable(s) for s in samplers):
+        return None
+    tokens = torch.argmax(logits, dim=-1)
+    drawn = [i for i, sampler in enumerate(samplers) if not sampler.greedy]
+    if drawn:
+        index = torch.tensor(drawn, device=logits.device)
+        probs, ids = batched_probs(logits.index_select(0, index), [samplers[i] for i in drawn])
+        tokens.index_copy_(0, index, ids.gather(1, torch.multinomial(probs, 1))[:, 0])
+    return tokens
+
+
+def sample_rows(logits: torch.Tensor, samplers: Sequence[Sampler],
+                histories: Sequence[list[int]]) -> list[int]:
+    """One token per row of logits [n, V]: batched where `batchable`, else each row's
+    own sampler."""
+    together = sample_on_device(logits, samplers)
+    if together is not None:
+        return together.tolist()  # the step's one read-back
+    count = logits.shape[0]
+    tokens: list[int | None] = [None] * count
+    batched = [i for i in range(count) if batchable(samplers[i])]
+    if batched:
+        index = torch.tensor(batched, device=logits.device)
+        some = sample_on_device(logits.index_select(0, index), [samplers[i] for i in batched])
+        for i, token in zip(batched, some.tolist(), strict=True):
+            tokens[i] = int(token)
+    for i in range(count):
+        if tokens[i] is None:
+            tokens[i] = samplers[i].sample(logits[i], histories[i])
+    return tokens  # type: ignore[return-value]

@@ -1,0 +1,317 @@
+"""The generator's decode step with fixed shapes, replayed from CUDA graphs.
+
+A step that only decodes (one new token for each of n jobs) runs through a
+`FixedDecodeStep`: the batch is padded to a bucket of B rows and every row's page
+table to P pages, and all the step reads from the host (token ids, cached lengths,
+page tables) sits in one device buffer filled by a single copy. Everything derived
+from it (positions, the slot each new key goes to, the slots attention reads) is
+computed on the device inside the step, so one captured graph serves every step
+of that (B, P) bucket: a job joining, leaving or growing a page changes the data in
+the buffer, never the graph. Padding rows write to the pool's scratch page and
+attend to that one slot.
+
+`DecodeRunner.run(rows)` feeds rows [(PageTable, token)] and returns logits [n, V]
+(float32; a graph's output buffer, valid until the next run); the caller commits the
+tokens to the tables. The tokens may also come as a device tensor (`ids`): the
+generator then launches a step before the tokens of the one before are read back.
+
+Modes: "graph" (the CUDA default): capture per bucket, replay; "static": the same
+fixed-shape step run eagerly (what a graph replays, checkable on any device);
+"off": the generator's general paged path for every step (the CPU default, where
+the fused CPU kernels of the general path are faster).
+`EXL3_DECODE_MODE` overrides the default.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from exl3cli.engine.kvcache.paged_attention import attend_decode
+from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
+from exl3cli.ops import cuda_kernels as kernels
+
+MODES = ("graph", "static", "off")
+
+
+def default_mode(device: torch.device) -> str:
+    mode = os.environ.get("EXL3_DECODE_MODE", "").strip().lower()
+    if mode:
+        if mode not in MODES:
+            raise ValueError(f"EXL3_DECODE_MODE must be one of {MODES}, got {mode!r}")
+        if mode == "graph" and device.type != "cuda":
+            return "static"
+        return mode
+    return "graph" if device.type == "cuda" else "off"
+
+
+def bucket(count: int, limit: int) -> int:
+    """The smallest power of two >= count, capped at `limit` (>= count)."""
+    size = 1
+    while size < count:
+        size *= 2
+    return max(count, min(size, limit))
+
+
+class FixedDecodeStep:
+    """The `cache` argument of CausalLM.forward for one fixed-shape decode step of
+    `batch` rows over at most `pages` pages each (see the module docstring).
+
+    `load(rows)` writes the host data; `prepare()` (called by the model inside the
+    step) derives the device tensors every layer shares."""
+
+    paged = True
+
+    def __init__(self, pool: PagePool, batch: int, pages: int):
+        if pool.scratch_page is None:
+            raise ValueError("a fixed-shape decode step needs a pool with a scratch page")
+        self.pool = pool
+        self.batch = batch
+        self.pages = pages
+        self.span = pages * pool.page_size
+        device = pool.device
+        self.buffer = torch.zeros(batch, 2 + pages, dtype=torch.long, device=device)
+        # Two pinned staging buffers, used in turn: while the GPU runs behind the host
+        # (a step launched ahead), the copy out of one may not have run yet when the
+        # next step is loaded. Each waits for its own last copy before it is rewritten.
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(batch, 2 + pages, dtype=torch.long, pin_memory=cuda)
+                      for _ in range(2)]
+        self._copied: list[Any] = [None, None]
+        self._turn = 0
+        self.ids = self.buffer[:, 0]
+        self.lengths = self.buffer[:, 1]  # tokens already cached = the new token's position
+        self.page_table = self.buffer[:, 2:]
+        self.write_slots: torch.Tensor | None = None
+        self.read_slots: torch.Tensor | None = None
+        self.kv_lengths: torch.Tensor | None = None
+        self.rows = 0
+
+    def load(self, rows: Sequence[tuple[PageTable, int | None]],
+             ids: torch.Tensor | None = None) -> None:
+        """Host data of this step: each row's token, length and pages (padding rows:
+        the scratch page, length 0). Allocates the page a row's new token needs. With
+        `ids` (a device tensor [n], e.g. the tokens the step before sampled) the tokens
+        come from there and those in `rows` are ignored."""
+        if not 0 < len(rows) <= self.batch:
+            raise ValueError(f"{len(rows)} rows for a step of {self.batch}")
+        scratch = self.pool.scratch_page
+        data = [[0, 0] + [scratch] * self.pages for _ in range(self.batch)]
+        for row, (table, token) in zip(data, rows, strict=False):
+            table.slots(1)  # the page of the new position exists from here on
+            if len(table.pages) > self.pages:
+                raise ValueError(f"a row holds {len(table.pages)} pages, step has {self.pages}")
+            row[0], row[1] = int(token or 0), table.length
+            row[2 : 2 + len(table.pages)] = table.pages
+        turn = self._turn
+        self._turn ^= 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        staging = self._host[turn]
+        staging.copy_(torch.tensor(data, dtype=torch.long))
+        self.buffer.copy_(staging, non_blocking=True)
+        if staging.is_pinned():
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        if ids is not None:
+            self.ids[: len(rows)].copy_(ids)
+        self.rows = len(rows)
+
+    def load_padding(self) -> None:
+        """Host data of a step whose rows are all padding (the scratch page, length 0):
+        what a graph is captured from before any job needs its bucket."""
+        self.buffer.fill_(0)
+        self.page_table.fill_(self.pool.scratch_page)
+        self.rows = 0
+
+    # ---- what CausalLM.forward and the layers call --------------------------------------
+
+    def prepare(self) -> tuple[torch.Tensor, int]:
+        """Device-side derived tensors; (positions [1, B], span) for the rotary tables."""
+        size = self.pool.page_size
+        lengths = self.lengths
+        page = self.page_table.gather(1, torch.div(lengths, size, rounding_mode="floor")[:, None])
+        self.write_slots = page[:, 0] * size + lengths % size
+        offsets = torch.arange(size, device=lengths.device)
+        self.read_slots = (self.page_table[:, :, None] * size + offsets).reshape(self.batch, -1)
+        self.kv_lengths = lengths + 1
+        return lengths[None, :], self.span
+
+    def check_input(self, input_ids: torch.Tensor) -> None:
+        if tuple(input_ids.shape) != (1, self.batch):
+            raise ValueError(f"a decode step takes input_ids [1, {self.batch}], "
+                             f"got {list(input_ids.shape)}")
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               window: int | None, *, softcap: float | None = None,
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query [1, H, B, D], new key/value [1, KV, B, D] -> [1, H, B, D]: write the new
+        keys/values, then each row attends to its first `kv_lengths` positions. `sinks`
+        (gpt-oss) take the PyTorch reference: the kernel has none."""
+        pool = self.pool
+        pool.write(layer, self.write_slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        rows = query[0].transpose(0, 1)  # [B, H, D]
+        out = None if sinks is not None else kernels.paged_attention(
+            rows, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
+            pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
+            window, softcap=softcap, scale=scale)
+        if out is None:  # no kernel for this device or layout: the PyTorch reference
+            out = reference_paged_attention(rows, pool, layer, self.read_slots,
+                                            self.kv_lengths, window, softcap, scale, sinks)
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # one token per row: every row is its own last token
+
+    def advance(self, counts: Any = None) -> None:
+        """Nothing: the generator commits the tokens on the host once it knows them."""
+
+
+class DecodeRunner:
+    """Fixed-shape decode steps of one model over one page pool, by (B, P) bucket."""
+
+    def __init__(self, model: Any, pool: PagePool, max_batch: int, num_ctx: int,
+                 mode: str | None = None):
+        mode = mode or default_mode(pool.device)
+        if mode not in MODES:
+            raise ValueError(f"unknown decode mode {mode!r}; choose from {MODES}")
+        if mode == "graph" and pool.device.type != "cuda":
+            raise ValueError("CUDA graphs need a model on a CUDA device")
+        if mode != "off" and (pool.scratch_page is None
+                              or not model.prepare_decode(num_ctx + pool.page_size)):
+            mode = "off"  # e.g. dynamic NTK rope: its table changes with the length
+        self.model = model
+        self.pool = pool
+        self.mode = mode
+        self.max_batch = max_batch
+        self.max_pages = pages_for(num_ctx, pool.page_size)
+        self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool_handle: Any = None
+        self._rope_version = self._version() if mode == "graph" else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def graph_count(self) -> int:
+        return len(self._graphs)
+
+    def _version(self) -> tuple[int, int, int]:
+        """What captured graphs depend on besides their bucket: the rotary tables and the
+        model's LoRA adapters (engine/adapters/lora.py bumps `adapter_version`)."""
+        local = getattr(self.model, "local_rotary", None)
+        return (self.model.rotary.version, -1 if local is None else local.version,
+                getattr(self.model, "adapter_version", 0))
+
+    def fits(self, rows: Sequence[tuple[PageTable, int]]) -> bool:
+        """Whether these rows can run as one fixed-shape step."""
+        if not self.enabled or not 0 < len(rows) <= self.max_batch:
+            return False
+        size = self.pool.page_size
+        return all(pages_for(table.length + 1, size) <= self.max_pages for table, _ in rows)
+
+    def warm(self, keys: Sequence[tuple[int, int]] | None = None) -> int:
+        """Capture the graphs of these (B, P) buckets now (default: one row over one and
+        two pages, where a single chat starts), so a job's first tokens are not paid for
+        with captures; padding rows only touch the scratch page. Returns the graphs held."""
+        if self.mode != "graph":
+            return 0
+        adapters = getattr(self.model, "adapters", None)
+        if adapters is not None and adapters.names:
+            return 0  # graphs read the rows' adapter choice: captured with a job's selection
+        if keys is None:
+            keys = sorted({(1, 1), (1, min(2, self.max_pages))})
+        for key in keys:
+            if self.mode != "graph":
+                break  # a capture failed: decoding goes on without graphs
+            if key in self._graphs or not (0 < key[0] <= self.max_batch
+                                           and 0 < key[1] <= self.max_pages):
+                continue
+            step = self._steps.get(key)
+            if step is None:
+                step = self._steps[key] = FixedDecodeStep(self.pool, *key)
+            step.load_padding()
+            if self._capture(key, step) is None:
+                self.mode = "static"
+        return len(self._graphs)
+
+    def run(self, rows: Sequence[tuple[PageTable, int | None]],
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for `rows` [(table, token)]: logits [n, V] (float32). Each
+        row's token goes to position table.length; the caller commits it to the table
+        once it is known on the host (with `ids`, a device tensor of the tokens, the
+        step can run before that)."""
+        size = self.pool.page_size
+        needed = max(pages_for(table.length + 1, size) for table, _ in rows)
+        key = (bucket(len(rows), self.max_batch), bucket(needed, self.max_pages))
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = FixedDecodeStep(self.pool, *key)
+        step.load(rows, ids)
+        if self.mode == "graph":
+            logits = self._replay(key, step)
+        else:
+            logits = self._forward(step)
+        return logits[: len(rows)]
+
+    def _forward(self, step: FixedDecodeStep) -> torch.Tensor:
+        logits = self.model.forward(step.ids[None, :], step, last_logits_only=True)
+        return logits[0]
+
+    def _replay(self, key: tuple[int, int], step: FixedDecodeStep) -> torch.Tensor:
+        version = self._version()
+        if version != self._rope_version:  # tables rebuilt: captured pointers are stale
+            self._graphs.clear()
+            self._pool_handle = None
+            self._rope_version = version
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, step)
+            if graph is None:
+                self.mode = "static"
+                return self._forward(step)
+        graph[0].replay()
+        return graph[1]
+
+    def _capture(self, key: tuple[int, int], step: FixedDecodeStep
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Warm up on a side stream (kernels built, workspaces sized), then capture.
+        The warm-up runs the real step: its cache writes are the ones the replay makes
+        again, so running it twice changes nothing."""
+        try:
+            stream = torch.cuda.Stream(device=self.pool.device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(step)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool_handle is None:
+                self._pool_handle = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool_handle,
+                                  capture_error_mode="thread_local"):
+                logits = self._forward(step)
+        except Exception as error:  # a capture can fail in many ways: keep generating
+            print(f"exl3: CUDA graph capture failed ({type(error).__name__}: {error}); "
+                  "decoding without graphs", file=sys.stderr)
+            return None
+        self._graphs[key] = (graph, logits)
+        return self._graphs[key]
+
+
+def reference_paged_attention(query: torch.Tensor, pool: PagePool, layer: int,
+                              read_slots: torch.Tensor, kv_lengths: torch.Tensor,
+                              window: int | None, softcap: float | None = None,
+                              scale: float | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query [B, H, D] over the first kv_lengths[b] positions of `read_slots` [B, S]
+    (pages read and, for a quantized pool, dequantized): [B, H, D]."""
+    keys, values = pool.read(layer, read_slots)
+    return attend_decode(query, keys.to(query.dtype), values.to(query.dtype), kv_lengths,
+                         window, softcap=softcap, scale=scale, sinks=sinks)

@@ -1,0 +1,518 @@
+"""Continuous batching over the paged KV cache: one model, many concurrent jobs.
+
+Each `step()` runs ONE forward pass over the decode token of every running job plus
+prompt chunks of jobs still ingesting their prompt (at most `max_prefill_tokens` per
+step, so decoding jobs keep flowing while a long prompt comes in). Jobs join at any
+step (from a bounded queue, when a batch slot and their pages are free) and leave at
+any step; `cancel` frees a job's pages at once. Prompts reuse the full pages of
+earlier or running jobs with the same prefix (paged_cache.PageTable.admit).
+
+Drive it with `step()` / `run_until_done()`, by iterating job handles (which step the
+generator themselves), or from a `GeneratorThread`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from exl3cli.engine.generation.batch_sampling import batchable, sample_on_device, sample_rows
+from exl3cli.engine.generation.decode_step import DecodeRunner
+from exl3cli.engine.generation.jobs import (
+    ActiveJob,
+    GenerationJob,
+    GeneratorEvent,
+    JobHandle,
+    build_job_sampler,
+    special_stop_ids,
+)
+from exl3cli.engine.generation.speculative import VerifyingBatch, prepare_drafts
+from exl3cli.engine.kvcache.kv_quant import KVCacheType, resolve_kv_cache_type
+from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, ROOT_HASH, PagePool, PageTable, pages_for
+from exl3cli.engine.text.token_ids import check_token_ids
+from exl3cli.engine.text.tokenizer import Tokenizer
+from exl3cli.errors import ContextOverflow, GeneratorBusy, InvalidOption
+
+DEFAULT_MAX_PREFILL_TOKENS = 512
+
+
+@dataclass
+class StepReport:
+    """What one step did (for schedulers, tests and benchmarks)."""
+
+    decode_tokens: int = 0  # decoding jobs fed (one pending token each)
+    draft_tokens: int = 0  # draft tokens fed after them for verification
+    prefill_tokens: int = 0
+    jobs: int = 0
+    finished: int = 0
+    job_ids: list[int] = field(default_factory=list)  # the jobs fed in this pass
+
+
+class _Flight:
+    """A decode step on its way: its jobs (in row order), their tokens sampled on the
+    device and being copied to the host, when it started, and its report."""
+
+    def __init__(self, jobs: list[ActiveJob], tokens: torch.Tensor, start: int,
+                 report: StepReport):
+        self.jobs, self.tokens, self.start, self.report = jobs, tokens, start, report
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready: Any = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens, None
+
+    def read(self) -> list[int]:
+        """The tokens on the host (waits for this step only, not for later ones)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
+class Generator:
+    """Serves GenerationJobs with continuous batching over a PagePool.
+
+    `num_ctx` is the longest context of any job; the pool holds `num_pages` pages
+    (default: enough for `max_batch` jobs at full context). Extra pages are a prefix
+    cache: more of them keeps more finished prompts reusable.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Tokenizer,
+        *,
+        max_batch: int = 16,
+        num_ctx: int = 4096,
+        kv_cache_type: str | KVCacheType | None = None,
+        num_pages: int | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_queue: int = 256,
+        decode_mode: str | None = None,
+    ):
+        config = model.config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max(1, int(max_batch))
+        self.num_ctx = min(int(num_ctx), int(config.max_position_embeddings))
+        self.cache_type = resolve_kv_cache_type(kv_cache_type)
+        self.max_prefill_tokens = max(1, int(max_prefill_tokens))
+        self.max_queue = max_queue
+        if num_pages is None:
+            num_pages = self.max_batch * pages_for(self.num_ctx, PAGE_SIZE)
+        self.pool = PagePool(
+            num_pages, len(model.layers), config.num_kv_heads, config.head_dim,
+            model.dtype, model.device, self.cache_type,
+        )
+        # Decode-only steps: fixed shapes, replayed from CUDA graphs (decode_step.py).
+        self.decode = DecodeRunner(model, self.pool, self.max_batch, self.num_ctx, decode_mode)
+        self.decode.warm()  # one job's first graphs, captured at load rather than mid-answer
+        self.background = False  # True while a GeneratorThread runs this generator
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._queue: deque[JobHandle] = deque()
+        self._active: list[ActiveJob] = []
+        self._flight: _Flight | None = None  # a decode step whose tokens are not read yet
+        self._landed_ns = 0
+        self._next_id = 0
+        # Called with each step's report (from the stepping thread, under the lock).
+        self.step_observers: list[Callable[[StepReport], None]] = []
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    def submit(self, job: GenerationJob) -> JobHandle:
+        """Queue a job; ContextOverflow if its prompt cannot fit, GeneratorBusy if the
+        queue is full."""
+        prompt = self._fit_prompt(job)
+        if job.adapter is not None:  # an adapter the model does not hold: this job fails
+            adapters = getattr(self.model, "adapters", None)
+            if adapters is None or job.adapter not in adapters:
+                raise InvalidOption(f"adapter {job.adapter!r} is not loaded on this model")
+        with self._lock:
+            if len(self._queue) >= self.max_queue:
+                raise GeneratorBusy(f"the generator queue is full ({self.max_queue} jobs)")
+            handle = JobHandle(self, job, self._next_id, prompt)
+            self._next_id += 1
+            self._queue.append(handle)
+            self._work.notify_all()
+            return handle
+
+    def _context_of(self, job: GenerationJob) -> int:
+        # A pool smaller than one full context caps every job's context too.
+        capacity = self.pool.num_pages * self.pool.page_size
+        return min(self.num_ctx, job.num_ctx or self.num_ctx, capacity)
+
+    def _budget(self, job: GenerationJob, prompt: list[int]) -> int:
+        room = self._context_of(job) - len(prompt)
+        return room if job.num_predict < 0 else min(job.num_predict, room)
+
+    def _fit_prompt(self, job: GenerationJob) -> list[int]:
+        # Ids past the vocabulary would fail the shared batch: refuse them here, alone.
+        images = getattr(self.model, "images", None)  # image ids past the vocabulary
+        prompt = (images.check(job.prompt_ids) if images is not None else
+                  check_token_ids(job.prompt_ids, self.model.config.vocab_size, "prompt token"))
+        if not prompt:
+            raise ValueError("a generation job needs at least one prompt token")
+        context = self._context_of(job)
+        if len(prompt) < context:
+            return prompt
+        if not job.truncate:
+            raise ContextOverflow(
+                f"the prompt is {len(prompt)} tokens, which does not fit the context "
+                f"window of {context} tokens (raise num_ctx, or ask for truncate)")
+        keep = max(0, min(job.num_keep, context // 2 - 1))
+        return prompt[:keep] + prompt[len(prompt) - (context // 2 - keep):]
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop a job now: its pages go back to the pool, its last event says cancelled."""
+        with self._lock:
+            if handle.done:
+                return
+            if handle in self._queue:
+                self._queue.remove(handle)
+                self._emit(handle, [GeneratorEvent(done=True, done_reason="stop",
+                                                   cancelled=True)])
+                return
+            for active in self._active:
+                if active.handle is handle:
+                    self._retire(active, active.finish("stop", cancelled=True))
+                    return
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by every step: hold it to change the model between steps (adapters)."""
+        return self._lock
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._active or self._queue)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether a queued or running job still has prompt tokens to take in."""
+        return bool(self._queue) or any(active.prefilling for active in self._active)
+
+    @property
+    def active_jobs(self) -> int:
+        return len(self._active)
+
+    @property
+    def queued_jobs(self) -> int:
+        return len(self._queue)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> StepReport:
+        """Admit what fits, run one forward pass over all active jobs, emit events.
+
+        Decode-only steps through the fixed-shape runner keep the GPU busy while the
+        host works: a step's tokens are sampled on the device, and before they are read
+        back the next step is launched with them (when nothing else is due: no job to
+        admit, none taking a prompt, room in every job's budget); the call that reads
+        a step back is the step's report."""
+        with self._lock:
+            if self._flight is not None:
+                return self._land(self._flight)
+            self._admit()
+            report = StepReport()
+            fed = self._gather(report)
+            if not fed:
+                return report
+            report.jobs = len(fed)
+            report.job_ids = [active.handle.id for active, _ in fed]
+            start = time.perf_counter_ns()
+            if self._decode_only(fed):
+                with self._adapters_for([(active, 1) for active, _ in fed]):
+                    logits = self.decode.run([(active.table, tokens[0])
+                                              for active, tokens in fed])
+                for active, tokens in fed:
+                    active.table.commit(tokens)
+                flight = self._launch([active for active, _ in fed], logits, start, report)
+                if flight is not None:
+                    return self._land(flight)
+                rows: list[Any] = list(range(len(fed)))
+            else:
+                with self._adapters_for([(active, len(tokens)) for active, tokens in fed]):
+                    logits, rows = self._forward(fed)
+            tokens_of = self._sample(fed, logits, rows)
+            elapsed = time.perf_counter_ns() - start
+            for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
+                events = active.after_forward(tokens, None if i in tokens_of else logits[row],
+                                              elapsed, tokens_of.get(i))
+                self._deliver(active, events, report)
+            for observer in self.step_observers:
+                observer(report)
+            return report
+
+    def _gather(self, report: StepReport) -> list[tuple[ActiveJob, list[int]]]:
+        """The tokens each active job feeds this step: decoders first (they are never
+        held back), then prompt chunks up to max_prefill_tokens."""
+        room = self.max_prefill_tokens
+        fed: list[tuple[ActiveJob, list[int]]] = []
+        prepare_drafts(self._active)  # batched drafters: one draft pass for all their jobs
+        for active in self._active:
+            if not active.prefilling:
+                tokens = active.next_tokens(0)
+                if tokens:
+                    fed.append((active, tokens))
+                    report.decode_tokens += 1
+                    report.draft_tokens += len(tokens) - 1
+        for active in self._active:
+            if active.prefilling and room > 0:
+                tokens = active.next_tokens(room)
+                fed.append((active, tokens))
+                room -= len(tokens)
+                report.prefill_tokens += len(tokens)
+        return fed
+
+    def _deliver(self, active: ActiveJob, events: list[GeneratorEvent],
+                 report: StepReport) -> None:
+        if events and events[-1].done:
+            self._retire(active, events)
+            report.finished += 1
+        elif events:
+            self._emit(active.handle, events)
+
+    def _decode_only(self, fed: list[tuple[ActiveJob, list[int]]]) -> bool:
+        """Whether this step can run on the fixed-shape decode runner."""
+        if not self.decode.enabled:
+            return False
+        if any(active.prefilling or len(tokens) != 1 for active, tokens in fed):
+            return False
+        return self.decode.fits([(active.table, tokens[0]) for active, tokens in fed])
+
+    # ---- steps launched before the previous one is read back --------------------------
+
+    def _launch(self, jobs: list[ActiveJob], logits: torch.Tensor, start: int,
+                report: StepReport) -> _Flight | None:
+        """Sample a decode step's rows on the device and start copying the tokens back;
+        None when a row needs its own sampler on the host (constraints, penalties...)."""
+        if any(job.handle.job.constraint is not None for job in jobs):
+            return None
+        tokens = sample_on_device(logits, [job.sampler for job in jobs])
+        if tokens is None:
+            return None
+        return _Flight(jobs, tokens, start, report)
+
+    def _ahead_ok(self, jobs: list[ActiveJob]) -> bool:
+        """Whether the step after `jobs`' current one may start before its tokens are
+        known: the same jobs (every active one), nobody to admit or prefill, no drafts
+        or host-side samplers, room for one more token in every budget."""
+        if not jobs or {id(job) for job in jobs} != {id(job) for job in self._active}:
+            return False
+        if self._queue and len(self._active) < self.max_batch:
+            return False
+        for job in jobs:
+            # A drafting job may run ahead only while its drafting is paused (backed off).
+            drafts = job.drafter is not None and job.produced + 2 > job.backoff.paused_until
+            if job.prefilling or drafts or job.handle.job.constraint is not None:
+                return False
+            if job.produced + 2 > job.budget or not batchable(job.sampler):
+                return False
+        return self.decode.fits([(job.table, 0) for job in jobs])
+
+    def _land(self, flight: _Flight) -> StepReport:
+        """Read back `flight`'s tokens (after launching the step that follows it, when
+        it may start now) and hand them to their jobs."""
+        alive = {id(job) for job in self._active}
+        live = [i for i, job in enumerate(flight.jobs) if id(job) in alive]
+        jobs = [flight.jobs[i] for i in live]
+        following = None
+        if self._ahead_ok(jobs):
+            start = time.perf_counter_ns()
+            ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
+                0, torch.tensor(live, device=flight.tokens.device))
+            with self._adapters_for([(job, 1) for job in jobs]):
+                logits = self.decode.run([(job.table, None) for job in jobs], ids)
+            following = self._launch(jobs, logits, start, StepReport(
+                decode_tokens=len(jobs), jobs=len(jobs),
+                job_ids=[job.handle.id for job in jobs]))
+        tokens = flight.read()
+        now = time.perf_counter_ns()
+        # Steps in flight overlap: each job is charged from the later of its launch and
+        # the previous read-back, so its eval_duration is the wall time it took.
+        elapsed = now - max(flight.start, self._landed_ns)
+        self._landed_ns = now
+        report = flight.report
+        continuing = {id(job) for job in following.jobs} if following is not None else set()
+        for i in live:
+            job = flight.jobs[i]
+            events = job.after_forward([], None, elapsed, tokens[i])
+            self._deliver(job, events, report)
+            if id(job) in continuing and job.pending_token is not None:
+                job.table.commit([job.pending_token])  # already fed to the next step
+                job.pending_token = None
+        alive = {id(job) for job in self._active}
+        if following is not None and not any(id(job) in alive for job in following.jobs):
+            following = None  # every job of it ended: nothing to read back
+        self._flight = following
+        for observer in self.step_observers:
+            observer(report)
+        return report
+
+    @staticmethod
+    def _sample(fed: list[tuple[ActiveJob, list[int]]], logits: torch.Tensor,
+                rows: list[Any]) -> dict[int, int]:
+        """{index in fed: token} for the jobs whose step ends in a plain sample, drawn
+        together (batch_sampling: one read-back for the batch)."""
+        due = [i for i, (active, tokens) in enumerate(fed) if active.samples_after(tokens)]
+        if not due:
+            return {}
+        index = torch.tensor([rows[i] for i in due], device=logits.device)
+        drawn = sample_rows(logits.index_select(0, index), [fed[i][0].sampler for i in due],
+                            [fed[i][0].history for i in due])
+        return dict(zip(due, drawn, strict=True))
+
+    def _forward(self, fed: list[tuple[ActiveJob, list[int]]]) -> tuple[torch.Tensor, list[Any]]:
+        """One forward pass over the fed tokens: (logits, the logits row of each job:
+        an index, or a slice of 1 + k rows for a job verifying k drafts)."""
+        decode = [(active.table, tokens[0]) for active, tokens in fed
+                  if not active.prefilling and len(tokens) == 1]
+        if len(decode) == len(fed) and self.decode.fits(decode):
+            return self.decode.run(decode), list(range(len(fed)))
+        tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
+        verifying = [active.verifying for active, _ in fed]
+        if any(verifying):
+            batch = VerifyingBatch(self.pool, tables, token_lists, verifying)
+            rows: list[Any] = [r if v else r.start
+                               for r, v in zip(batch.output_rows, verifying, strict=True)]
+        else:
+            batch = PagedBatch(self.pool, tables, token_lists)
+            rows = list(range(len(fed)))
+        input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]],
+                                 dtype=torch.long, device=self.model.device)
+        return self.model.forward(input_ids, batch, last_logits_only=True)[0], rows
+
+    @contextlib.contextmanager
+    def _adapters_for(self, rows: list[tuple[ActiveJob, int]]) -> Iterator[None]:
+        """Around a forward: tell the model's LoRA adapters (engine/adapters/lora.py), if it has
+        any, which one each row uses: (job, its token count), in input order."""
+        adapters = getattr(self.model, "adapters", None)
+        if adapters is None:
+            yield
+            return
+        adapters.select_rows([active.handle.job.adapter for active, _ in rows],
+                             [count for _, count in rows])
+        try:
+            yield
+        finally:
+            adapters.release()
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of queued and running jobs (not to be unloaded under them)."""
+        with self._lock:
+            jobs = [h.job for h in self._queue] + [a.handle.job for a in self._active]
+            return {job.adapter for job in jobs if job.adapter is not None}
+
+    def run_until_done(self) -> None:
+        """Step until every submitted job has finished."""
+        while self.has_work:
+            self.step()
+
+    def _admit(self) -> None:
+        while self._queue and len(self._active) < self.max_batch:
+            handle = self._queue[0]
+            job = handle.job
+            prompt = handle.prompt
+            budget = self._budget(job, prompt)
+            adapters = getattr(self.model, "adapters", None)
+            table = PageTable(self.pool, ROOT_HASH if adapters is None
+                              else adapters.root_hash(job.adapter))
+            if not table.admit(prompt, len(prompt) + budget):
+                return  # wait for running jobs to free pages (the first job always fits)
+            self._queue.popleft()
+            stops = [s for s in job.stop if s]
+            eos = special_stop_ids(self.tokenizer, stops)
+            if not job.ignore_eos:
+                eos |= set(self.tokenizer.eos_token_ids)
+            # Constrained jobs decode plainly: their mask is stateful, one token at a time.
+            drafter = job.drafter if job.constraint is None else None
+            self._active.append(ActiveJob(
+                handle=handle, table=table, prompt=prompt, sampler=build_job_sampler(job),
+                budget=budget, eos_ids=eos, tokenizer=self.tokenizer, stops=stops,
+                drafter=drafter, draft_tokens=job.draft_tokens,
+                keep_together=images.runs(prompt) if (images := getattr(
+                    self.model, "images", None)) is not None else [],
+            ))
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every queued and running job with `error` (re-raised by their handles)."""
+        with self._lock:
+            self._flight = None
+            for handle in list(self._queue):
+                handle.error = error
+            for active in self._active:
+                active.handle.error = error
+            for handle in list(self._queue) + [a.handle for a in self._active]:
+                self.cancel(handle)
+
+    def _retire(self, active: ActiveJob, events: list[GeneratorEvent]) -> None:
+        active.table.free()
+        release = getattr(active.drafter, "release", None)
+        if release is not None:  # a draft model's cache for this job
+            release()
+        self._active.remove(active)
+        self._emit(active.handle, events)
+
+    @staticmethod
+    def _emit(handle: JobHandle, events: list[GeneratorEvent]) -> None:
+        for event in events:
+            if event.done:
+                handle.final = event
+            handle.events.put(event)
+
+
+class GeneratorThread:
+    """Runs a Generator's steps on a daemon thread while it has work.
+
+    Use as a context manager, or start()/stop(). While it runs, handles block on their
+    event queues instead of stepping the generator themselves.
+    """
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> GeneratorThread:
+        self.generator.background = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="exl3-generator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.generator._work:
+            self._stop = True
+            self.generator._work.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self.generator.background = False
+
+    def _run(self) -> None:
+        generator = self.generator
+        while True:
+            with generator._work:
+                while not self._stop and not generator.has_work:
+                    generator._work.wait()
+                if self._stop:
+                    return
+            try:
+                generator.step()
+            except Exception as error:  # a failed step must not leave consumers waiting
+                generator.fail_all(error)
+
+    def __enter__(self) -> GeneratorThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

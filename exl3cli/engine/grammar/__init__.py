@@ -1,0 +1,1 @@
+"""Structured output: JSON and JSON-schema constraints as a byte-level automaton."""

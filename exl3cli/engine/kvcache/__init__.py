@@ -1,0 +1,2 @@
+"""The paged key/value cache: page pool and tables, quantized pages, attention over pages
+and the attention arithmetic it shares with the layers."""

@@ -1,0 +1,223 @@
+"""The fused decode path of one pre-norm layer with EXL3 linears on the GPU.
+
+``DecoderLayer`` runs a layer as about 45 kernels per token: three per linear (input
+Hadamard, GEMM, output Hadamard), and the norms, rotary, SiLU, products and residual
+adds between them. At batch 1 every kernel is a few microseconds of launch and
+latency, so those small kernels cost as much as the weights' bandwidth. Here one
+layer is eleven launches plus the cache write and attention:
+
+    norm + suh + H (q, k, v)   | GEMM (q, k, v)   | H + svh + bias + rotary (q, k, v)
+    attention (``Attention.attend``: the cache write, then paged attention)
+    suh + H (o)                | GEMM (o)         | H + svh + bias + residual
+    norm + suh + H (gate, up)  | GEMM (gate, up)  | H + svh + act(gate) * up + suh + H (down)
+    GEMM (down)                | H + svh + bias + residual
+
+with the kernels of ``exl3cli.ops.layer_kernels`` (their PyTorch twins on CPU, which is
+how the CPU tests check this module against ``DecoderLayer``). Every rounding to the
+activation dtype happens where the unfused path rounds.
+
+Public API:
+- ``FusedDecodeLayer.of(layer, force=False) -> FusedDecodeLayer | None``: the plan
+  for a plain pre-norm layer (RMSNorm, no q/k norm or position query scale, no sandwich
+  norms, a gated MLP with SiLU or tanh-GELU, every linear an ``Exl3Linear`` in trellis
+  mode), or None.
+  Without ``force`` it also needs CUDA kernels and ``EXL3_FUSED_LAYER`` not "0".
+- ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device) and
+  ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from exl3cli.engine.layers.attention import Attention, AttentionStep
+from exl3cli.engine.layers.linear import Exl3Linear, FusedLinear, Linear
+from exl3cli.engine.layers.mlp import GatedMLP
+from exl3cli.engine.layers.norm import RMSNorm
+from exl3cli.ops import cuda_kernels as kernels
+from exl3cli.ops import layer_kernels
+from exl3cli.ops.reference import apply_rotary
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+class _Parts(NamedTuple):
+    """Projections of one input, run as one launch per step."""
+
+    trellises: list[torch.Tensor]
+    pres: list[torch.Tensor]
+    posts: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    widths: list[int]  # logical output columns
+    k2: int
+    codebook: str
+    pad_in: int
+    splits: dict[int, int]  # by row count, filled on first use
+
+    @staticmethod
+    def of(layers: list[Linear]) -> _Parts | None:
+        if not layers or not all(isinstance(p, Exl3Linear) and p.mode == "trellis"
+                                  for p in layers):
+            return None
+        parts: list[Exl3Linear] = layers  # type: ignore[assignment]
+        k2s = {kernels._k2(p.k) for p in parts}
+        if len(k2s) != 1 or len({p.codebook for p in parts}) != 1:
+            return None
+        if len({p.padded_in for p in parts}) != 1 or any(p.padded_out % 128 for p in parts):
+            return None
+        if parts[0].padded_in % 128:
+            return None
+        return _Parts(
+            trellises=[p.trellis.contiguous() for p in parts],
+            pres=[_f32(p, "suh") for p in parts], posts=[_f32(p, "svh") for p in parts],
+            biases=[None if p.bias is None else p.bias.float().contiguous() for p in parts],
+            widths=[p.out_features for p in parts], k2=k2s.pop(), codebook=parts[0].codebook,
+            pad_in=parts[0].padded_in, splits={})
+
+    def gemm(self, xhs: list[torch.Tensor]) -> list[torch.Tensor]:
+        rows = xhs[0].shape[0]
+        splits = self.splits.get(rows)
+        if splits is None:
+            device = self.trellises[0].device
+            kb, nb = self.trellises[0].shape[0], sum(t.shape[1] for t in self.trellises)
+            splits = (kernels.choose_splits(kb, nb, device, rows=rows)
+                      if device.type == "cuda" else 1)
+            self.splits[rows] = splits
+        return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook, splits)
+
+
+def _f32(layer: Exl3Linear, name: str) -> torch.Tensor:
+    cached = getattr(layer, f"{name}32", None)  # made at load on CUDA
+    return cached if cached is not None else getattr(layer, name).float().contiguous()
+
+
+def _split(linear: Linear) -> list[Linear]:
+    return list(linear.parts) if isinstance(linear, FusedLinear) else [linear]
+
+
+def _plain_norm(norm: nn.Module) -> bool:
+    return type(norm) is RMSNorm and norm.weight.dim() == 1
+
+
+class FusedDecodeLayer:
+    """See the module docstring."""
+
+    def __init__(self, layer: nn.Module, qkv: _Parts, o: _Parts, gate_up: _Parts,
+                 down: _Parts, activation: str):
+        self.attention: Attention = layer.attention
+        self.norm1 = layer.input_norm
+        self.norm2 = layer.post_attention_norm
+        self.norm1_weight = self.norm1.weight.float().contiguous()
+        self.norm2_weight = self.norm2.weight.float().contiguous()
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.activation = activation
+        self.device = qkv.trellises[0].device
+        attention = self.attention
+        heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        self.qkv_width = (heads + 2 * kv_heads) * dim
+        # Columns of each q/k/v part that rotate: the first (heads + kv_heads) * dim.
+        rotating, start = (heads + kv_heads) * dim, 0
+        self.rope_cols = []
+        for width in qkv.widths:
+            self.rope_cols.append(max(0, min(width, rotating - start)))
+            start += width
+        self.fused_rope = attention.rope and dim in (64, 128)
+
+    @staticmethod
+    def of(layer: nn.Module, force: bool = False) -> FusedDecodeLayer | None:
+        attention, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
+        if type(attention) is not Attention or type(mlp) is not GatedMLP:
+            return None  # a subclass may compute what Attention.forward does differently
+        if getattr(layer, "attention_out_norm", None) is not None or attention.qk_norm is not None:
+            return None
+        if getattr(attention, "position_query_scale", None) is not None:
+            return None  # Ministral 3's per-position query scale lives in Attention.forward
+        if not (_plain_norm(layer.input_norm) and _plain_norm(layer.post_attention_norm)):
+            return None
+        activation = _ACTIVATIONS.get(mlp.activation)
+        if activation is None:
+            return None
+        qkv, o = _Parts.of(_split(attention.qkv)), _Parts.of([attention.o])
+        gate_up, down = _Parts.of(_split(mlp.gate_up)), _Parts.of([mlp.down])
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        if sum(qkv.widths) != (heads + 2 * kv_heads) * dim or len(gate_up.widths) != 2:
+            return None
+        inter = gate_up.widths[0]
+        if (gate_up.widths[1] != inter or down.pad_in != _padded_out(mlp.gate_up)
+                or o.pad_in < heads * dim):
+            return None
+        if not force:
+            if os.environ.get("EXL3_FUSED_LAYER", "1") == "0":
+                return None
+            if qkv.trellises[0].device.type != "cuda" or not kernels.available():
+                return None
+        return FusedDecodeLayer(layer, qkv, o, gate_up, down, activation)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        rows = x.shape[0] * x.shape[1]
+        return 1 <= rows <= kernels.FUSED_MAX_ROWS and x.device == self.device
+
+    def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        batch, steps, hidden = x.shape
+        rows = batch * steps
+        x2 = x.reshape(rows, hidden)
+        attended = self._attention(x2, step, batch, steps)
+        h = x2.new_empty(rows, hidden)
+        self._project(self.o, layer_kernels.norm_hadamard(
+            attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2)
+        mlp = self.gate_up
+        xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
+                                             self.norm2.unit_offset, mlp.pres, mlp.pad_in)
+        gate, up = mlp.gemm([xg, xu])
+        xd = layer_kernels.glu_hadamard(gate, up, mlp.posts[0], mlp.posts[1], mlp.biases[0],
+                                        mlp.biases[1], mlp.widths[0], self.activation,
+                                        self.down.pres[0], x.dtype)
+        out = x2.new_empty(rows, hidden)
+        self._project(self.down, [xd], [out], residual=h)
+        return out.view(batch, steps, hidden)
+
+    def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int,
+                   steps: int) -> torch.Tensor:
+        """q/k/v from the normed input (rotated in the output kernel), the cache write and
+        attention: the o projection's input (rows, heads * head_dim)."""
+        attention = self.attention
+        heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        rows = x2.shape[0]
+        xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
+                                          self.norm1.unit_offset, self.qkv.pres,
+                                          self.qkv.pad_in)
+        qkv = x2.new_empty(rows, self.qkv_width)
+        outs, start = [], 0
+        for width in self.qkv.widths:
+            outs.append(qkv[:, start : start + width])
+            start += width
+        cos = sin = None
+        rope_cols = [0] * len(outs)
+        if attention.rope:
+            cos4, sin4 = step.rope(attention.local_rope)
+            if self.fused_rope:
+                cos, sin = cos4.reshape(rows, dim), sin4.reshape(rows, dim)
+                rope_cols = self.rope_cols
+        layer_kernels.hadamard_out(self.qkv.gemm(xhs), self.qkv.posts, self.qkv.biases, outs,
+                                   rope_cols, cos=cos, sin=sin, head_dim=dim if cos is not None else 0)
+        qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
+        qk = qkv4[:, :, : heads + kv_heads]
+        if attention.rope and not self.fused_rope:
+            qk = apply_rotary(qk, cos4, sin4)
+        return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1)
+
+    def _project(self, parts: _Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
+                 residual: torch.Tensor | None = None) -> None:
+        layer_kernels.hadamard_out(parts.gemm(xhs), parts.posts, parts.biases, outs,
+                                   [0] * len(outs), residual=residual)
+
+
+def _padded_out(linear: Any) -> int:
+    parts = _split(linear)
+    return parts[0].padded_out if isinstance(parts[0], Exl3Linear) else -1

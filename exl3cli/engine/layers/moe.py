@@ -1,0 +1,196 @@
+"""Mixture-of-experts MLP: a router picks `top_k` experts per token, each a gated MLP.
+
+Tokens are grouped by expert: the (token, expert) pairs are sorted by expert, each
+expert runs one batched forward over the rows routed to it (a loop over the experts
+that received tokens, never over tokens), and the weighted outputs are scattered back
+with one index_add. Experts and the router are `Linear`s (dense or EXL3, see
+engine/layers/linear.py), so quantized experts decode exactly like any other layer. An
+optional shared expert runs on every token, scaled by sigmoid(x . w) when the family
+gates it (Qwen2-MoE).
+
+Public API:
+- ``Router(gate, top_k, scoring="softmax", normalize=True, score_bias=None,
+  n_group=1, topk_group=1, scale=1.0)``: ``forward(rows[N, H]) -> (weights[N, k]
+  float32, experts[N, k] long)``.
+- ``MoEMLP(router, experts, shared=None, shared_gate=None)``: ``forward(x[..., H])``;
+  ``last_counts`` holds the tokens each expert received in the latest grouped call;
+  ``stack_experts()`` turns on the sync-free path for decode-sized calls
+  (moe_decode.py).
+- ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
+  block as a family's MoESpec describes it (the loader and the converter use it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from exl3cli.engine.layers.linear import Linear
+from exl3cli.engine.layers.mlp import GatedMLP
+from exl3cli.engine.layers.moe_decode import SYNC_FREE_MAX_PAIRS, StackedExperts
+from exl3cli.engine.spec.architecture import MoESpec
+from exl3cli.engine.spec.config import ModelConfig
+from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
+
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+
+
+class Router(nn.Module):
+    """Expert choice and weights per token (module docstring; MoESpec for `scoring`)."""
+
+    def __init__(self, gate: Linear, top_k: int, scoring: str = "softmax",
+                 normalize: bool = True, score_bias: torch.Tensor | None = None,
+                 n_group: int = 1, topk_group: int = 1, scale: float = 1.0):
+        super().__init__()
+        if scoring not in SCORINGS:
+            raise UnsupportedArchitecture(f"unsupported router scoring {scoring!r}")
+        num_experts = gate.out_features
+        if not 1 <= top_k <= num_experts:
+            raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{num_experts}")
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ModelLoadError(f"cannot route {num_experts} experts in {n_group} groups "
+                                 f"keeping {topk_group}")
+        self.gate = gate
+        self.top_k = top_k
+        self.scoring = scoring
+        self.normalize = normalize
+        self.register_buffer("score_bias", None if score_bias is None else score_bias.float(),
+                             persistent=False)
+        self.n_group, self.topk_group = n_group, topk_group
+        self.scale = scale
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.out_features
+
+    def forward(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(rows).float()
+        if self.scoring == "topk_softmax":
+            biased = logits if self.score_bias is None else logits + self.score_bias
+            top, experts = torch.topk(biased, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1) * self.scale, experts
+        scores = torch.softmax(logits, dim=-1) if self.scoring == "softmax" else logits.sigmoid()
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        if self.n_group > 1:
+            choice = self._keep_best_groups(choice)
+        experts = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (
+                1e-20 if self.scoring == "sigmoid" else 0.0))
+        return weights * self.scale if self.scale != 1.0 else weights, experts
+
+    def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Grouped top-k: a group scores the sum of its two best experts; experts outside
+        the `topk_group` best groups are never chosen."""
+        rows = choice.shape[0]
+        grouped = choice.view(rows, self.n_group, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        best = group_scores.topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(rows, -1)
+
+
+class MoEMLP(nn.Module):
+    """Routed experts (+ an optional shared expert), see the module docstring."""
+
+    def __init__(self, router: Router, experts: list[GatedMLP],
+                 shared: GatedMLP | None = None, shared_gate: Linear | None = None):
+        super().__init__()
+        if len(experts) != router.num_experts:
+            raise ModelLoadError(f"router scores {router.num_experts} experts, "
+                                 f"{len(experts)} given")
+        self.router = router
+        self.experts = nn.ModuleList(experts)
+        self.shared = shared
+        self.shared_gate = shared_gate
+        self.last_counts: list[int] = []
+        self.stacked: StackedExperts | None = None  # see stack_experts
+
+    def stack_experts(self) -> bool:
+        """Stack the experts' dense weights (a second copy) so that decode-sized calls
+        run without host syncs (moe_decode.py); False when some expert has none."""
+        self.stacked = StackedExperts.of(list(self.experts))  # type: ignore[arg-type]
+        return self.stacked is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        weights, chosen = self.router(rows)
+        if self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
+            out = self.stacked(rows, weights, chosen)
+        else:
+            out = self._routed(rows, weights, chosen)
+        if self.shared is not None:
+            shared = self.shared(rows)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(rows))
+            out = out + shared
+        return out.view(shape)
+
+    def _routed(self, rows: torch.Tensor, weights: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's experts of weight * expert(token), grouped by expert."""
+        top_k = chosen.shape[1]
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // top_k  # the row each sorted (token, expert) pair reads
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        self.last_counts = counts
+        picked = rows.index_select(0, token)
+        outputs = torch.empty_like(picked)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                outputs[start : start + count] = expert(picked[start : start + count])
+                start += count
+        scaled = outputs * weights.reshape(-1)[order, None].to(outputs.dtype)
+        return torch.zeros_like(rows).index_add_(0, token, scaled)
+
+
+LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
+
+
+def build_moe_mlp(config: ModelConfig, moe: MoESpec, i: int,
+                  tensor: Callable[[str], torch.Tensor], linear: LinearFactory,
+                  activation: str, bias: bool = False) -> MoEMLP:
+    """Layer `i`'s experts, router and shared expert, named as `moe` says; linears come
+    from `linear(prefixes, [(in, out)], bias)` (gate and up fused per expert)."""
+    raw, hidden = config.raw, config.hidden_size
+    num_experts = moe.num_experts(config)
+    size = int(raw.get(moe.expert_size_key) or 0)
+    if num_experts < 1 or size < 1:
+        raise ModelLoadError(f"config.json needs {moe.experts_keys[0]} and {moe.expert_size_key} "
+                             "for a mixture-of-experts model")
+
+    act = moe.activation or activation
+    clamp = {"limit": float(raw.get("swiglu_limit") or 7.0),
+             "alpha": float(raw.get("swiglu_alpha") or 1.702)}
+
+    def gated(names: tuple[str, str, str], width: int, **index: int) -> GatedMLP:
+        gate, up, down = (n.format(i=i, **index) for n in names)
+        gate_up = linear([gate, up], [(hidden, width), (hidden, width)], bias)
+        return GatedMLP(gate_up, linear([down], [(width, hidden)], bias), act, **clamp)
+
+    experts = [gated((moe.gate_proj, moe.up_proj, moe.down_proj), size, e=e)
+               for e in range(num_experts)]
+    normalize = moe.normalize
+    if moe.normalize_key is not None and raw.get(moe.normalize_key) is not None:
+        normalize = bool(raw[moe.normalize_key])
+    router = Router(
+        linear([moe.router.format(i=i)], [(hidden, num_experts)], moe.router_bias),
+        moe.top_k(config), moe.scoring, normalize,
+        tensor(moe.score_bias.format(i=i)) if moe.score_bias else None,
+        int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1),
+        float(raw.get("routed_scaling_factor") or 1.0),
+    )
+    shared = shared_gate = None
+    width = moe.shared_size(config)
+    if width and moe.shared_gate_proj and moe.shared_up_proj and moe.shared_down_proj:
+        shared = gated((moe.shared_gate_proj, moe.shared_up_proj, moe.shared_down_proj), width)
+        if moe.shared_expert_gate:
+            shared_gate = linear([moe.shared_expert_gate.format(i=i)], [(hidden, 1)], False)
+    return MoEMLP(router, experts, shared, shared_gate)
+

@@ -1,0 +1,378 @@
+"""Build a CausalLM from a Hugging Face model folder."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from exl3cli.engine.layers.attention import Attention
+from exl3cli.engine.layers.cpu_exl3 import compressed_linear
+from exl3cli.engine.layers.fused_experts import split_fused_experts
+from exl3cli.engine.layers.linear import (
+    CPU_WEIGHT_MODES,
+    DenseLinear,
+    Linear,
+    fuse_linears,
+    load_linear,
+    pack_for_cpu,
+    permute_outputs,
+    scale_outputs,
+)
+from exl3cli.engine.layers.mla import HeadSlice, LatentQKV, mla_softmax_scale
+from exl3cli.engine.layers.mlp import GatedMLP
+from exl3cli.engine.layers.moe import MoEMLP, build_moe_mlp
+from exl3cli.engine.layers.norm import FullWidthQKNorm, LayerNorm, RMSNorm
+from exl3cli.engine.layers.offload import offload_linear
+from exl3cli.engine.layers.rope import rope_permutation, rotary_dim
+from exl3cli.engine.models.blocks import ParallelDecoderLayer
+from exl3cli.engine.models.causal_lm import CausalLM, DecoderLayer
+from exl3cli.engine.models.placement import (
+    DEFAULT_NUM_CTX,
+    cpu_budget,
+    estimate_memory,
+    gpu_budget,
+    plan_placement,
+)
+from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.spec.architecture import (
+    SLIDING_ATTENTION,
+    ArchitectureSpec,
+    TensorNames,
+    get_architecture,
+    load_family_config,
+)
+from exl3cli.engine.spec.config import ModelConfig
+from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
+from exl3cli.ops import cpu_kernels
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The checkpoint's dtype on GPU; on CPU bfloat16 for bf16 checkpoints, else float32."""
+    stored = _DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.float32)
+    if device.type == "cpu":
+        return torch.bfloat16 if stored == torch.bfloat16 else torch.float32
+    return stored
+
+
+# "exl3": EXL3 layers keep their packed trellis (engine/layers/cpu_exl3.py), dense ones are
+# packed as "fp32" packs them.
+LOADER_CPU_WEIGHT_MODES = (*CPU_WEIGHT_MODES, "exl3")
+
+
+def resolve_cpu_weights(cpu_weights: str | None, device: torch.device,
+                        dtype: torch.dtype) -> str | None:
+    """How linear weights are held on CPU: ``cpu_weights``, else ``EXL3_CPU_WEIGHTS``,
+    else "exl3" (the default when the CPU kernels are built; EXL3 layers keep their
+    packed trellis, decoded inside the matmul, for any activation dtype; dense layers
+    packed as "fp32"; bench/NOTES-cpu-exl3.md). "fp32" (exact; packed for the decode
+    kernel), "bf16" and "int8" dequantize EXL3 layers at load and need float32
+    activations (bench/NOTES.md). None (plain F.linear) off the CPU, for other
+    activation dtypes, or when asked for with "off"."""
+    mode = cpu_weights or os.environ.get("EXL3_CPU_WEIGHTS", "") or "default"
+    if mode == "default":  # memory first: EXL3 at its file size, dense layers as fp32
+        mode = "exl3" if cpu_kernels.available() else "fp32"
+    if mode != "off" and mode not in LOADER_CPU_WEIGHT_MODES:
+        raise InvalidOption(f"cpu weights must be one of {', '.join(LOADER_CPU_WEIGHT_MODES)} "
+                            f"or off, got {mode!r}")
+    if mode == "off" or device.type != "cpu":
+        return None
+    if mode == "exl3":  # any activation dtype: the kernel computes in float32
+        return mode
+    if dtype != torch.float32:
+        return None
+    if mode == "fp32" and not cpu_kernels.available():
+        return None  # without the kernel, F.linear on the plain matrix is the faster path
+    return mode
+
+
+def load_causal_lm(
+    folder: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    linear_mode: str | None = None,
+    cpu_weights: str | None = None,
+    gpu_layers: int | None = None,
+    num_ctx: int | None = None,
+) -> CausalLM:
+    """Load the model in `folder`; ModelLoadError / UnsupportedArchitecture on failure.
+
+    EXL3 layers are dequantized at load on CPU and decoded in forward on CUDA;
+    `linear_mode` ("dense" or "trellis") forces one way (see engine/layers/linear.py).
+    `cpu_weights` ("fp32", "bf16", "int8", "exl3", "off"): see `resolve_cpu_weights`.
+    Memory is planned first (engine/models/placement.py): `gpu_layers` (Ollama's num_gpu; None
+    or -1: as many as fit) decoder layers on the device, the rest offloaded to the CPU;
+    a load that cannot fit `num_ctx` tokens of cache refuses. The plan is
+    `model.placement`."""
+    config = load_family_config(folder)
+    spec = get_architecture(config.architecture)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(config, device)
+    reader = split_fused_experts(WeightReader(folder), config, spec)
+    packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    expand = None
+    if device.type == "cpu" and (packing != "exl3" or linear_mode == "dense") \
+            and linear_mode != "trellis":
+        expand = {"bf16": 2, "int8": 1}.get(packing or "", torch.finfo(dtype).bits // 8)
+    estimate = estimate_memory(folder, config, dtype, num_ctx or DEFAULT_NUM_CTX, expand)
+    placement = plan_placement(estimate, gpu_budget(device), cpu_budget(), gpu_layers)
+    if placement.gpu_layers == 0 and device.type != "cpu":  # num_gpu 0: all on the CPU
+        device = torch.device("cpu")
+        dtype = default_dtype(config, device)
+    model = build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
+                            cpu_weights=cpu_weights, offload_from=placement.gpu_layers)
+    model.placement = placement
+    return model
+
+
+LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
+
+
+def build_decoder_layer(
+    config: ModelConfig,
+    spec: ArchitectureSpec,
+    names: TensorNames,
+    i: int,
+    layer_type: str,
+    tensor: Callable[[str], torch.Tensor],
+    linear: LinearFactory,
+) -> DecoderLayer:
+    """Layer `i` as `spec` describes it: norms read through `tensor(name)`, projections
+    made by `linear(module prefixes, [(in, out)], bias)` (fused when several). The
+    loader and the quantizer's calibration forward both build layers here, so the
+    activations a model is calibrated on are the ones it computes."""
+
+    def norm(name: str) -> RMSNorm | LayerNorm:
+        return family_norm(config, spec, tensor(name))
+
+    def pre_norm(name: str) -> nn.Module:  # post-norm families have none
+        return nn.Identity() if spec.post_norm else norm(name)
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    if spec.mla:
+        qkv, o_proj = _latent_attention(config, names, i, tensor, linear, norm)
+    elif names.qkv_fused:  # one stored [q | k | v] matrix
+        qkv = linear([names.qkv_fused.format(i=i)], [(hidden, q_size + 2 * kv_size)],
+                     spec.qkv_bias)
+    else:
+        qkv = linear(
+            [n.format(i=i) for n in (names.q_proj, names.k_proj, names.v_proj)],
+            [(hidden, q_size), (hidden, kv_size), (hidden, kv_size)], spec.qkv_bias,
+        )
+    if not spec.mla:
+        o_proj = linear([names.o_proj.format(i=i)], [(q_size, hidden)], spec.o_bias)
+    head_order = None if spec.mla else _head_order(config, spec)
+    if head_order is not None:
+        qkv = permute_outputs(qkv, _qkv_order(config, head_order))
+    qk_norm: RMSNorm | FullWidthQKNorm | None = None
+    if spec.uses_qk_norm(config) and spec.qk_norm == "rms_full":
+        qk_norm = FullWidthQKNorm(tensor(names.q_norm.format(i=i)),
+                                  tensor(names.k_norm.format(i=i)), config.num_heads,
+                                  config.rms_norm_eps)
+    elif spec.uses_qk_norm(config):
+        # One [q heads + kv heads, head_dim] weight so q and k normalise in one op
+        # (Cohere's per-head LayerNorm weights are already [heads, head_dim]).
+        weight = torch.cat([
+            tensor(names.q_norm.format(i=i)).expand(config.num_heads, -1),
+            tensor(names.k_norm.format(i=i)).expand(config.num_kv_heads, -1),
+        ])
+        if head_order is not None:
+            weight = weight[:, head_order.to(weight.device)].contiguous()
+        qk_norm = family_norm(config, spec, weight)
+    sliding = layer_type == SLIDING_ATTENTION
+    scale = (None if config.query_pre_attn_scalar is None
+             else float(config.query_pre_attn_scalar) ** -0.5)
+    if spec.mla:
+        scale = mla_softmax_scale(config.raw, config.head_dim)
+    attention = Attention(
+        i, qkv, o_proj, config.num_heads, config.num_kv_heads,
+        config.head_dim, qk_norm, config.sliding_window if sliding else None, scale=scale,
+        softcap=config.attn_logit_softcapping,
+        # Only when the config gives sliding layers a rope of their own (Gemma 3).
+        local_rope=config.sliding_rope_theta is not None and sliding,
+        rope=spec.layer_uses_rope(config, i) and not (
+            spec.global_layers_without_rope and config.sliding_window is not None
+            and not sliding),
+        sinks=tensor(names.sinks.format(i=i)).float() if spec.attention_sinks else None,
+        position_query_scale=_position_query_scale(config),
+    )
+    act = config.hidden_act or spec.activation
+    mlp: GatedMLP | MoEMLP
+    if spec.moe is not None and spec.moe.is_sparse(config, i):
+        mlp = build_moe_mlp(config, spec.moe, i, tensor, linear, act, spec.mlp_bias)
+    else:
+        gate_up = (
+            linear([names.gate_up_fused.format(i=i)], [(hidden, 2 * inter)], spec.mlp_bias)
+            if names.gate_up_fused else linear(
+                [names.gate_proj.format(i=i), names.up_proj.format(i=i)],
+                [(hidden, inter), (hidden, inter)], spec.mlp_bias,
+            )
+        )
+        down = linear([names.down_proj.format(i=i)], [(inter, hidden)], spec.mlp_bias)
+        mlp = GatedMLP(gate_up, down, act)
+    if spec.parallel_block:
+        return ParallelDecoderLayer(norm(names.input_norm.format(i=i)), attention, mlp)
+    sandwich = ((norm(names.attention_out_norm.format(i=i)),
+                 norm(names.mlp_out_norm.format(i=i))) if spec.sandwich_norm else (None, None))
+    return DecoderLayer(
+        pre_norm(names.input_norm.format(i=i)), attention,
+        pre_norm(names.post_attention_norm.format(i=i)), mlp, *sandwich,
+    )
+
+
+def _latent_attention(config: ModelConfig, names: TensorNames, i: int,
+                      tensor: Callable[[str], torch.Tensor], linear: LinearFactory,
+                      norm: Callable[[str], nn.Module]) -> tuple[LatentQKV, HeadSlice]:
+    """Layer `i`'s multi-head latent attention as a qkv projection and an o_proj
+    (engine/layers/mla.py: keys and values expanded per head before caching)."""
+    raw, hidden, heads = config.raw, config.hidden_size, config.num_heads
+    nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    v_dim = int(raw.get("v_head_dim") or nope)
+    rank, q_rank = int(raw["kv_lora_rank"]), raw.get("q_lora_rank")
+    bias = bool(raw.get("attention_bias"))
+    q_width = heads * (nope + rope)
+    q = q_a = q_norm = q_b = None
+    if q_rank:
+        q_a = linear([names.q_a_proj.format(i=i)], [(hidden, int(q_rank))], bias)
+        q_norm = norm(names.q_a_norm.format(i=i))
+        q_b = linear([names.q_b_proj.format(i=i)], [(int(q_rank), q_width)], False)
+    else:
+        q = linear([names.q_proj.format(i=i)], [(hidden, q_width)], False)
+    qkv = LatentQKV(
+        q, q_a, q_norm, q_b,
+        linear([names.kv_a_proj.format(i=i)], [(hidden, rank + rope)], bias),
+        norm(names.kv_a_norm.format(i=i)),
+        linear([names.kv_b_proj.format(i=i)], [(rank, heads * (nope + v_dim))], False),
+        heads, nope, rope, v_dim, bool(raw.get("rope_interleave", True)),
+    )
+    o = linear([names.o_proj.format(i=i)], [(heads * v_dim, hidden)], bias)
+    return qkv, HeadSlice(o, heads, nope + rope, v_dim)
+
+
+def _position_query_scale(config: ModelConfig) -> tuple[float, float] | None:
+    """(beta, length) of Ministral 3's position-dependent query scale (its rope
+    parameters' llama_4_scaling_beta), or None."""
+    beta = config.rope_scaling.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    length = config.rope_scaling.get("original_max_position_embeddings")
+    if not length:
+        raise ModelLoadError("llama_4_scaling_beta needs original_max_position_embeddings")
+    return float(beta), float(length)
+
+
+def family_norm(config: ModelConfig, spec: ArchitectureSpec,
+                weight: torch.Tensor) -> RMSNorm | LayerNorm:
+    """The family's norm with `weight`: RMSNorm, or LayerNorm (Cohere, whose
+    config.json names the epsilon layer_norm_eps)."""
+    if spec.norm == "layer":
+        return LayerNorm(weight, float(config.raw.get("layer_norm_eps") or 1e-5))
+    return RMSNorm(weight, config.rms_norm_eps, unit_offset=spec.norm_unit_offset)
+
+
+def _head_order(config: ModelConfig, spec: ArchitectureSpec) -> torch.Tensor | None:
+    """How q/k head dimensions are reordered for the engine's rope (rope.py), or None
+    when the checkpoint's order is already the engine's."""
+    rotary = rotary_dim(config.head_dim, config.rope_scaling)
+    if rotary == config.head_dim and not spec.rope_interleaved:
+        return None
+    return rope_permutation(config.head_dim, rotary, spec.rope_interleaved)
+
+
+def _qkv_order(config: ModelConfig, head_order: torch.Tensor) -> torch.Tensor:
+    """`head_order` applied to every q and k head of the fused [q | k | v] output."""
+    dim, rotated = config.head_dim, config.num_heads + config.num_kv_heads
+    heads = (torch.arange(rotated)[:, None] * dim + head_order[None]).reshape(-1)
+    return torch.cat([heads, torch.arange(rotated * dim, (rotated + config.num_kv_heads) * dim)])
+
+
+def build_causal_lm(
+    config: ModelConfig,
+    spec: ArchitectureSpec,
+    reader: WeightReader,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    linear_mode: str | None = None,
+    cpu_weights: str | None = None,
+    offload_from: int | None = None,
+) -> CausalLM:
+    """Assemble the shared blocks as `spec` describes, with weights from `reader`;
+    the projections of layers from `offload_from` on run on the CPU (engine/layers/offload.py)."""
+    names = spec.tensor_names(reader.has)
+    packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    if packing == "exl3" and linear_mode is not None:  # an explicit Exl3Linear mode wins
+        packing = "fp32" if dtype == torch.float32 else None
+    dense_packing = packing
+    if packing == "exl3":
+        dense_packing = "fp32" if dtype == torch.float32 else None
+
+    def tensor(name: str) -> torch.Tensor:
+        return reader.get(name, dtype=dtype, device=device).contiguous()
+
+    def linear(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
+        # Each module as stored (dense .weight or EXL3 .trellis), trimmed to its logical
+        # (in, out) shape; fused projections concatenate along the output dimension.
+        mode = linear_mode or ("trellis" if packing == "exl3" else None)
+        parts = [
+            load_linear(reader, p, i, o, device, dtype, mode=mode, require_bias=bias)
+            for p, (i, o) in zip(prefixes, shapes, strict=True)
+        ]
+        if packing == "exl3":
+            return compressed_linear(parts, dense_packing)
+        fused = fuse_linears(parts)
+        return pack_for_cpu(fused, packing) if packing else fused
+
+    layer_types = spec.layer_types(config)
+    if len(layer_types) != config.num_layers:
+        raise ModelLoadError("config.json layer_types does not match num_hidden_layers")
+    if config.raw.get("use_bidirectional_attention"):
+        raise UnsupportedArchitecture("bidirectional attention (an embedding model's "
+                                      "config) is not supported")
+    def offloaded(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
+        return offload_linear([
+            load_linear(reader, p, i, o, "cpu", torch.float32, mode="trellis", require_bias=bias)
+            for p, (i, o) in zip(prefixes, shapes, strict=True)
+        ])
+
+    first_offloaded = config.num_layers if offload_from is None else offload_from
+    layers = [build_decoder_layer(config, spec, names, i, layer_types[i], tensor,
+                                  linear if i < first_offloaded else offloaded)
+              for i in range(config.num_layers)]
+    hidden = config.hidden_size
+    head_prefix = names.lm_head.removesuffix(".weight")
+    quantized_head = reader.has(head_prefix + ".trellis")
+    embed = reader.get(names.embed)
+    if packing == "exl3" and quantized_head and embed.dtype in (torch.float16, torch.bfloat16):
+        embed = embed.to(device).clone()  # only looked up (untied): kept at its stored size
+    else:
+        embed = embed.to(device, dtype).contiguous()
+    lm_head: Linear | torch.Tensor
+    if quantized_head:  # EXL3 stores the head quantized, untied
+        lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
+    elif config.tie_word_embeddings or not reader.has(names.lm_head):
+        # Tied: fp32 shares the embedding's storage (no second copy of the largest
+        # matrix); the low-precision modes add a smaller packed copy for the head.
+        lm_head = (embed if dense_packing in (None, "fp32")
+                   else DenseLinear(embed, cpu_weights=dense_packing))
+    else:
+        lm_head = linear([head_prefix], [(hidden, config.vocab_size)], False)
+    logit_scale = config.raw.get("logit_scale")
+    if logit_scale is not None and float(logit_scale) != 1.0:  # Cohere: folded in
+        lm_head = scale_outputs(lm_head, float(logit_scale), dense_packing)
+    final_norm = family_norm(config, spec, tensor(names.final_norm))
+    model = CausalLM(config, spec, embed, layers, final_norm, lm_head,
+                     compute_dtype=dtype).eval()
+    model.tensor_names = names  # the checkpoint's module names (LoRA adapters: engine/adapters/lora.py)
+    return model

@@ -1,0 +1,143 @@
+"""The kernels between the EXL3 GEMMs of a decode layer (``csrc/ops/cuda/layer_fused.cu``), each
+with its pure-PyTorch twin (the path on CPU, and what the ``cuda`` tests compare with).
+
+A decode layer of ``engine/layers/fused_layer.py`` runs its linears as three steps each:
+the input side (norm, suh, 128-point Hadamard -> float16 ``xh``), the fused
+decode-GEMM (``gemm_parts``: split partial sums), and the output side (split sum,
+Hadamard, svh, bias, then rotary or the residual add, or for gate/up the activation and
+the down projection's input side). Several projections of one input (q/k/v, gate/up)
+share each launch.
+
+Public API (``x``: activations in the model dtype; ``partials``: float32
+(splits, rows, width); every list has one entry per part):
+- ``norm_hadamard(x[rows, cols], norm_weight|None, eps, unit_offset, pres, width)
+  -> list[float16 (rows, width)]``: ``H128(norm(x) * pre)``; ``norm`` is RMSNorm as
+  ``engine/layers/norm.py`` computes it (``norm_weight`` float32; ``unit_offset``: Gemma's
+  single rounding), or the identity when ``norm_weight`` is None.
+- ``gemm_parts(xhs, trellises, k2, codebook, splits) -> list[partials]``: ``xh @ Ŵ``
+  (the reference returns one split).
+- ``hadamard_out(partials, posts, biases, outs, rope_cols, residual=None, cos=None,
+  sin=None, head_dim=0)``: writes ``outs[p] = H128(sum partial) * post + bias``
+  (rounded to the output dtype), its first ``rope_cols[p]`` columns rotated per head
+  (rotate-half with ``cos``/``sin`` (rows, head_dim)), plus ``residual`` when given.
+- ``glu_hadamard(gate, up, post_gate, post_up, bias_gate, bias_up, inter, act, pre,
+  dtype) -> float16 (rows, width)``: ``H128((act(g) * u) * pre)`` with ``g``/``u``
+  the gate/up outputs as ``hadamard_out`` makes them (act "silu" or "gelu_tanh").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from exl3cli.codec import block_hadamard, decode_tiles
+from exl3cli.ops import cuda_kernels as kernels
+from exl3cli.ops.reference import apply_rotary
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def _ext(*tensors: torch.Tensor):
+    ext = kernels._use_ext(*tensors)
+    return ext if ext is not None and hasattr(ext, "norm_hadamard") else None
+
+
+def _normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+            unit_offset: bool) -> torch.Tensor:
+    if weight is None:
+        return x
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    if unit_offset:
+        return (normed * weight).to(x.dtype)
+    return (normed.to(x.dtype).float() * weight).to(x.dtype)
+
+
+def norm_hadamard(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                  unit_offset: bool, pres: Sequence[torch.Tensor], width: int
+                  ) -> list[torch.Tensor]:
+    """See the module docstring."""
+    rows = x.shape[0]
+    ext = _ext(x)
+    if ext is not None and x.dtype in _DTYPES and x.stride(-1) == 1 and rows > 0:
+        outs = [torch.empty(rows, width, dtype=torch.float16, device=x.device) for _ in pres]
+        ext.norm_hadamard(x, norm_weight, eps, unit_offset, list(pres), outs, width)
+        return outs
+    normed = F.pad(_normed(x, norm_weight, eps, unit_offset).float(), (0, width - x.shape[1]))
+    return [block_hadamard(normed * pre[:width].float(), dim=-1).half() for pre in pres]
+
+
+def gemm_parts(xhs: Sequence[torch.Tensor], trellises: Sequence[torch.Tensor], k2: int,
+               codebook: str, splits: int) -> list[torch.Tensor]:
+    """See the module docstring; every part has the same rows, input width and K."""
+    ext = _ext(xhs[0])
+    rows = xhs[0].shape[0]
+    if ext is not None and 1 <= rows <= kernels.FUSED_MAX_ROWS:
+        partials = [torch.empty(splits, rows, 16 * t.shape[1], dtype=torch.float32,
+                                device=xhs[0].device) for t in trellises]
+        ext.gemm_parts(list(xhs), list(trellises), k2, kernels._codebook_id(codebook, k2),
+                       partials)
+        return partials
+    return [(xh.float() @ decode_tiles(t, k2 / 2, codebook).float()).unsqueeze(0)
+            for xh, t in zip(xhs, trellises, strict=True)]
+
+
+def _rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotate-half per head of y (rows, n*head_dim) in y's dtype: ops/reference.py's apply_rotary."""
+    heads = y.view(y.shape[0], -1, head_dim)
+    return apply_rotary(heads, cos.view(-1, 1, head_dim), sin.view(-1, 1, head_dim)).view_as(y)
+
+
+def _output(partial: torch.Tensor, post: torch.Tensor | None, bias: torch.Tensor | None,
+            cols: int) -> torch.Tensor:
+    """float32 (rows, cols): H128 of the split sum, times post, plus bias."""
+    y = block_hadamard(partial.sum(0), dim=-1)
+    if post is not None:
+        y = y * post[: y.shape[-1]].float()
+    y = y[:, :cols]
+    return y + bias[:cols].float() if bias is not None else y
+
+
+def hadamard_out(partials: Sequence[torch.Tensor], posts: Sequence[torch.Tensor | None],
+                 biases: Sequence[torch.Tensor | None], outs: Sequence[torch.Tensor],
+                 rope_cols: Sequence[int], residual: torch.Tensor | None = None,
+                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                 head_dim: int = 0) -> None:
+    """See the module docstring."""
+    ext = _ext(partials[0])
+    if ext is not None and head_dim in (0, 64, 128) and outs[0].dtype in _DTYPES:
+        ext.hadamard_out(list(partials), list(posts), list(biases), list(outs),
+                         [int(c) for c in rope_cols], residual, cos, sin, head_dim)
+        return
+    for partial, post, bias, out, rope in zip(partials, posts, biases, outs, rope_cols,
+                                              strict=True):
+        cols = out.shape[1]
+        y = _output(partial, post, bias, cols).to(out.dtype)
+        if rope > 0 and cos is not None and sin is not None:
+            y = torch.cat([_rotate(y[:, :rope], cos, sin, head_dim), y[:, rope:]], dim=1)
+        if residual is not None:
+            y = residual[:, :cols] + y
+        out.copy_(y)
+
+
+def glu_hadamard(gate: torch.Tensor, up: torch.Tensor, post_gate: torch.Tensor | None,
+                 post_up: torch.Tensor | None, bias_gate: torch.Tensor | None,
+                 bias_up: torch.Tensor | None, inter: int, act: str, pre: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """See the module docstring."""
+    rows, width = gate.shape[1], gate.shape[2]
+    ext = _ext(gate)
+    if ext is not None and dtype in _DTYPES:
+        out = torch.empty(rows, width, dtype=torch.float16, device=gate.device)
+        ext.glu_hadamard(gate, up, post_gate, post_up, bias_gate, bias_up, inter,
+                         ACTIVATIONS[act], pre, out, _DTYPES[dtype])
+        return out
+    g = _output(gate, post_gate, bias_gate, inter).to(dtype)
+    u = _output(up, post_up, bias_up, inter).to(dtype)
+    a = F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
+    product = F.pad((a * u).float(), (0, width - inter))
+    return block_hadamard(product * pre[:width].float(), dim=-1).half()

@@ -1,0 +1,481 @@
+"""In-process inference behind the client interface: /api/generate, /api/chat, /api/ps.
+
+`InferenceRunner` takes and returns plain dicts shaped like the Ollama REST bodies, so
+the in-process client and the HTTP daemon answer identically. It resolves a name to a
+store manifest, loads the model once (cached by the digest of its weight files, so two
+names sharing weights share one loaded model), merges options (manifest PARAMETERs <
+request options), applies the manifest SYSTEM / TEMPLATE / MESSAGEs, and streams the
+answer from the model's continuous-batching Generator (engine/generation/generator.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from exl3cli.errors import ContextOverflow, InvalidOption
+from exl3cli.runtime.logprobs import LogprobRecorder, logprob_entries
+from exl3cli.runtime.options import (
+    cache_type_option,
+    default_num_parallel,
+    drafter_for,
+    int_option,
+    merge_options,
+    parse_keep_alive,
+)
+from exl3cli.store.names import ModelName
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model resident in this process, with the facts /api/ps reports."""
+
+    key: str
+    name: str
+    text_model: Any
+    size: int
+    details: dict[str, Any]
+    on_gpu: bool
+    context_length: int = 0
+    expires_at: float | None = None  # monotonic deadline; None = forever
+    expires_wall: datetime | None = None
+    in_use: int = 0
+    generator: Any = None  # engine.generator.Generator, built by the first request
+    generator_thread: Any = None  # its GeneratorThread
+    rebuilds_waiting: int = 0  # requests waiting for the generator to go idle
+    digest: str = ""  # the manifest digest /api/tags shows for `name`
+    # The adapter requests without one of their own run with (TabbyAPI's /v1/lora/load).
+    default_adapter: str | None = None
+    default_loras: list[dict[str, Any]] | None = None  # what /v1/lora lists for it
+    placement: Any = None  # engine.placement.Placement: layers on the GPU / offloaded
+
+    @property
+    def size_vram(self) -> int:
+        """The part of `size` on the GPU (all of it, none, or the offload split's share)."""
+        if not self.on_gpu:
+            return 0
+        share = self.placement
+        if share is None or share.gpu_bytes + share.cpu_bytes <= 0:
+            return self.size
+        return round(self.size * share.gpu_bytes / (share.gpu_bytes + share.cpu_bytes))
+
+    def stop_generator(self) -> None:
+        """Stop stepping the generator on its thread (handles still in flight then
+        step it themselves, so none of them hangs)."""
+        if self.generator_thread is not None:
+            self.generator_thread.stop()
+            self.generator_thread = None
+
+
+def weights_key(manifest: dict[str, Any]) -> str:
+    """One id for a set of weight files: every name and alias of them shares it (a
+    LoRA adapter's files are left out: models differing only in ADAPTER share a base)."""
+    from exl3cli.runtime.adapters import base_files
+
+    files = base_files(manifest.get("files") or {})
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _folder_size(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            if path.is_file():
+                total += path.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+class InferenceRunner:
+    """Loads models from a store and serves generate/chat/ps requests in-process.
+
+    Every loaded model has one continuous-batching Generator (engine/generation/generator.py):
+    concurrent requests (threads) share forward passes, repeated prompt prefixes are
+    reused, and the KV cache type comes from the `kv_cache_type` option (else
+    $EXL3_KV_CACHE_TYPE). `num_parallel` jobs run in one batch; more wait in the
+    generator's queue. With `background` (the daemon) a GeneratorThread steps it;
+    otherwise the threads reading the answers step it themselves (no extra thread in
+    a one-shot `exl3 run`).
+    """
+
+    def __init__(self, store: Any, max_loaded: int = 1, device: str | None = None,
+                 num_parallel: int | None = None, background: bool = False):
+        self.store = store
+        self.max_loaded = max(1, max_loaded)
+        self.device = device
+        self.num_parallel = max(1, num_parallel or default_num_parallel())
+        self.background = background
+        self._loaded: OrderedDict[str, LoadedModel] = OrderedDict()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+
+    # ---- public API -----------------------------------------------------------------
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the loaded models change (held: their generators stay put)."""
+        return self._lock
+
+    def generate(self, req: dict) -> Iterator[dict]:
+        """Stream /api/generate response objects for one request."""
+        from exl3cli.runtime.jobs import GenerateJob
+
+        return self._run(GenerateJob(req))
+
+    def chat(self, req: dict) -> Iterator[dict]:
+        """Stream /api/chat response objects for one request."""
+        from exl3cli.runtime.jobs import ChatJob
+
+        return self._run(ChatJob(req))
+
+    def embed(self, req: dict, normalize: bool = True) -> dict:
+        """/api/embed in-process: L2-normalised mean-pooled embeddings of `input`
+        (unnormalised with normalize=False, as the legacy /api/embeddings)."""
+        from exl3cli.runtime.embeddings import run_embed
+
+        return run_embed(self, req, normalize)
+
+    def ps(self) -> dict:
+        """Loaded models, shaped like Ollama's /api/ps body."""
+        with self._lock:
+            self._expire()
+            models = []
+            for loaded in self._loaded.values():
+                expires = loaded.expires_wall or (datetime.now(timezone.utc)
+                                                   + timedelta(days=365 * 100))
+                models.append({  # name, digest and details as /api/tags shows them
+                    "name": loaded.name,
+                    "model": loaded.name,
+                    "size": loaded.size,
+                    "digest": loaded.digest or loaded.key,
+                    "details": dict(loaded.details),
+                    "expires_at": expires.isoformat().replace("+00:00", "Z"),
+                    "size_vram": loaded.size_vram,
+                    "context_length": loaded.context_length,
+                })
+            return {"models": models}
+
+    def current(self) -> LoadedModel | None:
+        """The most recently used loaded model (TabbyAPI's "current model"), or None."""
+        with self._lock:
+            self._expire()
+            return next(reversed(self._loaded.values()), None)
+
+    def loaded_model(self, name: str) -> LoadedModel:
+        """`name` loaded (loading it, with the default keep_alive, if it is not)."""
+        manifest = self.store.read_manifest(name)
+        with self._lock:
+            loaded = self._loaded.get(weights_key(manifest))
+            if loaded is not None:
+                return loaded
+        list(self.generate({"model": name, "prompt": ""}))  # the load-only request
+        with self._lock:
+            return self._loaded[weights_key(manifest)]
+
+    def unload_all(self) -> list[str]:
+        """Drop every loaded model that no request is using; their names."""
+        with self._lock:
+            idle = [key for key, loaded in self._loaded.items() if loaded.in_use == 0]
+            names = [self._loaded[key].name for key in idle]
+            for key in idle:
+                self._drop(key)
+            return names
+
+    def unload(self, name: str) -> bool:
+        """Drop a loaded model now (`exl3 stop`, keep_alive 0); False if not loaded."""
+        manifest = self.store.read_manifest(name)
+        with self._lock:
+            return self._drop(weights_key(manifest))
+
+    def generator_for(self, name: str) -> Any:
+        """The Generator of the loaded model `name` (None if not loaded or not built
+        yet): for stats, tests and benchmarks."""
+        manifest = self.store.read_manifest(name)
+        with self._lock:
+            loaded = self._loaded.get(weights_key(manifest))
+            return None if loaded is None else loaded.generator
+
+    def close(self) -> None:
+        """Stop every generator thread and drop every loaded model."""
+        with self._lock:
+            for key in list(self._loaded):
+                self._drop(key)
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _run(self, job: Any) -> Iterator[dict]:
+        # Validate, resolve and start eagerly so a bad request raises at the call, not
+        # at the first next(): that is where a CLI or HTTP handler expects errors.
+        started = time.perf_counter_ns()
+        manifest = self.store.read_manifest(job.model)
+        if job.has_images:  # refused before a text-only model is loaded for nothing
+            from exl3cli.runtime.images import refuse_images_unless_read
+
+            refuse_images_unless_read(job.model, self.store.model_folder(job.model))
+        keep_alive = parse_keep_alive(job.req.get("keep_alive"))
+        options, ignored = merge_options(manifest.get("parameters"), job.req.get("options"))
+        from exl3cli.engine.grammar.constraints import compile_format
+
+        compile_format(job.req.get("format"))  # a bad schema fails before any loading
+        cache_type = cache_type_option(options)
+        load_started = time.perf_counter_ns()
+        loaded = self._acquire(job.model, manifest)
+        load_ns = time.perf_counter_ns() - load_started
+        if job.is_load_only():
+            return self._finish_load_only(job, loaded, keep_alive, started, load_ns)
+        cancel = job.req.get("_cancel")  # set by the daemon when the client goes away
+        if not isinstance(cancel, threading.Event):
+            cancel = threading.Event()
+        try:
+            handle = self._submit(job, loaded, manifest, options, cache_type, cancel)
+        except BaseException:
+            self._release(loaded, keep_alive)
+            raise
+        return self._respond(job, loaded, handle, cancel, ignored, keep_alive,
+                             started, load_ns)
+
+    def _submit(self, job: Any, loaded: LoadedModel, manifest: dict[str, Any],
+                options: dict[str, Any], cache_type: Any,
+                cancel: threading.Event | None = None) -> Any:
+        """Build the prompt (dropping old chat turns that do not fit) and the
+        GenerationJob, and submit it to the model's generator."""
+        from exl3cli.engine.generation.jobs import GenerationJob
+        from exl3cli.engine.generation.sampling import build_sampler
+        from exl3cli.engine.grammar.constraints import build_constraint
+        from exl3cli.runtime.adapters import job_adapter
+        from exl3cli.runtime.images import check_prompt_ids
+        from exl3cli.runtime.jobs import fit_prompt
+
+        text_model = loaded.text_model
+        num_ctx = text_model.context_length(options)
+        truncate = bool(options.get("truncate"))
+        job.max_tokens = None if truncate else num_ctx
+        prompt_ids = fit_prompt(job, text_model, manifest, num_ctx, cancel)
+        if not prompt_ids:
+            raise InvalidOption("the prompt is empty once rendered (check the template)")
+        prompt_ids = check_prompt_ids(text_model, prompt_ids)
+        if len(prompt_ids) >= num_ctx and not truncate:
+            raise ContextOverflow(
+                f"the prompt is {len(prompt_ids)} tokens, which does not fit the context "
+                f"window of {num_ctx} tokens (raise num_ctx)")
+        num_predict = int_option(options, "num_predict")
+        drafter, draft_tokens = drafter_for(manifest.get("draft"), options,
+                                            text_model.model.config.vocab_size, self.store)
+        sampler = build_sampler(options)
+        if job.top_logprobs is not None:
+            # Drafts are verified outside the sampler: off while logprobs are recorded
+            # (a draft only ever changes speed).
+            sampler = job.recorder = LogprobRecorder(sampler, job.top_logprobs)
+            drafter, draft_tokens = None, 0
+        generation = GenerationJob(
+            prompt_ids, sampler=sampler,
+            stop=[s for s in (options.get("stop") or []) if s],
+            num_predict=-1 if num_predict is None else num_predict, num_ctx=num_ctx,
+            truncate=truncate, num_keep=max(0, int_option(options, "num_keep") or 0),
+            constraint=build_constraint(job.req.get("format"), text_model.tokenizer),
+            drafter=drafter, draft_tokens=draft_tokens,
+        )
+        with self._lock:
+            generator = self._generator(loaded, num_ctx, cache_type)
+            loaded.context_length = num_ctx
+            generation.adapter = job_adapter(self.store, loaded, manifest, generator)
+            return generator.submit(generation)
+
+    def _generator(self, loaded: LoadedModel, num_ctx: int, cache_type: Any) -> Any:
+        """The model's generator, built on first use and rebuilt for a longer context
+        or another cache type once no job runs on it (requests wait until then).
+        Called with the lock held."""
+        from exl3cli.engine.generation.generator import Generator, GeneratorThread
+
+        def unfit(generator: Any) -> bool:
+            return (generator is None or generator.num_ctx < num_ctx
+                    or generator.cache_type != cache_type)
+
+        while True:
+            current = loaded.generator
+            if not unfit(current) and not loaded.rebuilds_waiting:
+                return current
+            if unfit(current) and (current is None or not current.has_work
+                                   or self._loaded.get(loaded.key) is not loaded):
+                break  # idle (or unloaded meanwhile): rebuild now
+            waiting = unfit(current)  # a request that fits only lets a rebuild go first
+            loaded.rebuilds_waiting += waiting
+            try:
+                if current.background:
+                    self._changed.wait(timeout=0.05)  # jobs finish on its thread
+                else:
+                    current.step()  # help the running jobs along: nobody else may
+            finally:
+                loaded.rebuilds_waiting -= waiting
+        loaded.stop_generator()
+        text_model = loaded.text_model
+        wanted = max(num_ctx, text_model.context_length({}),
+                     current.num_ctx if current is not None else 0)
+        loaded.generator = Generator(text_model.model, text_model.tokenizer,
+                                     max_batch=self.num_parallel, num_ctx=wanted,
+                                     kv_cache_type=cache_type)
+        if self.background:
+            loaded.generator_thread = GeneratorThread(loaded.generator).start()
+        return loaded.generator
+
+    def _respond(self, job: Any, loaded: LoadedModel, handle: Any, cancel: threading.Event,
+                 ignored: list[str], keep_alive: float | None, started: int,
+                 load_ns: int) -> Iterator[dict]:
+        """Turn the job's generator events into response objects (chunks, or one object
+        if not streaming), then the final object with Ollama's counters."""
+        final_event = None
+        pieces: list[tuple[str, str]] = []
+        generated: list[int] = []
+        splitter = job.thinking_splitter()
+        tool_parser = job.tool_parser()
+        events = handle.iter_events(cancel)
+
+        def routed(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+            """Thinking passes through; content goes through the tool-call parser."""
+            out: list[tuple[str, Any]] = []
+            for kind, part in items:
+                out.extend(tool_parser.push(part) if kind == "content" else [(kind, part)])
+            return out
+
+        logprobs: list[dict] = []  # entries not attached to a response object yet
+        tokenizer = loaded.text_model.tokenizer
+
+        def chunk(part: Any, kind: str) -> dict:
+            body = job.chunk(part, kind)
+            if job.recorder is not None:
+                body["logprobs"] = logprobs[:]
+                logprobs.clear()
+            return body
+
+        try:
+            for event in events:
+                if event.done:
+                    final_event = event
+                    break
+                generated.extend(event.token_ids)
+                if job.recorder is not None:
+                    logprobs.extend(logprob_entries(
+                        tokenizer, job.recorder.take(len(event.token_ids))))
+                for kind, part in routed(splitter.push(event.text)):
+                    if job.streaming:
+                        yield chunk(part, kind)
+                    else:
+                        pieces.append((kind, part))
+            if final_event is None or final_event.cancelled:
+                return  # cancelled (client gone): nobody reads a final object
+            for kind, part in routed(splitter.flush()) + tool_parser.flush():
+                if job.streaming:
+                    yield chunk(part, kind)
+                else:
+                    pieces.append((kind, part))
+            done = final_event
+            final = job.final(
+                pieces=None if job.streaming else pieces,
+                done_reason=done.done_reason or "stop",
+                metrics={
+                    "total_duration": time.perf_counter_ns() - started,
+                    "load_duration": load_ns,
+                    "prompt_eval_count": done.prompt_eval_count,
+                    "prompt_eval_duration": done.prompt_eval_duration,
+                    "eval_count": done.eval_count,
+                    "eval_duration": done.eval_duration,
+                    # not Ollama fields: prompt tokens taken from the prefix cache, and
+                    # (with a DRAFT) draft tokens verified and kept
+                    "prompt_cache_count": done.prompt_cache_count,
+                    **({"draft_count": done.draft_count,
+                        "draft_accepted": done.draft_accepted} if done.draft_count else {}),
+                },
+                warnings=[f"invalid option provided: {name}" for name in ignored],
+                context=list(handle.prompt) + generated,
+            )
+            if job.recorder is not None:
+                final["logprobs"] = logprobs[:]  # what no chunk carried (all, unstreamed)
+            yield final
+        finally:
+            events.close()  # an abandoned stream (Ctrl-C, client gone) cancels the job
+            self._release(loaded, keep_alive)
+
+    def _finish_load_only(self, job: Any, loaded: LoadedModel, keep_alive: float | None,
+                          started: int, load_ns: int) -> Iterator[dict]:
+        unloading = keep_alive == 0
+        self._release(loaded, keep_alive)
+        final = job.final(pieces=None if job.streaming else [],
+                          done_reason="unload" if unloading else "load",
+                          metrics={"total_duration": time.perf_counter_ns() - started,
+                                   "load_duration": load_ns},
+                          warnings=[], context=None)
+        return iter([final])
+
+    def _acquire(self, name: str, manifest: dict[str, Any]) -> LoadedModel:
+        key = weights_key(manifest)
+        with self._lock:
+            self._expire()
+            loaded = self._loaded.get(key)
+            if loaded is None:
+                loaded = self._load(key, name)
+                while len(self._loaded) >= self.max_loaded:
+                    victim = next((k for k, m in self._loaded.items() if m.in_use == 0), None)
+                    if victim is None:
+                        break
+                    self._drop(victim)
+                self._loaded[key] = loaded
+            self._loaded.move_to_end(key)
+            loaded.name = str(ModelName.parse(name))
+            loaded.digest = manifest.digest()
+            loaded.in_use += 1
+            return loaded
+
+    def _load(self, key: str, name: str) -> LoadedModel:
+        from exl3cli.engine.generation.textmodel import TextModel
+        from exl3cli.runtime.model_info import model_details
+
+        folder = Path(self.store.model_folder(name))
+        manifest = self.store.read_manifest(name)
+        num_gpu = (manifest.get("parameters") or {}).get("num_gpu")  # Modelfile PARAMETER
+        text_model = TextModel.load(folder, device=self.device,
+                                    gpu_layers=None if num_gpu is None else int(num_gpu))
+        device = str(getattr(text_model.model, "device", "cpu"))
+        details = model_details(self.store, manifest)
+        return LoadedModel(key=key, name=name, text_model=text_model,
+                           size=_folder_size(folder), details=details,
+                           on_gpu=device.startswith("cuda"),
+                           placement=getattr(text_model.model, "placement", None))
+
+    def _release(self, loaded: LoadedModel, keep_alive: float | None) -> None:
+        with self._lock:
+            loaded.in_use = max(0, loaded.in_use - 1)
+            if keep_alive is None:
+                loaded.expires_at = loaded.expires_wall = None
+            else:
+                loaded.expires_at = time.monotonic() + keep_alive
+                loaded.expires_wall = datetime.now(timezone.utc) + timedelta(seconds=keep_alive)
+            if keep_alive == 0 and loaded.in_use == 0:
+                self._drop(loaded.key)
+            if loaded.in_use == 0 and self._loaded.get(loaded.key) is not loaded:
+                loaded.stop_generator()  # unloaded while this request still ran
+            self._changed.notify_all()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, m in self._loaded.items()
+                    if m.in_use == 0 and m.expires_at is not None and m.expires_at <= now]:
+            self._drop(key)
+
+    def _drop(self, key: str) -> bool:
+        loaded = self._loaded.pop(key, None)
+        if loaded is None:
+            return False
+        loaded.stop_generator()
+        return True
