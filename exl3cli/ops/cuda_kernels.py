@@ -85,7 +85,7 @@ def _build() -> ModuleType:
         hashed=[*(CUDA_DIR / h for h in ("exl3_ops.h", "gemm_impl.cuh", "exl3_convert.cuh",
                                          "exl3_launch.cuh")),
                 *(CSRC / "codec" / h for h in ("exl3_trellis.cuh", "exl3_hadamard.cuh"))],
-        cuda_cflags=["-O3", "-lineinfo", *flags])
+        cuda_cflags=["-O3", "-lineinfo", *flags, *os.environ.get("EXL3_NVCC_FLAGS", "").split()])
 
 
 _EXTENSION = LazyExtension("CUDA kernels", _why_not, _build,
@@ -344,5 +344,7 @@ def kv_quant_write(rows: torch.Tensor, slots: torch.Tensor, bits: int, codes: to
         return False
     if rows.dtype not in (torch.float16, torch.bfloat16, torch.float32) or rows.shape[-1] % 32:
         return False
-    ext.kv_quant_write(rows.contiguous(), slots.contiguous(), int(bits), codes, scales)
+    if rows.dim() != 2 or rows.stride(-1) != 1:
+        rows = rows.reshape(rows.shape[0], -1).contiguous()  # any row stride will do
+    ext.kv_quant_write(rows, slots.contiguous(), int(bits), codes, scales)
     return True

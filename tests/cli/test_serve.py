@@ -168,7 +168,7 @@ def test_serve_help_lists_every_environment_variable_the_daemon_reads():
     shown = CliRunner().invoke(main, ["serve", "--help"]).output
     server = Path(__file__).parents[2] / "exl3cli"
     read = set()
-    for folder in ("server", "client", "cli/serve.py"):
+    for folder in ("server", "client", "runtime", "cli/serve.py"):
         for path in ([server / folder] if folder.endswith(".py")
                      else sorted((server / folder).glob("*.py"))):
             read |= set(re.findall(r"\"(EXL3_[A-Z_]+)\"", path.read_text()))

@@ -95,6 +95,7 @@ def test_kernel_matches_the_reference(heads, kv_heads, dim, dtype):
 def test_kernel_reads_quantized_pages(bits):
     _case(5, 32, 8, 128, torch.bfloat16, KVCacheType(*bits), None, None, seed=sum(bits))
     _case(3, 9, 3, 64, torch.float16, KVCacheType(*bits), None, None, seed=7 * bits[0])
+    _case(2, 4, 1, 256, torch.float16, KVCacheType(*bits), None, None, seed=3 * bits[1])
 
 
 @pytest.mark.cuda
@@ -107,11 +108,17 @@ def test_kernel_windows_and_softcaps(window, softcap):
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_quantized_write_matches_the_reference(bits, dtype):
+@pytest.mark.parametrize("strided", [False, True])
+def test_quantized_write_matches_the_reference(bits, dtype, strided):
     gen = torch.Generator(device="cuda").manual_seed(bits)
     channels, rows = 256, 70
     x = (torch.randn(rows, channels, generator=gen, device="cuda") * 3).to(dtype)
     x[0] = 0  # an all-zero group: scale 0, codes from the tiny-scale guard
+    if strided:  # the rows of a wider tensor (k or v of the fused q|k|v projection)
+        wide = torch.randn(rows, channels + 96, generator=gen, device="cuda").to(dtype)
+        wide[:, 32 : 32 + channels] = x
+        x = wide[:, 32 : 32 + channels]
+        assert not x.is_contiguous()
     slots = torch.randperm(300, generator=gen, device="cuda")[:rows]
     codes = torch.full((300, channels // 8 * bits), 0xAB, dtype=torch.uint8, device="cuda")
     scales = torch.full((300, channels // 32), 7.0, dtype=torch.float16, device="cuda")

@@ -208,12 +208,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // x: (N, C) rows to quantize into codes/scales at `slots` (N) int64.
 void kv_quant_write(const at::Tensor& x, const at::Tensor& slots, int64_t bits,
                     at::Tensor& codes, at::Tensor& scales) {
-  check_contiguous(x, "x");
+  check_cuda(x, "x");
   check_contiguous(slots, "slots");
   check_contiguous(codes, "codes");
   check_contiguous(scales, "scales");
-  TORCH_CHECK(x.dim() == 2 && slots.scalar_type() == at::kLong && slots.numel() == x.size(0),
-              "x must be (N, C) and slots (N) int64");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && slots.scalar_type() == at::kLong &&
+                  slots.numel() == x.size(0),
+              "x must be (N, C) with unit column stride and slots (N) int64");
   const int64_t channels = x.size(1);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == channels / 8 * bits &&
                   scales.scalar_type() == at::kHalf && scales.size(1) == channels / 32,
@@ -221,7 +222,7 @@ void kv_quant_write(const at::Tensor& x, const at::Tensor& slots, int64_t bits,
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_launch(exl3::launch_kv_quant_write(dtype_code(x), x.data_ptr(),
+  check_launch(exl3::launch_kv_quant_write(dtype_code(x), x.data_ptr(), x.stride(0),
                                            slots.data_ptr<int64_t>(), (int)x.size(0),
                                            (int)channels, (int)bits, codes.data_ptr(),
                                            scales.data_ptr(), stream),

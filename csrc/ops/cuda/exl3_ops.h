@@ -61,10 +61,12 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
                             float* part_acc, float* part_ml, int chunks, void* out,
                             cudaStream_t stream);
 
-// Quantize rows x (rows, channels) in `dtype` into a quantized cache at `slots`: codes
+// Quantize rows x (rows, channels; rows x_row_stride elements apart, unit channel stride)
+// in `dtype` into a quantized cache at `slots`: codes
 // (slots, channels/8*bits) uint8 bit-planes (bits == 8: one byte per channel), float16
 // scales (slots, channels/32). Matches kv_quant.quantize_rows + pack_codes.
-bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int rows,
+bool launch_kv_quant_write(int dtype, const void* x, int64_t x_row_stride,
+                           const int64_t* slots, int rows,
                            int channels, int bits, void* codes, void* scales,
                            cudaStream_t stream);
 

@@ -378,8 +378,9 @@ bool launch_typed(const Args& a, cudaStream_t stream, int batch) {
 
 // Quantized cache write: one warp per (row, 32-channel group).
 template <typename T>
-__global__ void kv_quant_write_kernel(const T* x, const int64_t* slots, int rows, int channels,
-                                      int bits, uint8_t* codes, __half* scales) {
+__global__ void kv_quant_write_kernel(const T* x, int64_t x_row_stride, const int64_t* slots,
+                                      int rows, int channels, int bits, uint8_t* codes,
+                                      __half* scales) {
   pdl_trigger();
   pdl_wait();
   const int warp_global = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -387,7 +388,7 @@ __global__ void kv_quant_write_kernel(const T* x, const int64_t* slots, int rows
   const int groups = channels / 32;
   if (warp_global >= rows * groups) return;
   const int row = warp_global / groups, group = warp_global % groups;
-  float v = to_f32(x[(int64_t)row * channels + group * 32 + lane]);
+  float v = to_f32(x[(int64_t)row * x_row_stride + group * 32 + lane]);
   // Fast Walsh-Hadamard transform across the warp: Sylvester order, then 1/sqrt(32).
 #pragma unroll
   for (int h = 1; h < 32; h <<= 1) {
@@ -445,7 +446,8 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
   return false;
 }
 
-bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int rows,
+bool launch_kv_quant_write(int dtype, const void* x, int64_t x_row_stride,
+                           const int64_t* slots, int rows,
                            int channels, int bits, void* codes, void* scales,
                            cudaStream_t stream) {
   if (channels % 32 || bits < 2 || bits > 8 || rows <= 0) return false;
@@ -456,13 +458,14 @@ bool launch_kv_quant_write(int dtype, const void* x, const int64_t* slots, int r
   auto* s = reinterpret_cast<__half*>(scales);
   if (dtype == DT_HALF)
     launch(kv_quant_write_kernel<__half>, dim3(blocks), dim3(threads), 0, stream,
-           reinterpret_cast<const __half*>(x), slots, rows, channels, bits, c, s);
+           reinterpret_cast<const __half*>(x), x_row_stride, slots, rows, channels, bits, c, s);
   else if (dtype == DT_BF16)
     launch(kv_quant_write_kernel<__nv_bfloat16>, dim3(blocks), dim3(threads), 0, stream,
-           reinterpret_cast<const __nv_bfloat16*>(x), slots, rows, channels, bits, c, s);
+           reinterpret_cast<const __nv_bfloat16*>(x), x_row_stride, slots,
+           rows, channels, bits, c, s);
   else if (dtype == DT_FLOAT)
     launch(kv_quant_write_kernel<float>, dim3(blocks), dim3(threads), 0, stream,
-           reinterpret_cast<const float*>(x), slots, rows, channels, bits, c, s);
+           reinterpret_cast<const float*>(x), x_row_stride, slots, rows, channels, bits, c, s);
   else
     return false;
   return true;
