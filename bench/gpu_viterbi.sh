@@ -17,7 +17,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 
 EXL3_EXT_VERBOSE=1 python3 -c "
 import time
-from exl3cli import cpu_kernels, cuda_viterbi
+from exl3cli.ops import cpu_kernels, cuda_viterbi
 t = time.time(); ok = cuda_viterbi.available()
 print('BUILD cuda', 'ok' if ok else 'FAILED', cuda_viterbi.unavailable_reason(), f'{time.time() - t:.1f} s')
 t = time.time(); ok = cpu_kernels.available()

@@ -200,7 +200,7 @@ def test_done_when_smollm2_answers_paris_and_rome(tmp_path):
     pulled = subprocess.run([*exl3_cmd, "pull", "smollm2"], capture_output=True, text=True,
                             timeout=600, env=env)
     assert pulled.returncode == 0, pulled.stderr
-    subprocess.run([sys.executable, "-c", "from exl3cli import cpu_kernels; "
+    subprocess.run([sys.executable, "-c", "from exl3cli.ops import cpu_kernels; "
                     "cpu_kernels.available()"], timeout=600, env=env, check=True)
     # The default options sample (temperature 0.8): this small model names Paris in about
     # five answers of six (and now and then rambles on), so the first of up to three
