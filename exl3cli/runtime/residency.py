@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -128,17 +129,20 @@ class InferenceRunner:
         """Held while the loaded models change (held: their generators stay put)."""
         return self._lock
 
-    def generate(self, req: dict) -> Iterator[dict]:
-        """Stream /api/generate response objects for one request."""
+    def generate(self, req: dict, cancel: threading.Event | None = None) -> Iterator[dict]:
+        """Stream /api/generate response objects for one request. Setting `cancel`
+        (the daemon does when the client goes away) stops the job at its next token;
+        closing the returned iterator does the same."""
         from exl3cli.runtime.jobs import GenerateJob
 
-        return self._run(GenerateJob(req))
+        return self._run(GenerateJob(req), cancel)
 
-    def chat(self, req: dict) -> Iterator[dict]:
-        """Stream /api/chat response objects for one request."""
+    def chat(self, req: dict, cancel: threading.Event | None = None) -> Iterator[dict]:
+        """Stream /api/chat response objects for one request (`cancel` as for
+        `generate`)."""
         from exl3cli.runtime.jobs import ChatJob
 
-        return self._run(ChatJob(req))
+        return self._run(ChatJob(req), cancel)
 
     def embed(self, req: dict, normalize: bool = True) -> dict:
         """/api/embed in-process: L2-normalised mean-pooled embeddings of `input`
@@ -166,6 +170,18 @@ class InferenceRunner:
                     "context_length": loaded.context_length,
                 })
             return {"models": models}
+
+    @contextmanager
+    def holding(self, name: str, manifest: dict[str, Any],
+                keep_alive: float | None) -> Iterator[LoadedModel]:
+        """`name` (whose store manifest is `manifest`) loaded and held for the `with`
+        block: it is not unloaded meanwhile; afterwards it stays `keep_alive` seconds
+        (None: forever, 0: unloaded at once if nobody else holds it)."""
+        loaded = self._acquire(name, manifest)
+        try:
+            yield loaded
+        finally:
+            self._release(loaded, keep_alive)
 
     def current(self) -> LoadedModel | None:
         """The most recently used loaded model (TabbyAPI's "current model"), or None."""
@@ -215,7 +231,7 @@ class InferenceRunner:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _run(self, job: Any) -> Iterator[dict]:
+    def _run(self, job: Any, cancel: threading.Event | None) -> Iterator[dict]:
         # Validate, resolve and start eagerly so a bad request raises at the call, not
         # at the first next(): that is where a CLI or HTTP handler expects errors.
         started = time.perf_counter_ns()
@@ -235,9 +251,8 @@ class InferenceRunner:
         load_ns = time.perf_counter_ns() - load_started
         if job.is_load_only():
             return self._finish_load_only(job, loaded, keep_alive, started, load_ns)
-        cancel = job.req.get("_cancel")  # set by the daemon when the client goes away
-        if not isinstance(cancel, threading.Event):
-            cancel = threading.Event()
+        if cancel is None:
+            cancel = threading.Event()  # set when the stream is closed early
         try:
             handle = self._submit(job, loaded, manifest, options, cache_type, cancel)
         except BaseException:
