@@ -19,7 +19,7 @@ Names (some collide with names on other floors; from the model outward):
 - `DecodeRunner` (generation/decode_step.py): the fixed-shape decode steps (CUDA graphs)
   of one model over one page pool: the device step the generator replays.
 Outside the engine: `LLM` (exl3cli/api.py) is the Python API's handle on a TextModel
-and its Generator; `LoadedModel` (runtime/residency.py) is a TextModel resident in the
+and its Generator; `LoadedModel` (runtime/loaded_model.py) is a TextModel resident in the
 runner with its keep-alive bookkeeping; `InferenceRunner` (runtime) serves requests;
 `GenerateJob`/`ChatJob` (runtime/jobs.py) turn an Ollama request into a GenerationJob;
 `StreamJob` (server/model_manager.py) relays one request's stream to the event loop;

@@ -8,7 +8,7 @@ Names (several collide with the engine's; see exl3cli/engine/__init__.py):
   chat, embed and ps in-process, with Ollama-shaped dicts in and out; the daemon
   (server/model_manager.py) and the in-process client (client/local.py) both call it.
   Not the engine's `DecodeRunner` (fixed-shape decode steps) nor convert's `LayerRunner`.
-- `LoadedModel` (residency.py): one resident model: its engine `TextModel` (a CausalLM
+- `LoadedModel` (loaded_model.py): one resident model: its engine `TextModel` (a CausalLM
   with tokenizer and chat template), its Generator, size and keep-alive deadline, as
   /api/ps reports it. `InferenceRunner.holding(...)` keeps one loaded for a block.
 - `GenerateJob`, `ChatJob` (jobs.py): one /api/generate or /api/chat request: its

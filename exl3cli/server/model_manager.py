@@ -20,8 +20,9 @@ from typing import Any
 
 from exl3cli.errors import ServerBusy
 from exl3cli.runtime.library import ModelLibrary
+from exl3cli.runtime.loaded_model import weights_key
 from exl3cli.runtime.options import default_num_parallel
-from exl3cli.runtime.residency import InferenceRunner, weights_key
+from exl3cli.runtime.residency import InferenceRunner
 from exl3cli.server.limits import env_int
 from exl3cli.store.names import ModelName
 
@@ -179,7 +180,7 @@ class ModelManager:
         self.local = ModelLibrary(store)  # store operations: list, show, pull, create, ...
         self.executor = ThreadPoolExecutor(max_workers=self.num_parallel * 2 + 8,
                                            thread_name_prefix="exl3-job")
-        self._slots: dict[str, _Slot] = {}  # by weights key (runtime/residency.py)
+        self._slots: dict[str, _Slot] = {}  # by weights key (runtime/loaded_model.py)
         self._per_client: dict[str, int] = {}
         self.max_client_jobs = max_client_jobs
         self._jobs: dict[int, StreamJob] = {}
