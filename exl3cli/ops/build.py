@@ -1,9 +1,13 @@
 """Build C++/CUDA sources as a torch extension once, on first use, and remember why not.
 
-kernels.py (CUDA GEMM/decode), cuda_viterbi.py and cpu_kernels.py each own one
+cuda_kernels.py (CUDA GEMM/decode), cuda_viterbi.py and cpu_kernels.py each own one
 `LazyExtension`; this module holds what they share: the JIT build into a cache folder
-keyed by a hash of the sources and the build settings, and the try-once, thread-safe,
-say-why-once loading that falls back to the PyTorch reference paths.
+keyed by a hash of the sources and the build settings, the try-once, thread-safe,
+say-why-once loading that falls back to the PyTorch reference paths, and the one
+reading of `EXL3_NO_EXT` (`extensions_disabled`): set to anything but "" or "0", every
+extension reports itself unavailable with the reason `NO_EXT_REASON`, read on every
+call, so setting it later (even after a build) still takes effect, and unsetting it
+lets the extension build then.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from types import ModuleType
 
 _REGISTRY: list[LazyExtension] = []
 
+NO_EXT_REASON = "EXL3_NO_EXT is set"
+
 # The modules that own an extension; importing them registers it (see all_extensions).
 # The C++/CUDA sources, beside the package in the checkout (an editable install).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -33,7 +39,18 @@ def all_extensions() -> list[LazyExtension]:
 
     for module in EXTENSION_MODULES:
         importlib.import_module(module)
-    return list(_REGISTRY)
+
+    def place(extension: LazyExtension) -> int:  # the order of EXTENSION_MODULES, not imports
+        owner = getattr(extension._build, "__module__", None)
+        return EXTENSION_MODULES.index(owner) if owner in EXTENSION_MODULES else len(
+            EXTENSION_MODULES)
+
+    return sorted(_REGISTRY, key=place)
+
+
+def extensions_disabled() -> bool:
+    """Whether `EXL3_NO_EXT` turns every compiled extension off (the pure-PyTorch paths)."""
+    return os.environ.get("EXL3_NO_EXT", "") not in ("", "0")
 
 
 def kernel_cache_root() -> Path:
@@ -154,7 +171,9 @@ def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bo
 class LazyExtension:
     """One extension, built at most once per process: `get()` returns the module or
     None, `reason` says why not; a failure is announced on stderr once (when `announce`
-    says the user would care), never raised."""
+    says the user would care), never raised. `EXL3_NO_EXT` (`extensions_disabled`) is
+    checked here, before `why_not`, on every call: it is never announced and never
+    remembered as a failure."""
 
     def __init__(self, label: str, why_not: Callable[[], str | None],
                  build: Callable[[], ModuleType], announce: Callable[[str], bool],
@@ -164,14 +183,30 @@ class LazyExtension:
         self._lock = threading.Lock()
         self._tried = False
         self.module: ModuleType | None = None
-        self.reason: str | None = None
+        self._reason: str | None = None
         _REGISTRY.append(self)
 
     @property
     def label(self) -> str:
         return self._label
 
+    @property
+    def reason(self) -> str | None:
+        """Why `get()` gives None (None before the first try and once built)."""
+        return NO_EXT_REASON if extensions_disabled() else self._reason
+
+    def available(self) -> bool:
+        """Whether the extension can be used (builds it on the first call)."""
+        return self.get() is not None
+
+    def unavailable_reason(self) -> str | None:
+        """Why the extension is not in use (trying it first), or None when it is."""
+        self.get()
+        return self.reason
+
     def get(self) -> ModuleType | None:
+        if extensions_disabled():
+            return None
         if self._tried:
             return self.module
         with self._lock:
@@ -183,7 +218,7 @@ class LazyExtension:
                     except Exception as exc:  # compiler errors arrive as many exception types
                         first = str(exc).strip().splitlines()
                         reason = f"build failed: {first[0] if first else type(exc).__name__}"
-                self.reason = reason
+                self._reason = reason
                 self._tried = True
                 if reason is not None and self._announce(reason):
                     print(f"exl3: {self._label} unavailable ({reason}); {self._fallback}, "

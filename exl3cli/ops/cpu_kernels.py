@@ -51,8 +51,6 @@ def _cpu_fingerprint() -> str:
 
 
 def _why_not() -> str | None:
-    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
-        return "EXL3_NO_EXT is set"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler"
     if shutil.which("ninja") is None:
@@ -72,8 +70,7 @@ def _build() -> ModuleType:
                            hashed=sorted(CSRC_CPU.glob("*.h")), cflags=_FLAGS)
 
 
-_EXTENSION = LazyExtension("CPU kernels", _why_not, _build,
-                           announce=lambda reason: reason != "EXL3_NO_EXT is set")
+_EXTENSION = LazyExtension("CPU kernels", _why_not, _build, announce=lambda _reason: True)
 
 
 def _extension() -> ModuleType | None:
@@ -84,17 +81,12 @@ def available() -> bool:
     """Whether the compiled CPU kernels can be used (builds them on first call).
 
     ``EXL3_NO_EXT`` is read on every call, so setting it later still takes effect."""
-    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
-        return False
-    return _extension() is not None
+    return _EXTENSION.available()
 
 
 def unavailable_reason() -> str | None:
     """Why the kernels are not in use, or None when they are."""
-    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
-        return "EXL3_NO_EXT is set"
-    _extension()
-    return _EXTENSION.reason
+    return _EXTENSION.unavailable_reason()
 
 
 def simd_level() -> str:

@@ -48,9 +48,7 @@ def _arch_flags(major: int, minor: int) -> list[str]:
     return own + ["-gencode=arch=compute_80,code=compute_80"]
 
 
-def _why_not() -> str | None:
-    if os.environ.get("EXL3_NO_EXT", "") not in ("", "0"):
-        return "EXL3_NO_EXT is set"
+def _why_not() -> str | None:  # EXL3_NO_EXT: checked by LazyExtension (build.py)
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if torch.version.cuda is None:

@@ -17,7 +17,6 @@ Environment: ``EXL3_NO_EXT=1``, ``EXL3_KERNEL_CACHE`` (default ``~/.cache/exl3/k
 
 from __future__ import annotations
 
-import os
 import shutil
 from types import ModuleType
 
@@ -30,13 +29,7 @@ SOURCE = CSRC / "ops" / "cuda" / "viterbi_cuda.cu"
 _luts: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _no_ext() -> bool:
-    return os.environ.get("EXL3_NO_EXT", "") not in ("", "0")
-
-
 def _why_not() -> str | None:
-    if _no_ext():
-        return "EXL3_NO_EXT is set"
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     if torch.version.cuda is None:
@@ -64,7 +57,7 @@ def _build() -> ModuleType:
 
 _EXTENSION = LazyExtension(
     "CUDA Viterbi kernel", _why_not, _build,
-    announce=lambda _reason: torch.cuda.is_available() and not _no_ext(),
+    announce=lambda _reason: torch.cuda.is_available(),
     fallback="using the PyTorch reference on the GPU")
 
 
@@ -74,17 +67,12 @@ def _extension() -> ModuleType | None:
 
 def available() -> bool:
     """Whether the CUDA Viterbi kernel can be used (builds it on first call)."""
-    if _no_ext():
-        return False
-    return _extension() is not None
+    return _EXTENSION.available()
 
 
 def unavailable_reason() -> str | None:
     """Why the kernel is not in use, or None when it is."""
-    if _no_ext():
-        return "EXL3_NO_EXT is set"
-    _extension()
-    return _EXTENSION.reason
+    return _EXTENSION.unavailable_reason()
 
 
 def _device_luts(codebook: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

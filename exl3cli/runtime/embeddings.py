@@ -78,9 +78,8 @@ def run_embed(runner: Any, req: dict[str, Any], normalize: bool = True) -> dict[
     manifest = runner.store.read_manifest(name)
     keep_alive = parse_keep_alive(req.get("keep_alive"))
     options, _ignored = merge_options(manifest.get("parameters"), req.get("options"))
-    loaded = runner._acquire(name, manifest)
-    load_ns = time.perf_counter_ns() - started
-    try:
+    with runner.holding(name, manifest, keep_alive) as loaded:
+        load_ns = time.perf_counter_ns() - started
         text_model = loaded.text_model
         limit = text_model.context_length(options)
         loaded.context_length = limit
@@ -91,8 +90,6 @@ def run_embed(runner: Any, req: dict[str, Any], normalize: bool = True) -> dict[
             count += len(ids)
             vector = pooled_embedding(text_model, ids, normalize)
             embeddings.append(_dimensions(vector, dimensions, normalize))
-    finally:
-        runner._release(loaded, keep_alive)
     return {"model": name, "embeddings": embeddings,
             "total_duration": time.perf_counter_ns() - started, "load_duration": load_ns,
             "prompt_eval_count": count}

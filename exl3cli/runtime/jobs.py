@@ -7,6 +7,7 @@ TEMPLATE and MESSAGEs the way Ollama does) and shapes the streamed response obje
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from exl3cli.errors import ContextOverflow, InvalidOption
@@ -373,10 +374,10 @@ class ChatJob(_Job):
 
 
 def fit_prompt(job: Any, text_model: Any, manifest: dict[str, Any], num_ctx: int,
-               cancel: Any = None) -> list[int]:
+               cancel: threading.Event | None = None) -> list[int]:
     """The job's prompt ids, dropping the fewest old chat turns that make it fit in
     `num_ctx` (a binary search: about log2(turns) renders, not one per dropped turn).
-    `cancel` (a threading.Event) is checked between renders. When nothing makes it
+    `cancel` is checked between renders. When nothing makes it
     fit, the shortest prompt is returned (or PromptTooLong raised) for the caller."""
     def render(drop: int) -> list[int] | None:
         if cancel is not None and cancel.is_set():

@@ -10,20 +10,19 @@ answer from the model's continuous-batching Generator (engine/generation/generat
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import ContextOverflow, InvalidOption
-from exl3cli.runtime.logprobs import LogprobRecorder, logprob_entries
+from exl3cli.runtime.loaded_model import LoadedModel, folder_size, weights_key
+from exl3cli.runtime.logprobs import LogprobRecorder
 from exl3cli.runtime.options import (
     cache_type_option,
     default_num_parallel,
@@ -35,67 +34,6 @@ from exl3cli.runtime.options import (
 from exl3cli.store.names import ModelName
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadedModel:
-    """A model resident in this process, with the facts /api/ps reports."""
-
-    key: str
-    name: str
-    text_model: Any
-    size: int
-    details: dict[str, Any]
-    on_gpu: bool
-    context_length: int = 0
-    expires_at: float | None = None  # monotonic deadline; None = forever
-    expires_wall: datetime | None = None
-    in_use: int = 0
-    generator: Any = None  # engine.generator.Generator, built by the first request
-    generator_thread: Any = None  # its GeneratorThread
-    rebuilds_waiting: int = 0  # requests waiting for the generator to go idle
-    digest: str = ""  # the manifest digest /api/tags shows for `name`
-    # The adapter requests without one of their own run with (TabbyAPI's /v1/lora/load).
-    default_adapter: str | None = None
-    default_loras: list[dict[str, Any]] | None = None  # what /v1/lora lists for it
-    placement: Any = None  # engine.placement.Placement: layers on the GPU / offloaded
-
-    @property
-    def size_vram(self) -> int:
-        """The part of `size` on the GPU (all of it, none, or the offload split's share)."""
-        if not self.on_gpu:
-            return 0
-        share = self.placement
-        if share is None or share.gpu_bytes + share.cpu_bytes <= 0:
-            return self.size
-        return round(self.size * share.gpu_bytes / (share.gpu_bytes + share.cpu_bytes))
-
-    def stop_generator(self) -> None:
-        """Stop stepping the generator on its thread (handles still in flight then
-        step it themselves, so none of them hangs)."""
-        if self.generator_thread is not None:
-            self.generator_thread.stop()
-            self.generator_thread = None
-
-
-def weights_key(manifest: dict[str, Any]) -> str:
-    """One id for a set of weight files: every name and alias of them shares it (a
-    LoRA adapter's files are left out: models differing only in ADAPTER share a base)."""
-    from exl3cli.runtime.adapters import base_files
-
-    files = base_files(manifest.get("files") or {})
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def _folder_size(folder: Path) -> int:
-    total = 0
-    for path in folder.rglob("*"):
-        try:
-            if path.is_file():
-                total += path.stat().st_size
-        except OSError:
-            continue
-    return total
 
 
 class InferenceRunner:
@@ -128,17 +66,20 @@ class InferenceRunner:
         """Held while the loaded models change (held: their generators stay put)."""
         return self._lock
 
-    def generate(self, req: dict) -> Iterator[dict]:
-        """Stream /api/generate response objects for one request."""
+    def generate(self, req: dict, cancel: threading.Event | None = None) -> Iterator[dict]:
+        """Stream /api/generate response objects for one request. Setting `cancel`
+        (the daemon does when the client goes away) stops the job at its next token;
+        closing the returned iterator does the same."""
         from exl3cli.runtime.jobs import GenerateJob
 
-        return self._run(GenerateJob(req))
+        return self._run(GenerateJob(req), cancel)
 
-    def chat(self, req: dict) -> Iterator[dict]:
-        """Stream /api/chat response objects for one request."""
+    def chat(self, req: dict, cancel: threading.Event | None = None) -> Iterator[dict]:
+        """Stream /api/chat response objects for one request (`cancel` as for
+        `generate`)."""
         from exl3cli.runtime.jobs import ChatJob
 
-        return self._run(ChatJob(req))
+        return self._run(ChatJob(req), cancel)
 
     def embed(self, req: dict, normalize: bool = True) -> dict:
         """/api/embed in-process: L2-normalised mean-pooled embeddings of `input`
@@ -166,6 +107,18 @@ class InferenceRunner:
                     "context_length": loaded.context_length,
                 })
             return {"models": models}
+
+    @contextmanager
+    def holding(self, name: str, manifest: dict[str, Any],
+                keep_alive: float | None) -> Iterator[LoadedModel]:
+        """`name` (whose store manifest is `manifest`) loaded and held for the `with`
+        block: it is not unloaded meanwhile; afterwards it stays `keep_alive` seconds
+        (None: forever, 0: unloaded at once if nobody else holds it)."""
+        loaded = self._acquire(name, manifest)
+        try:
+            yield loaded
+        finally:
+            self._release(loaded, keep_alive)
 
     def current(self) -> LoadedModel | None:
         """The most recently used loaded model (TabbyAPI's "current model"), or None."""
@@ -215,7 +168,7 @@ class InferenceRunner:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _run(self, job: Any) -> Iterator[dict]:
+    def _run(self, job: Any, cancel: threading.Event | None) -> Iterator[dict]:
         # Validate, resolve and start eagerly so a bad request raises at the call, not
         # at the first next(): that is where a CLI or HTTP handler expects errors.
         started = time.perf_counter_ns()
@@ -235,9 +188,8 @@ class InferenceRunner:
         load_ns = time.perf_counter_ns() - load_started
         if job.is_load_only():
             return self._finish_load_only(job, loaded, keep_alive, started, load_ns)
-        cancel = job.req.get("_cancel")  # set by the daemon when the client goes away
-        if not isinstance(cancel, threading.Event):
-            cancel = threading.Event()
+        if cancel is None:
+            cancel = threading.Event()  # set when the stream is closed early
         try:
             handle = self._submit(job, loaded, manifest, options, cache_type, cancel)
         except BaseException:
@@ -333,78 +285,14 @@ class InferenceRunner:
     def _respond(self, job: Any, loaded: LoadedModel, handle: Any, cancel: threading.Event,
                  ignored: list[str], keep_alive: float | None, started: int,
                  load_ns: int) -> Iterator[dict]:
-        """Turn the job's generator events into response objects (chunks, or one object
-        if not streaming), then the final object with Ollama's counters."""
-        final_event = None
-        pieces: list[tuple[str, str]] = []
-        generated: list[int] = []
-        splitter = job.thinking_splitter()
-        tool_parser = job.tool_parser()
-        events = handle.iter_events(cancel)
-
-        def routed(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-            """Thinking passes through; content goes through the tool-call parser."""
-            out: list[tuple[str, Any]] = []
-            for kind, part in items:
-                out.extend(tool_parser.push(part) if kind == "content" else [(kind, part)])
-            return out
-
-        logprobs: list[dict] = []  # entries not attached to a response object yet
-        tokenizer = loaded.text_model.tokenizer
-
-        def chunk(part: Any, kind: str) -> dict:
-            body = job.chunk(part, kind)
-            if job.recorder is not None:
-                body["logprobs"] = logprobs[:]
-                logprobs.clear()
-            return body
+        """The job's response objects (runtime/responses.py); the model is let go once
+        they end or the stream is closed."""
+        from exl3cli.runtime.responses import stream_responses
 
         try:
-            for event in events:
-                if event.done:
-                    final_event = event
-                    break
-                generated.extend(event.token_ids)
-                if job.recorder is not None:
-                    logprobs.extend(logprob_entries(
-                        tokenizer, job.recorder.take(len(event.token_ids))))
-                for kind, part in routed(splitter.push(event.text)):
-                    if job.streaming:
-                        yield chunk(part, kind)
-                    else:
-                        pieces.append((kind, part))
-            if final_event is None or final_event.cancelled:
-                return  # cancelled (client gone): nobody reads a final object
-            for kind, part in routed(splitter.flush()) + tool_parser.flush():
-                if job.streaming:
-                    yield chunk(part, kind)
-                else:
-                    pieces.append((kind, part))
-            done = final_event
-            final = job.final(
-                pieces=None if job.streaming else pieces,
-                done_reason=done.done_reason or "stop",
-                metrics={
-                    "total_duration": time.perf_counter_ns() - started,
-                    "load_duration": load_ns,
-                    "prompt_eval_count": done.prompt_eval_count,
-                    "prompt_eval_duration": done.prompt_eval_duration,
-                    "eval_count": done.eval_count,
-                    "eval_duration": done.eval_duration,
-                    # not Ollama fields: prompt tokens taken from the prefix cache, and
-                    # (with a DRAFT) draft tokens verified and kept
-                    "prompt_cache_count": done.prompt_cache_count,
-                    **({"draft_count": done.draft_count,
-                        "draft_accepted": done.draft_accepted} if done.draft_count else {}),
-                },
-                warnings=[f"invalid option provided: {name}" for name in ignored],
-                context=list(handle.prompt) + generated,
-            )
-            if job.recorder is not None:
-                final["logprobs"] = logprobs[:]  # what no chunk carried (all, unstreamed)
-            yield final
+            yield from stream_responses(job, handle, cancel, loaded.text_model.tokenizer,
+                                        ignored, started, load_ns)
         finally:
-            events.close()  # an abandoned stream (Ctrl-C, client gone) cancels the job
             self._release(loaded, keep_alive)
 
     def _finish_load_only(self, job: Any, loaded: LoadedModel, keep_alive: float | None,
@@ -449,7 +337,7 @@ class InferenceRunner:
         device = str(getattr(text_model.model, "device", "cpu"))
         details = model_details(self.store, manifest)
         return LoadedModel(key=key, name=name, text_model=text_model,
-                           size=_folder_size(folder), details=details,
+                           size=folder_size(folder), details=details,
                            on_gpu=device.startswith("cuda"),
                            placement=getattr(text_model.model, "placement", None))
 

@@ -20,13 +20,14 @@ from typing import Any
 
 from exl3cli.errors import ServerBusy
 from exl3cli.runtime.library import ModelLibrary
-from exl3cli.runtime.residency import InferenceRunner, weights_key
+from exl3cli.runtime.loaded_model import weights_key
+from exl3cli.runtime.options import default_num_parallel
+from exl3cli.runtime.residency import InferenceRunner
 from exl3cli.server.limits import env_int
 from exl3cli.store.names import ModelName
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NUM_PARALLEL = 4
 DEFAULT_MAX_QUEUE = 512
 SWEEP_SECONDS = 1.0
 
@@ -167,8 +168,7 @@ class ModelManager:
                  max_queue: int | None = None, runner: InferenceRunner | None = None,
                  max_loaded: int | None = None, max_client_jobs: int = 0):
         self.store = store
-        self.num_parallel = num_parallel or env_int("EXL3_NUM_PARALLEL",
-                                                     DEFAULT_NUM_PARALLEL, 1)
+        self.num_parallel = num_parallel or default_num_parallel()
         self.max_queue = max_queue if max_queue is not None else env_int(
             "EXL3_MAX_QUEUE", DEFAULT_MAX_QUEUE, 0)
         loaded = max_loaded or env_int("EXL3_MAX_LOADED_MODELS", 1, 1)
@@ -180,7 +180,7 @@ class ModelManager:
         self.local = ModelLibrary(store)  # store operations: list, show, pull, create, ...
         self.executor = ThreadPoolExecutor(max_workers=self.num_parallel * 2 + 8,
                                            thread_name_prefix="exl3-job")
-        self._slots: dict[str, _Slot] = {}  # by weights key (runtime/residency.py)
+        self._slots: dict[str, _Slot] = {}  # by weights key (runtime/loaded_model.py)
         self._per_client: dict[str, int] = {}
         self.max_client_jobs = max_client_jobs
         self._jobs: dict[int, StreamJob] = {}
@@ -267,7 +267,7 @@ class ModelManager:
         method = getattr(self.runner, kind)
 
         def factory(cancel: threading.Event) -> Iterator[dict]:
-            return method(dict(req, _cancel=cancel))
+            return method(req, cancel=cancel)
 
         job_id = next(self._ids)
 

@@ -192,6 +192,20 @@ def test_empty_prompt_loads_keep_alive_zero_unloads_and_ps_reports(store):
     assert runner.ps() == {"models": []}
 
 
+def test_a_held_model_stays_loaded_until_the_hold_ends(store):
+    runner = InferenceRunner(store)
+    manifest = store.read_manifest("tiny")
+    with runner.holding("tiny", manifest, keep_alive=0) as loaded:
+        assert loaded.in_use == 1 and loaded.text_model is not None
+        assert runner.unload_all() == []  # in use: not dropped
+        assert len(runner.ps()["models"]) == 1
+    assert loaded.in_use == 0
+    assert runner.ps() == {"models": []}  # keep_alive 0: gone once let go
+    with pytest.raises(RuntimeError), runner.holding("tiny", manifest, None) as loaded:
+        raise RuntimeError("the block failed")
+    assert loaded.in_use == 0 and len(runner.ps()["models"]) == 1  # let go all the same
+
+
 def test_names_sharing_weights_share_one_loaded_model(store):
     runner = InferenceRunner(store, max_loaded=2)
     derive(store, "tiny-alias", parameters={"num_predict": 2})
@@ -392,8 +406,8 @@ def test_cancel_and_early_close_return_the_pages_to_the_pool(runner):
     pool = runner.generator_for("tiny").pool
     baseline = (pool.pages_in_use, pool.reserved)
     cancel = threading.Event()
-    chunks = runner.generate({"model": "tiny", "prompt": "Hello", "_cancel": cancel,
-                              "options": {**GREEDY, "num_predict": 150}})
+    chunks = runner.generate({"model": "tiny", "prompt": "Hello",
+                              "options": {**GREEDY, "num_predict": 150}}, cancel=cancel)
     assert next(chunks)["done"] is False
     assert pool.pages_in_use > baseline[0]
     cancel.set()  # what the daemon does when the client goes away

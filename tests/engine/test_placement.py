@@ -25,7 +25,7 @@ from exl3cli.engine.models.placement import (
 from exl3cli.engine.spec.architecture import load_family_config
 from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import InvalidOption, ModelLoadError
-from exl3cli.runtime.residency import LoadedModel
+from exl3cli.runtime.loaded_model import LoadedModel
 
 MIB = 2**20
 

@@ -54,8 +54,8 @@ def hold_long_chats(daemon: Daemon, release: threading.Event) -> None:
     runner = daemon.manager.runner
     chat = runner.chat
 
-    def held(req: dict):
-        for index, item in enumerate(chat(req)):
+    def held(req: dict, cancel: threading.Event | None = None):
+        for index, item in enumerate(chat(req, cancel=cancel)):
             yield item
             if index == 0 and req.get("options", {}).get("num_predict") == 200:
                 release.wait(120)

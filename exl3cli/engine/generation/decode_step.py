@@ -58,13 +58,12 @@ def bucket(count: int, limit: int) -> int:
 
 
 class FixedDecodeStep:
-    """The `cache` argument of CausalLM.forward for one fixed-shape decode step of
-    `batch` rows over at most `pages` pages each (see the module docstring).
+    """The `cache` argument of CausalLM.forward (an `AttentionCache`,
+    kvcache/attention_cache.py) for one fixed-shape decode step of `batch` rows over at
+    most `pages` pages each (see the module docstring).
 
     `load(rows)` writes the host data; `prepare()` (called by the model inside the
     step) derives the device tensors every layer shares."""
-
-    paged = True
 
     def __init__(self, pool: PagePool, batch: int, pages: int):
         if pool.scratch_page is None:
@@ -167,7 +166,7 @@ class FixedDecodeStep:
     def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden  # one token per row: every row is its own last token
 
-    def advance(self, counts: Any = None) -> None:
+    def advance(self, counts: Sequence[int] | None = None) -> None:
         """Nothing: the generator commits the tokens on the host once it knows them."""
 
 

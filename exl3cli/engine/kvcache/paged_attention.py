@@ -75,14 +75,13 @@ def attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 class PagedBatch:
-    """The `cache` argument of CausalLM.forward for one step over paged sequences.
+    """The `cache` argument of CausalLM.forward for one step over paged sequences (an
+    `AttentionCache`, kvcache/attention_cache.py).
 
     `tables[i]` receives `new_tokens[i]` (token ids, in the order they appear in
     input_ids [1, N]). After the forward pass the tables hold the new tokens
     (`advance`, called by the model, commits them and publishes full pages).
     """
-
-    paged = True
 
     def __init__(self, pool: PagePool, tables: Sequence[PageTable],
                  new_tokens: Sequence[Sequence[int]]):
@@ -118,7 +117,7 @@ class PagedBatch:
         self._fused = self._fused_decode_possible()
         self._history_slots: dict[int, torch.Tensor] = {}
         for i in self._chunk_rows:
-            self._row_slots(i)
+            self.row_slots(i)
 
     def _plan_decode(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self._decode_rows:
@@ -188,7 +187,7 @@ class PagedBatch:
             out[:, index] = decoded.transpose(0, 1)
         for i in self._chunk_rows:
             begin, end = self.offsets[i], self.offsets[i + 1]
-            keys, values = self.pool.read(layer, self._row_slots(i))
+            keys, values = self.pool.read(layer, self.row_slots(i))
             out[:, begin:end] = attend_chunk(query[0, :, begin:end], keys.to(query.dtype),
                                              values.to(query.dtype), self.starts[i], window)
         return out.unsqueeze(0)
@@ -200,7 +199,7 @@ class PagedBatch:
         for i in range(len(self.tables)):
             begin, end = self.offsets[i], self.offsets[i + 1]
             start, length = self.starts[i], self.starts[i] + self.counts[i]
-            keys, values = self.pool.read(layer, self._row_slots(i))  # [S, KV, D]
+            keys, values = self.pool.read(layer, self.row_slots(i))  # [S, KV, D]
             key_pos = torch.arange(length, device=query.device)
             query_pos = torch.arange(start, length, device=query.device)[:, None]
             allowed = key_pos <= query_pos
@@ -213,7 +212,7 @@ class PagedBatch:
             )
         return out
 
-    def _row_slots(self, i: int) -> torch.Tensor:
+    def row_slots(self, i: int) -> torch.Tensor:
         """Slots of sequence i's whole history including this step, made once per step
         (every layer reads the same): up front for prompt chunks, on demand otherwise."""
         if i not in self._history_slots:

@@ -10,12 +10,12 @@ side), see engine/layers/linear.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl3cli.engine.kvcache.attention_cache import AttentionCache
 from exl3cli.engine.kvcache.attention_math import softcapped_attention
 from exl3cli.engine.layers.linear import Linear
 from exl3cli.engine.layers.norm import RMSNorm
@@ -37,7 +37,8 @@ class AttentionStep:
     sin: torch.Tensor
     span: int
     start: int | None
-    cache: Any = None  # a paged step (PagedBatch, FixedDecodeStep), or None: no cache
+    # The step's cache (PagedBatch, FixedDecodeStep, ...), or None: no cache.
+    cache: AttentionCache | None = None
     # Rope tables of sliding layers when they have their own rope (Gemma 3), else None.
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None

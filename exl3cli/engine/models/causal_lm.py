@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exl3cli.engine.kvcache.attention_cache import AttentionCache
 from exl3cli.engine.layers.attention import Attention, AttentionStep
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.layers.linear import GEMV_MAX_ROWS, DenseLinear, Linear
@@ -205,14 +206,15 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: Any = None,
+        cache: AttentionCache | None = None,
         *,
         last_logits_only: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, V] (float32) for input_ids [B, T].
 
-        Without a cache, each row is one whole sequence from position 0. With a cache (a
-        paged step: paged_attention.PagedBatch, or decode_step.FixedDecodeStep),
+        Without a cache, each row is one whole sequence from position 0. With a cache (an
+        AttentionCache: a paged step such as paged_attention.PagedBatch or
+        decode_step.FixedDecodeStep),
         input_ids is [1, N]: the new tokens of several sequences back to back, each at
         its own positions, attending to its pages; `last_logits_only` then gives
         [1, num_sequences, V] (without a cache: [B, 1, V], each row's last token).
@@ -269,12 +271,12 @@ class CausalLM(nn.Module):
             step.blocks = self.images.block_ids(input_ids)
         return step
 
-    def _plan_paged_step(self, batch: Any) -> AttentionStep:
+    def _plan_paged_step(self, batch: AttentionCache) -> AttentionStep:
         positions, span = batch.prepare()
         return self._step(positions.to(self.device), span, None, batch)
 
     def _step(self, positions: torch.Tensor, span: int, start: int | None,
-              cache: Any) -> AttentionStep:
+              cache: AttentionCache | None) -> AttentionStep:
         """The AttentionStep for `positions` [B, T]: rotary tables and the cache."""
         cos, sin = self.rotary.lookup(positions, span)
         local_cos = local_sin = None

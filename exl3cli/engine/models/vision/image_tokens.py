@@ -18,11 +18,11 @@ import bisect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from exl3cli.engine.kvcache.attention_cache import AttentionCache
 from exl3cli.engine.kvcache.attention_math import softcapped_attention
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.text.token_ids import check_token_ids
@@ -160,7 +160,7 @@ class ImageTokens:
         """[begin, end) of each image in a prompt: fed to the model in one step."""
         return image_runs(ids, self.vocab_size)
 
-    def wrap_step(self, batch: Any, input_ids: torch.Tensor) -> Any:
+    def wrap_step(self, batch: AttentionCache, input_ids: torch.Tensor) -> AttentionCache:
         """A paged step whose prompt chunks hold image runs gets their bidirectional
         attention (BlockAttentionBatch); any other step is returned as it is."""
         if type(batch) is not PagedBatch:  # decode steps, draft verification
@@ -176,32 +176,44 @@ class ImageTokens:
 
 class BlockAttentionBatch:
     """A PagedBatch whose rows in `rows` (index -> image runs in that row's new tokens)
-    attend bidirectionally within each image run; everything else is the batch's own."""
+    attend bidirectionally within each image run; everything else is the batch's own
+    (an `AttentionCache`, kvcache/attention_cache.py)."""
 
     def __init__(self, batch: PagedBatch, rows: dict[int, list[tuple[int, int]]]):
-        self._batch = batch
-        self._rows = rows
+        self.batch = batch
+        self.image_rows = rows
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._batch, name)
+    def prepare(self) -> tuple[torch.Tensor, int]:
+        return self.batch.prepare()
+
+    def check_input(self, input_ids: torch.Tensor) -> None:
+        self.batch.check_input(input_ids)
+
+    def advance(self) -> None:
+        self.batch.advance()
+
+    def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.batch.select_last(hidden)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                window: int | None, *, softcap: float | None = None,
-               scale: float | None = None) -> torch.Tensor:
-        batch = self._batch
-        out = batch.attend(layer, query, key, value, window, softcap=softcap, scale=scale)
-        for i, runs in self._rows.items():
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        batch = self.batch
+        out = batch.attend(layer, query, key, value, window, softcap=softcap, scale=scale,
+                           sinks=sinks)
+        for i, runs in self.image_rows.items():
             begin, end = batch.offsets[i], batch.offsets[i + 1]
             start = batch.starts[i]
-            keys, values = batch.pool.read(layer, batch._row_slots(i))  # [S, KV, D]
+            keys, values = batch.pool.read(layer, batch.row_slots(i))  # [S, KV, D]
             keys = keys.to(query.dtype).transpose(0, 1).unsqueeze(0)
             values = values.to(query.dtype).transpose(0, 1).unsqueeze(0)
             allowed = allowed_keys(start, end - begin, runs, window, query.device)
             rows = query[:, :, begin:end]
-            if softcap is not None:
+            if softcap is not None or sinks is not None:
                 attended = softcapped_attention(
                     rows, keys, values, allowed,
-                    scale if scale is not None else query.shape[-1]**-0.5, softcap)
+                    scale if scale is not None else query.shape[-1]**-0.5, softcap,
+                    sinks=sinks)
             else:  # the query already carries the layer's scale (Attention.attend)
                 attended = F.scaled_dot_product_attention(
                     rows, keys, values, attn_mask=allowed,
