@@ -6,10 +6,10 @@ outputs of the quantized q/k/v and gate/up). After each layer its stored tensors
 written atomically to ``work_dir/layer-NNNN.safetensors``; ``resume=True`` reloads them
 and only recomputes activations. The output folder is always written from the
 checkpoints, and everything random is seeded, so a killed and resumed run writes the
-same bytes as an uninterrupted one. Families with Gemma's options (scaled embeddings,
-sandwich and 1 + w norms, caps, per-layer ropes) are calibrated through the engine's
-own blocks (engine_layer.py); a multimodal wrapper's text model is converted and its
-other tensors (vision tower, projector) are kept at 16 bits under ExLlamaV3's names.
+same bytes as an uninterrupted one. Every family is calibrated through the engine's own
+decoder layers (engine_layer.py), so the activations it is quantized on are the ones it
+computes; a multimodal wrapper's text model is converted and its other tensors (vision
+tower, projector) are kept at 16 bits under ExLlamaV3's names.
 
 Public API:
 - ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -46,10 +45,9 @@ from exl3cli.convert.calibration import (
     calibration_tokens,
     read_calibration_text,
 )
-from exl3cli.convert.engine_layer import EngineLayerForward, activation_dtype
+from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
-from exl3cli.convert.layer_forward import LayerRunner, unsupported_features
 from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
@@ -145,15 +143,7 @@ class _Converter:
         # Experts stored as one tensor per layer (gpt-oss) are written per expert.
         self.reader = split_fused_experts(self.reader, self.config, self.spec)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        # Families the raw-weight runner cannot reproduce (Gemma) run through the
-        # engine's blocks; the others keep the raw runner (and their exact outputs).
-        self.engine_layers: EngineLayerForward | None = None
-        if unsupported_features(self.config, self.spec):
-            self.engine_layers = EngineLayerForward(self.config, self.spec, self.names,
-                                                    self.device)
-            self.runner: LayerRunner | EngineLayerForward = self.engine_layers
-        else:
-            self.runner = LayerRunner(self.config, self.spec, self.device)
+        self.engine_layers = EngineLayerForward(self.config, self.spec, self.names, self.device)
 
     def weight(self, module: str) -> torch.Tensor:
         """(in, out) float32 on the working device."""
@@ -210,78 +200,36 @@ class _Converter:
         return names
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(tokens, self.tensor(self.names.embed))
-        if self.engine_layers is not None:
-            scale = self.engine_layers.embed_scale(activation_dtype(self.config))
-            if scale is not None:
-                hidden = hidden * scale
-        return hidden
+        return self.engine_layers.embed(tokens, self.tensor(self.names.embed))
 
-    def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
-                  quantize_bits: dict[str, int] | None = None) -> tuple[torch.Tensor, dict]:
-        """Forward one layer; with ``quantize_bits`` (module -> bits, 16: kept), quantize
-        each group on the way (filling ``dense``) and return the stored tensors and
-        proxy errors too."""
-        if self.engine_layers is not None:
-            return self.run_engine_layer(i, hidden, dense, quantize_bits)
-        t, mods, r = self.names, self.layer_modules(i), self.runner
-        stored, errors = {}, {}
+    def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple]) -> torch.Tensor:
+        """Layer `i`'s output for `hidden`, with the linears in `dense`."""
+        engine = self.engine_layers
+        return engine.run(engine.build(i, dense, self.tensor), hidden)
 
-        def group(name: str, x: torch.Tensor) -> list[tuple]:
-            if quantize_bits is not None:
-                results = self.quantize(mods[name], x, [quantize_bits[m] for m in mods[name]])
-                for m in mods[name]:
-                    dense[m] = (self.weight(m), self.bias(m))  # kept at 16 bits
-                for q in results:
-                    dense[q.name] = (q.weight, self.bias(q.name))
-                    stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
-                errors[name] = sum(q.proxy_error for q in results) / max(1, len(results))
-            return [dense[m] for m in mods[name]]
-
-        qk_norms = None
-        if self.spec.uses_qk_norm(self.config):
-            qk_norms = (self.tensor(t.q_norm.format(i=i)), self.tensor(t.k_norm.format(i=i)))
-        x = r.rms_norm(hidden, self.tensor(t.input_norm.format(i=i)))
-        qkv = group("qkv", x)
-        attn = r.attention_core(x, i, tuple(w for w, _ in qkv), tuple(b for _, b in qkv), qk_norms)
-        (o_w, o_b), = group("o", attn)
-        hidden = hidden + r.linear(attn, o_w, o_b)
-        x = r.rms_norm(hidden, self.tensor(t.post_attention_norm.format(i=i)))
-        (g_w, g_b), (u_w, u_b) = group("gate_up", x)
-        mid = r.gated(x, g_w, u_w, (g_b, u_b))
-        (d_w, d_b), = group("down", mid)
-        hidden = hidden + r.linear(mid, d_w, d_b)
-        return hidden, {"stored": stored, "errors": errors}
-
-    def run_engine_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
-                         quantize_bits: dict[str, int] | None) -> tuple[torch.Tensor | None, dict]:
-        """``run_layer`` through engine blocks: each group is quantized on the input it
-        gets once the groups before it are quantized. Quantizing returns no hidden
-        state (the pipeline recomputes it from the stored tensors)."""
+    def quantize_layer(self, i: int, hidden: torch.Tensor, bits: dict[str, int]) -> dict:
+        """Quantize layer `i` (``bits``: module -> bits, 16: kept), each group on the
+        input it gets once the groups before it are quantized: the stored tensors, the
+        proxy errors by group and, for experts, the rows each one received."""
         engine, mods = self.engine_layers, self.layer_modules(i)
-        assert engine is not None
-        if quantize_bits is None:
-            return engine.run(engine.build(i, dense, self.tensor), hidden), {}
         stored, errors = {}, {}
-        for m in (m for ms in mods.values() for m in ms):
-            dense[m] = (self.weight(m), self.bias(m))
+        counts = None
+        dense = {m: (self.weight(m), self.bias(m)) for ms in mods.values() for m in ms}
         dense.update(self.kept_dense(i))
-        for group in ("qkv", "o", "gate_up", "down"):
+        for group in LINEAR_SLOTS:
             if group in ("gate_up", "down") and moe_units(self.spec, self.config, i, group):
                 # Experts share their group's bits (allocation_plan.py).
                 results, counts = self.quantize_experts(i, hidden, dense, group,
-                                                        quantize_bits[mods[group][0]])
-                errors["expert_tokens"] = counts
+                                                        bits[mods[group][0]])
             else:
                 x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group)
-                results = self.quantize(mods[group], x, [quantize_bits[m] for m in mods[group]])
+                results = self.quantize(mods[group], x, [bits[m] for m in mods[group]])
                 del x
             for q in results:
                 dense[q.name] = (q.weight, self.bias(q.name))
                 stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
             errors[group] = sum(q.proxy_error for q in results) / max(1, len(results))
-        counts = errors.pop("expert_tokens", None)
-        return None, {"stored": stored, "errors": errors, "expert_tokens": counts}
+        return {"stored": stored, "errors": errors, "expert_tokens": counts}
 
     def quantize_experts(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
                          group: str, k_bits: int) -> tuple[list[QuantizedLinear], list[int]]:
@@ -371,7 +319,7 @@ def convert_model(
                 stored, meta = _load_checkpoint(path)
                 report = LayerReport.from_dict(meta)
             else:
-                _, out = conv.run_layer(i, hidden, {}, layer_bits)
+                out = conv.quantize_layer(i, hidden, layer_bits)
                 stored = out["stored"]
                 report = LayerReport(i, representative_bits(layer_mods, bits), out["errors"],
                                      time.perf_counter() - begun,
@@ -379,7 +327,7 @@ def convert_model(
                                      tensor_bits=_short_bits(layer_mods, bits))
                 _atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
             # Activations always come from the stored tensors, in both paths alike.
-            hidden, _ = conv.run_layer(i, hidden, conv.dense_from_stored(stored, i))
+            hidden = conv.run_layer(i, hidden, conv.dense_from_stored(stored, i))
             reports.append(report)
             progress(report)
         head_error = _head(conv, hidden, work_dir, resume, plan.head_bits)
@@ -430,7 +378,7 @@ def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool,
     path = work_dir / "head.safetensors"
     if resume and path.is_file():
         return float(_load_checkpoint(path)[1]["error"])
-    x = conv.runner.rms_norm(hidden, conv.tensor(conv.names.final_norm))
+    x = conv.engine_layers.final_norm(hidden, conv.tensor(conv.names.final_norm))
     acc = HessianAccumulator(x.shape[-1], conv.device)
     acc.add(x)
     name = _head_name(conv)
