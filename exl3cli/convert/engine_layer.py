@@ -7,7 +7,10 @@ cache-less forward (positions, rotary tables, masks), so the activations a model
 calibrated on are the ones the engine computes: norms (1 + w, sandwich, q/k), ropes
 (partial, interleaved, a separate one for sliding layers, none), windows, score scales,
 soft-caps, sinks, experts. The input of one linear is read with a forward pre-hook that
-stops the layer right there (nothing after it is computed). For the sensitivity pass
+stops the layer right there (nothing after it is computed). A pass after the o
+projection's input is known (``attended``: from a pass with the same q/k/v) does not
+recompute the attention: the layer's own o projection is applied to that input, which
+is what the attention block returns (``Attention.forward`` ends with it). For the sensitivity pass
 (sensitivity.py) a layer can carry probes: tensors added to the outputs of its linears,
 whose gradients are the loss's gradients with respect to those outputs.
 
@@ -20,7 +23,8 @@ Public API:
   "down"); ``slot_module(layer, slot) -> nn.Module``, the engine module of a group.
 - ``EngineLayerForward(config, spec, names, device, row_chunk=16)``:
   ``.build(i, dense, tensor, probes=None) -> DecoderLayer``, ``.step(rows, cols)``,
-  ``.run(layer, hidden) -> hidden``, ``.linear_input(layer, hidden, slot) -> Tensor``,
+  ``.run(layer, hidden, attended=None) -> hidden``,
+  ``.linear_input(layer, hidden, slot, attended=None) -> Tensor``,
   ``.embed(tokens, weight) -> hidden`` (Gemma's scale applied),
   ``.final_norm(hidden, weight)``, ``.logits(hidden, norm_weight, head_weight)``
   (Gemma 2's final soft-cap applied).
@@ -30,13 +34,13 @@ Public API:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exl3cli.engine.layers.attention import AttentionStep
+from exl3cli.engine.layers.attention import Attention, AttentionStep
 from exl3cli.engine.layers.linear import DenseLinear, Linear
 from exl3cli.engine.layers.rope import RotaryEmbedding
 from exl3cli.engine.models.causal_lm import DecoderLayer, softcap_logits
@@ -76,6 +80,18 @@ class _Probed(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x) + self.probe
+
+
+class _Replayed(nn.Module):
+    """An attention block whose output is `o(attended)`: what it returned in an earlier
+    pass with the same q/k/v, for the o projection the layer has now."""
+
+    def __init__(self, o: nn.Module, attended: torch.Tensor):
+        super().__init__()
+        self.o, self.attended = o, attended
+
+    def forward(self, _x: torch.Tensor, _step: AttentionStep) -> torch.Tensor:
+        return self.o(self.attended)
 
 
 class _Stop(Exception):
@@ -155,16 +171,34 @@ class EngineLayerForward:
                              span=cols, start=0, cache=None,
                              local_cos=local_cos, local_sin=local_sin)
 
-    def run(self, layer: DecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
-        """The layer's output for hidden [R, C, hidden_size]."""
-        out = []
-        for start in range(0, hidden.shape[0], self.row_chunk):
-            x = hidden[start : start + self.row_chunk]
-            out.append(layer(x, self.step(*x.shape[:2])))
-        return torch.cat(out)
+    def _chunks(self, layer: DecoderLayer, hidden: torch.Tensor,
+                attended: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The row chunks of `hidden`; while one is out, `layer`'s attention replays
+        the chunk's rows of `attended` (when given and the block is a plain Attention)."""
+        attention = layer.attention
+        replay = attended is not None and type(attention) is Attention
+        try:
+            for start in range(0, hidden.shape[0], self.row_chunk):
+                end = start + self.row_chunk
+                if replay:
+                    layer.attention = _Replayed(attention.o, attended[start:end])
+                yield hidden[start:end]
+        finally:
+            layer.attention = attention
 
-    def linear_input(self, layer: DecoderLayer, hidden: torch.Tensor, slot: str) -> torch.Tensor:
-        """What the linear at `slot` ("qkv", "o", "gate_up", "down") receives."""
+    def run(self, layer: DecoderLayer, hidden: torch.Tensor,
+            attended: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for hidden [R, C, hidden_size]; `attended`: the o
+        projection's input from a pass with the same q/k/v (module docstring)."""
+        return torch.cat([layer(x, self.step(*x.shape[:2]))
+                          for x in self._chunks(layer, hidden, attended)])
+
+    def linear_input(self, layer: DecoderLayer, hidden: torch.Tensor, slot: str,
+                     attended: torch.Tensor | None = None) -> torch.Tensor:
+        """What the linear at `slot` ("qkv", "o", "gate_up", "down") receives;
+        `attended` as for `run` (not for "qkv" and "o", which come before it)."""
+        if attended is not None and slot in ("qkv", "o"):
+            raise ValueError(f"the {slot} projection's input comes before the attention")
         module = slot_module(layer, slot)
         seen: list[torch.Tensor] = []
 
@@ -174,8 +208,7 @@ class EngineLayerForward:
 
         handle = module.register_forward_pre_hook(capture)
         try:
-            for start in range(0, hidden.shape[0], self.row_chunk):
-                x = hidden[start : start + self.row_chunk]
+            for x in self._chunks(layer, hidden, attended):
                 try:
                     layer(x, self.step(*x.shape[:2]))
                 except _Stop:

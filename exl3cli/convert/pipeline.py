@@ -213,28 +213,26 @@ class _Converter:
         proxy errors by group and, for experts, the rows each one received."""
         engine, mods = self.engine_layers, self.layer_modules(i)
         stored, errors = {}, {}
-        counts = None
+        counts = attended = None  # attended: o's input, once q/k/v are quantized
         dense = {m: (self.weight(m), self.bias(m)) for ms in mods.values() for m in ms}
         dense.update(self.kept_dense(i))
         for group in LINEAR_SLOTS:
             if group in ("gate_up", "down") and moe_units(self.spec, self.config, i, group):
                 # Experts share their group's bits (allocation_plan.py).
-                results, counts = self.quantize_experts(i, hidden, dense, group,
-                                                        bits[mods[group][0]])
+                results, counts = quantize_experts(self, i, hidden, dense, group,
+                                                   bits[mods[group][0]], attended)
             else:
-                x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group)
+                # The MLP's groups replay the attention from o's input (engine_layer.py).
+                x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group,
+                                        attended)
                 results = self.quantize(mods[group], x, [bits[m] for m in mods[group]])
+                attended = x if group == "o" else attended
                 del x
             for q in results:
                 dense[q.name] = (q.weight, self.bias(q.name))
                 stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
             errors[group] = sum(q.proxy_error for q in results) / max(1, len(results))
         return {"stored": stored, "errors": errors, "expert_tokens": counts}
-
-    def quantize_experts(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
-                         group: str, k_bits: int) -> tuple[list[QuantizedLinear], list[int]]:
-        """A sparse layer's `group`, each expert on its routed rows (moe_layer.py)."""
-        return quantize_experts(self, i, hidden, dense, group, k_bits)
 
     def dense_from_stored(self, stored: dict[str, torch.Tensor], i: int) -> dict:
         modules = [m for ms in self.layer_modules(i).values() for m in ms]

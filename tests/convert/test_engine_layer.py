@@ -57,6 +57,28 @@ def test_layer_by_layer_equals_the_engines_forward(tmp_path, arch):
     assert (got - expected).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_replayed_attention_gives_what_recomputing_it_gives(tmp_path, arch):
+    """The MLP's groups are captured with the attention replayed from o's input."""
+    src = write_tiny_chat_model(tmp_path / "src", arch, **CASES[arch])
+    conv = pipeline._Converter(src, OPTIONS, tmp_path / "work", lambda _event: None)
+    engine = conv.engine_layers
+    engine.row_chunk = 3
+    with torch.inference_mode():
+        hidden = conv.embeddings(_tokens(src))
+        layer = engine.build(0, _source_dense(conv, 0), conv.tensor)
+        attended = engine.linear_input(layer, hidden, "o")
+        for slot in ("gate_up", "down"):
+            assert torch.equal(engine.linear_input(layer, hidden, slot, attended),
+                               engine.linear_input(layer, hidden, slot)), slot
+        assert torch.equal(engine.run(layer, hidden, attended), engine.run(layer, hidden))
+        # A wrong `attended` is what the layer then uses: the replay is real.
+        assert not torch.equal(engine.run(layer, hidden, attended.flip(0)),
+                               engine.run(layer, hidden))
+        with pytest.raises(ValueError, match="before the attention"):
+            engine.linear_input(layer, hidden, "o", attended)
+
+
 def _converter_hessians(src, tokens: torch.Tensor, work, monkeypatch) -> dict:
     """(layer, group) -> the Hessian the converter quantizes that group on, with every
     quantization replaced by the unquantized weights (so that later groups and layers
