@@ -9,6 +9,6 @@ Entry point: ``pipeline.convert_model(src, out_dir, ConvertOptions(bits=...), wo
 resume=False, progress=None) -> report.ConversionSummary``. Modules: calibration,
 engine_layer (the calibration forward), hessian, ldlq, quantize_layer, moe_layer
 (per-expert Hessians), sensitivity, knapsack, allocation, allocation_plan, recipe,
-pipeline, report, source, fused_source, synthetic, quality (perplexity / KL for
-benchmarks).
+pipeline, work_folder (checkpoints, resume), report, source, fused_source, synthetic,
+quality (perplexity / KL for benchmarks).
 """

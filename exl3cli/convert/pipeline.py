@@ -3,13 +3,14 @@
 Layers are quantized in order on calibration activations that went through the
 already-quantized earlier layers (and, inside a layer, o_proj and down_proj see the
 outputs of the quantized q/k/v and gate/up). After each layer its stored tensors are
-written atomically to ``work_dir/layer-NNNN.safetensors``; ``resume=True`` reloads them
-and only recomputes activations. The output folder is always written from the
-checkpoints, and everything random is seeded, so a killed and resumed run writes the
-same bytes as an uninterrupted one. Every family is calibrated through the engine's own
-decoder layers (engine_layer.py), so the activations it is quantized on are the ones it
-computes; a multimodal wrapper's text model is converted and its other tensors (vision
-tower, projector) are kept at 16 bits under ExLlamaV3's names.
+written atomically to ``work_dir/layer-NNNN.safetensors`` (work_folder.py);
+``resume=True`` reloads them and only recomputes activations. The output folder is
+always written from the checkpoints, and everything random is seeded, so a killed and
+resumed run writes the same bytes as an uninterrupted one. Every family is calibrated
+through the engine's own decoder layers (engine_layer.py), so the activations it is
+quantized on are the ones it computes; a multimodal wrapper's text model is converted
+and its other tensors (vision tower, projector) are kept at 16 bits under ExLlamaV3's
+names.
 
 Public API:
 - ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
@@ -32,8 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from exl3cli.codec import dequantize_linear
 from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config, padded_size
@@ -57,6 +56,12 @@ from exl3cli.convert.quantize_layer import (
 )
 from exl3cli.convert.recipe import write_recipe
 from exl3cli.convert.report import ConversionSummary, LayerReport
+from exl3cli.convert.work_folder import (
+    atomic_save,
+    load_checkpoint,
+    module_tensors,
+    prepare_work_dir,
+)
 from exl3cli.engine.layers.fused_experts import split_fused_experts
 from exl3cli.engine.models.vision.loader import stored_tensor_name
 from exl3cli.engine.models.weights import WeightReader
@@ -64,7 +69,6 @@ from exl3cli.engine.spec.architecture import get_architecture, load_family_confi
 from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ConversionError
 
-JOB_FILE = "job.json"
 _WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
 PLAN_FILE = "plan.json"
 RECIPE_FILE = "exl3-recipe.json"
@@ -101,26 +105,6 @@ def _group_shapes(conv: _Converter) -> list[GroupShape]:
                 weights += padded_size(in_f) * padded_size(out_f)
             shapes.append(GroupShape(i, group, weights))
     return shapes
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), "pt") as handle:
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-        meta = json.loads(handle.metadata()["report"])
-    return tensors, meta
-
-
-def _module_tensors(tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
-    prefix = module + "."
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 class _Converter:
@@ -239,39 +223,13 @@ class _Converter:
         dense = self.kept_dense(i)
         for m in modules:
             out_f, in_f = self.reader.get(m + ".weight").shape
-            tensors = _module_tensors(stored, m)
+            tensors = module_tensors(stored, m)
             if not tensors:  # kept at 16 bits
                 dense[m] = (self.weight(m), self.bias(m))
                 continue
             w = dequantize_linear({k: v.to(self.device) for k, v in tensors.items()}, in_f, out_f)
             dense[m] = (w, self.bias(m))
         return dense
-
-
-def finished_layers(work_dir: Path) -> list[Path]:
-    """The layer checkpoints an earlier run of a conversion left in `work_dir`."""
-    return sorted(Path(work_dir).glob("layer-*.safetensors")) if Path(work_dir).is_dir() else []
-
-
-def _prepare_work_dir(work_dir: Path, job: dict, resume: bool, force: bool = False) -> None:
-    job_path = work_dir / JOB_FILE
-    if resume and job_path.is_file():
-        previous = json.loads(job_path.read_text(encoding="utf-8"))
-        if previous != job:
-            raise ConversionError(
-                f"--resume: the work folder {work_dir} belongs to a conversion with other "
-                "settings; start again with --force (drops its finished layers)")
-        return
-    done = finished_layers(work_dir)
-    if done and not force:
-        raise ConversionError(
-            f"the work folder {work_dir} holds {len(done)} finished layer(s) of an earlier "
-            "conversion; add --resume to continue it, or --force to delete them and start "
-            "over")
-    if work_dir.exists():
-        shutil.rmtree(work_dir)
-    work_dir.mkdir(parents=True)
-    job_path.write_text(json.dumps(job, indent=2, sort_keys=True), encoding="utf-8")
 
 
 def convert_model(
@@ -292,7 +250,7 @@ def convert_model(
     conv = _Converter(src, options, work_dir, progress)
     job = {"source": str(src.resolve()), "options": asdict(options) | {"device": None}}
     job = json.loads(json.dumps(job))  # as it reads back from job.json (tuples: lists)
-    _prepare_work_dir(work_dir, job, resume, force)
+    prepare_work_dir(work_dir, job, resume, force)
 
     shapes = _group_shapes(conv)
     tokenizer = Tokenizer.from_folder(src)
@@ -314,7 +272,7 @@ def convert_model(
             path = work_dir / f"layer-{i:04d}.safetensors"
             begun = time.perf_counter()
             if resume and path.is_file():
-                stored, meta = _load_checkpoint(path)
+                stored, meta = load_checkpoint(path)
                 report = LayerReport.from_dict(meta)
             else:
                 out = conv.quantize_layer(i, hidden, layer_bits)
@@ -323,7 +281,7 @@ def convert_model(
                                      time.perf_counter() - begun,
                                      expert_tokens=out.get("expert_tokens"),
                                      tensor_bits=_short_bits(layer_mods, bits))
-                _atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
+                atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
             # Activations always come from the stored tensors, in both paths alike.
             hidden = conv.run_layer(i, hidden, conv.dense_from_stored(stored, i))
             reports.append(report)
@@ -375,14 +333,14 @@ def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool,
         return None
     path = work_dir / "head.safetensors"
     if resume and path.is_file():
-        return float(_load_checkpoint(path)[1]["error"])
+        return float(load_checkpoint(path)[1]["error"])
     x = conv.engine_layers.final_norm(hidden, conv.tensor(conv.names.final_norm))
     acc = HessianAccumulator(x.shape[-1], conv.device)
     acc.add(x)
     name = _head_name(conv)
     q, = quantize_group([name], [_head_weight(conv)], [None], acc.hessian(),
                         conv.settings(head_bits))
-    _atomic_save({f"{name}.{k}": v for k, v in q.tensors.items()}, path,
+    atomic_save({f"{name}.{k}": v for k, v in q.tensors.items()}, path,
                  {"report": json.dumps({"error": q.proxy_error})})
     conv.progress(f"head {head_bits}b {q.proxy_error:.2e}")
     return q.proxy_error
@@ -411,7 +369,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     t = conv.names
     writer.add_tensor(t.embed, conv.reader.get(t.embed))
     for i in range(conv.config.num_layers):
-        stored, _ = _load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
+        stored, _ = load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
         for name in conv.norm_names(i):
             writer.add_tensor(name, conv.reader.get(name))
         for modules in conv.layer_modules(i).values():
@@ -420,7 +378,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
                     bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
                     writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
                 else:
-                    writer.add_linear_tensors(m, _module_tensors(stored, m))
+                    writer.add_linear_tensors(m, module_tensors(stored, m))
         for m in kept_dense_modules(conv.spec, conv.config, i):
             bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
             writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
@@ -429,8 +387,8 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     if plan.head_bits >= 16:
         writer.add_dense_linear(head, _head_weight(conv).T)
     else:
-        stored, _ = _load_checkpoint(work_dir / "head.safetensors")
-        writer.add_linear_tensors(head, _module_tensors(stored, head))
+        stored, _ = load_checkpoint(work_dir / "head.safetensors")
+        writer.add_linear_tensors(head, module_tensors(stored, head))
     for name in _wrapper_tensors(conv):  # 16-bit, under ExLlamaV3's names
         writer.add_tensor(stored_tensor_name(conv.spec.name, name), conv.reader.get(name))
     qconfig = make_quantization_config(
