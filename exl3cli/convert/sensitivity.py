@@ -31,6 +31,8 @@ Public API:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,16 @@ def predicted_error(hessian: torch.Tensor, names: list[str], weights: list[torch
     return [trace * s.double().pow(2) for s in scales.sides]
 
 
+def _accumulate(hessians: dict[str, HessianAccumulator], group: str) -> Callable:
+    """A forward pre-hook adding its module's input to ``hessians[group]``."""
+
+    def hook(_module: nn.Module, args: tuple) -> None:
+        x = args[0].detach()
+        hessians.setdefault(group, HessianAccumulator(x.shape[-1], x.device)).add(x)
+
+    return hook
+
+
 class _Layer:
     """One decoder layer of the unquantized model, with optional probes and Hessians."""
 
@@ -66,12 +78,9 @@ class _Layer:
         dense = {m: (conv.weight(m), conv.bias(m)) for ms in self.mods.values() for m in ms}
         layer = engine.build(self.i, dense, conv.tensor, probes)
         handles = []
-        for group in self.mods if hessians is not None else ():
-            def add(_module: nn.Module, args: tuple, group: str = group) -> None:
-                x = args[0].detach()
-                acc = hessians.setdefault(group, HessianAccumulator(x.shape[-1], x.device))
-                acc.add(x)
-            handles.append(slot_module(layer, group).register_forward_pre_hook(add))
+        if hessians is not None:
+            handles = [slot_module(layer, group).register_forward_pre_hook(
+                _accumulate(hessians, group)) for group in self.mods]
         try:  # every row at once: the probes are shaped like the whole batch's outputs
             return layer(hidden, engine.step(*hidden.shape[:2]))
         finally:
