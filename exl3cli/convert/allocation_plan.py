@@ -11,9 +11,9 @@
      tensors sharing an input (one LDLQ pass per group, as the fixed order has);
    - "fixed": allocation.py's fixed promotion order over groups (the behaviour before
      measurement), recipe overrides applied on top.
-   Mixtures of experts and families calibrated through the engine's blocks (Gemma and
-   others the raw runner cannot run) use the fixed order (with its attention bonus for
-   mixtures of experts); a recipe that leaves no tensor free needs neither.
+   Mixtures of experts use the fixed order (with its attention bonus); a recipe that
+   leaves no tensor free needs neither. Every other family is measured (the
+   sensitivity pass runs the engine's own layers, as the quantization does).
 
 Public API:
 - ``BitPlan(tensor_bits, head_bits, average, method)``; ``.to_dict()``,
@@ -141,7 +141,7 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
     elif options.bits is None:
         raise ConversionError(f"the recipe leaves {len(free)} tensor(s) without bits (e.g. "
                               f"{free[0]}): give -b BPW for them, or cover them with '*'")
-    elif options.allocation == "fixed" or conv.spec.moe or conv.engine_layers is not None:
+    elif options.allocation == "fixed" or conv.spec.moe:
         bits = {**_fixed_order(conv, shapes, options.bits), **fixed}
         method = "fixed order" + (" and recipe" if fixed else "")
     else:

@@ -15,10 +15,11 @@ Public API:
 - ``kept_dense_modules(spec, config, i) -> list[module]``
 - ``moe_units(spec, config, i, group) -> list[(modules, source)]``: the modules quantized
   together and where their input comes from ("expert", index) or ("shared", None).
-- ``MoEInputs`` / ``capture_moe_inputs(engine, layer, hidden, group)``: the rows each
-  expert (and the shared expert) received, and the block's input rows.
+- ``MoEInputs`` / ``capture_moe_inputs(engine, layer, hidden, group, attended=None)``:
+  the rows each expert (and the shared expert) received, and the block's input rows.
 - ``pooled_hessian(rows, pool, features) -> Tensor``.
-- ``quantize_experts(conv, i, hidden, dense, group, k_bits) -> (results, counts)``.
+- ``quantize_experts(conv, i, hidden, dense, group, k_bits, attended=None)
+  -> (results, counts)``; ``attended`` as for ``EngineLayerForward.run``.
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ class MoEInputs:
                 for e in range(max(self.experts, default=-1) + 1)]
 
 
-def capture_moe_inputs(engine, layer: nn.Module, hidden: torch.Tensor, group: str) -> MoEInputs:
+def capture_moe_inputs(engine, layer: nn.Module, hidden: torch.Tensor, group: str,
+                       attended: torch.Tensor | None = None) -> MoEInputs:
     """Run `layer` (an engine DecoderLayer with a MoEMLP) over `hidden` through
-    `engine` (EngineLayerForward) and record each expert's `group` input."""
+    `engine` (EngineLayerForward, replaying the attention from `attended` when given)
+    and record each expert's `group` input."""
     moe = layer.mlp
     seen = MoEInputs(experts={e: [] for e in range(len(moe.experts))})
 
@@ -124,7 +127,7 @@ def capture_moe_inputs(engine, layer: nn.Module, hidden: torch.Tensor, group: st
         targets.append((getattr(moe.shared, slot), seen.shared))
     handles = [module.register_forward_pre_hook(keep(store)) for module, store in targets]
     try:
-        engine.run(layer, hidden)
+        engine.run(layer, hidden, attended)
     finally:
         for handle in handles:
             handle.remove()
@@ -145,12 +148,14 @@ def pooled_hessian(rows: torch.Tensor | None, pool: torch.Tensor, features: int)
 
 
 def quantize_experts(conv, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
-                     group: str, k_bits: int) -> tuple[list, list[int]]:
+                     group: str, k_bits: int,
+                     attended: torch.Tensor | None = None) -> tuple[list, list[int]]:
     """Quantize a sparse layer's `group` ("gate_up" or "down") for the converter `conv`
     (pipeline._Converter): each expert (and the shared expert) on the rows it received,
     topped up with the pooled Hessian; also the rows each routed expert received."""
     engine = conv.engine_layers
-    seen = capture_moe_inputs(engine, engine.build(i, dense, conv.tensor), hidden, group)
+    seen = capture_moe_inputs(engine, engine.build(i, dense, conv.tensor), hidden, group,
+                              attended)
     if group == "gate_up":
         pool_rows = torch.cat(seen.block)
     else:

@@ -3,13 +3,14 @@
 Layers are quantized in order on calibration activations that went through the
 already-quantized earlier layers (and, inside a layer, o_proj and down_proj see the
 outputs of the quantized q/k/v and gate/up). After each layer its stored tensors are
-written atomically to ``work_dir/layer-NNNN.safetensors``; ``resume=True`` reloads them
-and only recomputes activations. The output folder is always written from the
-checkpoints, and everything random is seeded, so a killed and resumed run writes the
-same bytes as an uninterrupted one. Families with Gemma's options (scaled embeddings,
-sandwich and 1 + w norms, caps, per-layer ropes) are calibrated through the engine's
-own blocks (engine_layer.py); a multimodal wrapper's text model is converted and its
-other tensors (vision tower, projector) are kept at 16 bits under ExLlamaV3's names.
+written atomically to ``work_dir/layer-NNNN.safetensors`` (work_folder.py);
+``resume=True`` reloads them and only recomputes activations. The output folder is
+always written from the checkpoints, and everything random is seeded, so a killed and
+resumed run writes the same bytes as an uninterrupted one. Every family is calibrated
+through the engine's own decoder layers (engine_layer.py), so the activations it is
+quantized on are the ones it computes; a multimodal wrapper's text model is converted
+and its other tensors (vision tower, projector) are kept at 16 bits under ExLlamaV3's
+names.
 
 Public API:
 - ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
@@ -32,9 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from exl3cli.codec import dequantize_linear
 from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config, padded_size
@@ -46,10 +44,9 @@ from exl3cli.convert.calibration import (
     calibration_tokens,
     read_calibration_text,
 )
-from exl3cli.convert.engine_layer import EngineLayerForward, activation_dtype
+from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
-from exl3cli.convert.layer_forward import LayerRunner, unsupported_features
 from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
@@ -59,6 +56,12 @@ from exl3cli.convert.quantize_layer import (
 )
 from exl3cli.convert.recipe import write_recipe
 from exl3cli.convert.report import ConversionSummary, LayerReport
+from exl3cli.convert.work_folder import (
+    atomic_save,
+    load_checkpoint,
+    module_tensors,
+    prepare_work_dir,
+)
 from exl3cli.engine.layers.fused_experts import split_fused_experts
 from exl3cli.engine.models.vision.loader import stored_tensor_name
 from exl3cli.engine.models.weights import WeightReader
@@ -66,7 +69,6 @@ from exl3cli.engine.spec.architecture import get_architecture, load_family_confi
 from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ConversionError
 
-JOB_FILE = "job.json"
 _WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
 PLAN_FILE = "plan.json"
 RECIPE_FILE = "exl3-recipe.json"
@@ -105,26 +107,6 @@ def _group_shapes(conv: _Converter) -> list[GroupShape]:
     return shapes
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), "pt") as handle:
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-        meta = json.loads(handle.metadata()["report"])
-    return tensors, meta
-
-
-def _module_tensors(tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
-    prefix = module + "."
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
 class _Converter:
     def __init__(self, src: Path, options: ConvertOptions, work_dir: Path, progress: Progress):
         self.src, self.options, self.work_dir, self.progress = src, options, work_dir, progress
@@ -145,15 +127,7 @@ class _Converter:
         # Experts stored as one tensor per layer (gpt-oss) are written per expert.
         self.reader = split_fused_experts(self.reader, self.config, self.spec)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        # Families the raw-weight runner cannot reproduce (Gemma) run through the
-        # engine's blocks; the others keep the raw runner (and their exact outputs).
-        self.engine_layers: EngineLayerForward | None = None
-        if unsupported_features(self.config, self.spec):
-            self.engine_layers = EngineLayerForward(self.config, self.spec, self.names,
-                                                    self.device)
-            self.runner: LayerRunner | EngineLayerForward = self.engine_layers
-        else:
-            self.runner = LayerRunner(self.config, self.spec, self.device)
+        self.engine_layers = EngineLayerForward(self.config, self.spec, self.names, self.device)
 
     def weight(self, module: str) -> torch.Tensor:
         """(in, out) float32 on the working device."""
@@ -210,122 +184,52 @@ class _Converter:
         return names
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(tokens, self.tensor(self.names.embed))
-        if self.engine_layers is not None:
-            scale = self.engine_layers.embed_scale(activation_dtype(self.config))
-            if scale is not None:
-                hidden = hidden * scale
-        return hidden
+        return self.engine_layers.embed(tokens, self.tensor(self.names.embed))
 
-    def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
-                  quantize_bits: dict[str, int] | None = None) -> tuple[torch.Tensor, dict]:
-        """Forward one layer; with ``quantize_bits`` (module -> bits, 16: kept), quantize
-        each group on the way (filling ``dense``) and return the stored tensors and
-        proxy errors too."""
-        if self.engine_layers is not None:
-            return self.run_engine_layer(i, hidden, dense, quantize_bits)
-        t, mods, r = self.names, self.layer_modules(i), self.runner
-        stored, errors = {}, {}
+    def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple]) -> torch.Tensor:
+        """Layer `i`'s output for `hidden`, with the linears in `dense`."""
+        engine = self.engine_layers
+        return engine.run(engine.build(i, dense, self.tensor), hidden)
 
-        def group(name: str, x: torch.Tensor) -> list[tuple]:
-            if quantize_bits is not None:
-                results = self.quantize(mods[name], x, [quantize_bits[m] for m in mods[name]])
-                for m in mods[name]:
-                    dense[m] = (self.weight(m), self.bias(m))  # kept at 16 bits
-                for q in results:
-                    dense[q.name] = (q.weight, self.bias(q.name))
-                    stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
-                errors[name] = sum(q.proxy_error for q in results) / max(1, len(results))
-            return [dense[m] for m in mods[name]]
-
-        qk_norms = None
-        if self.spec.uses_qk_norm(self.config):
-            qk_norms = (self.tensor(t.q_norm.format(i=i)), self.tensor(t.k_norm.format(i=i)))
-        x = r.rms_norm(hidden, self.tensor(t.input_norm.format(i=i)))
-        qkv = group("qkv", x)
-        attn = r.attention_core(x, i, tuple(w for w, _ in qkv), tuple(b for _, b in qkv), qk_norms)
-        (o_w, o_b), = group("o", attn)
-        hidden = hidden + r.linear(attn, o_w, o_b)
-        x = r.rms_norm(hidden, self.tensor(t.post_attention_norm.format(i=i)))
-        (g_w, g_b), (u_w, u_b) = group("gate_up", x)
-        mid = r.gated(x, g_w, u_w, (g_b, u_b))
-        (d_w, d_b), = group("down", mid)
-        hidden = hidden + r.linear(mid, d_w, d_b)
-        return hidden, {"stored": stored, "errors": errors}
-
-    def run_engine_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
-                         quantize_bits: dict[str, int] | None) -> tuple[torch.Tensor | None, dict]:
-        """``run_layer`` through engine blocks: each group is quantized on the input it
-        gets once the groups before it are quantized. Quantizing returns no hidden
-        state (the pipeline recomputes it from the stored tensors)."""
+    def quantize_layer(self, i: int, hidden: torch.Tensor, bits: dict[str, int]) -> dict:
+        """Quantize layer `i` (``bits``: module -> bits, 16: kept), each group on the
+        input it gets once the groups before it are quantized: the stored tensors, the
+        proxy errors by group and, for experts, the rows each one received."""
         engine, mods = self.engine_layers, self.layer_modules(i)
-        assert engine is not None
-        if quantize_bits is None:
-            return engine.run(engine.build(i, dense, self.tensor), hidden), {}
         stored, errors = {}, {}
-        for m in (m for ms in mods.values() for m in ms):
-            dense[m] = (self.weight(m), self.bias(m))
+        counts = attended = None  # attended: o's input, once q/k/v are quantized
+        dense = {m: (self.weight(m), self.bias(m)) for ms in mods.values() for m in ms}
         dense.update(self.kept_dense(i))
-        for group in ("qkv", "o", "gate_up", "down"):
+        for group in LINEAR_SLOTS:
             if group in ("gate_up", "down") and moe_units(self.spec, self.config, i, group):
                 # Experts share their group's bits (allocation_plan.py).
-                results, counts = self.quantize_experts(i, hidden, dense, group,
-                                                        quantize_bits[mods[group][0]])
-                errors["expert_tokens"] = counts
+                results, counts = quantize_experts(self, i, hidden, dense, group,
+                                                   bits[mods[group][0]], attended)
             else:
-                x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group)
-                results = self.quantize(mods[group], x, [quantize_bits[m] for m in mods[group]])
+                # The MLP's groups replay the attention from o's input (engine_layer.py).
+                x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group,
+                                        attended)
+                results = self.quantize(mods[group], x, [bits[m] for m in mods[group]])
+                attended = x if group == "o" else attended
                 del x
             for q in results:
                 dense[q.name] = (q.weight, self.bias(q.name))
                 stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
             errors[group] = sum(q.proxy_error for q in results) / max(1, len(results))
-        counts = errors.pop("expert_tokens", None)
-        return None, {"stored": stored, "errors": errors, "expert_tokens": counts}
-
-    def quantize_experts(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple],
-                         group: str, k_bits: int) -> tuple[list[QuantizedLinear], list[int]]:
-        """A sparse layer's `group`, each expert on its routed rows (moe_layer.py)."""
-        return quantize_experts(self, i, hidden, dense, group, k_bits)
+        return {"stored": stored, "errors": errors, "expert_tokens": counts}
 
     def dense_from_stored(self, stored: dict[str, torch.Tensor], i: int) -> dict:
         modules = [m for ms in self.layer_modules(i).values() for m in ms]
         dense = self.kept_dense(i)
         for m in modules:
             out_f, in_f = self.reader.get(m + ".weight").shape
-            tensors = _module_tensors(stored, m)
+            tensors = module_tensors(stored, m)
             if not tensors:  # kept at 16 bits
                 dense[m] = (self.weight(m), self.bias(m))
                 continue
             w = dequantize_linear({k: v.to(self.device) for k, v in tensors.items()}, in_f, out_f)
             dense[m] = (w, self.bias(m))
         return dense
-
-
-def finished_layers(work_dir: Path) -> list[Path]:
-    """The layer checkpoints an earlier run of a conversion left in `work_dir`."""
-    return sorted(Path(work_dir).glob("layer-*.safetensors")) if Path(work_dir).is_dir() else []
-
-
-def _prepare_work_dir(work_dir: Path, job: dict, resume: bool, force: bool = False) -> None:
-    job_path = work_dir / JOB_FILE
-    if resume and job_path.is_file():
-        previous = json.loads(job_path.read_text(encoding="utf-8"))
-        if previous != job:
-            raise ConversionError(
-                f"--resume: the work folder {work_dir} belongs to a conversion with other "
-                "settings; start again with --force (drops its finished layers)")
-        return
-    done = finished_layers(work_dir)
-    if done and not force:
-        raise ConversionError(
-            f"the work folder {work_dir} holds {len(done)} finished layer(s) of an earlier "
-            "conversion; add --resume to continue it, or --force to delete them and start "
-            "over")
-    if work_dir.exists():
-        shutil.rmtree(work_dir)
-    work_dir.mkdir(parents=True)
-    job_path.write_text(json.dumps(job, indent=2, sort_keys=True), encoding="utf-8")
 
 
 def convert_model(
@@ -346,7 +250,7 @@ def convert_model(
     conv = _Converter(src, options, work_dir, progress)
     job = {"source": str(src.resolve()), "options": asdict(options) | {"device": None}}
     job = json.loads(json.dumps(job))  # as it reads back from job.json (tuples: lists)
-    _prepare_work_dir(work_dir, job, resume, force)
+    prepare_work_dir(work_dir, job, resume, force)
 
     shapes = _group_shapes(conv)
     tokenizer = Tokenizer.from_folder(src)
@@ -368,18 +272,18 @@ def convert_model(
             path = work_dir / f"layer-{i:04d}.safetensors"
             begun = time.perf_counter()
             if resume and path.is_file():
-                stored, meta = _load_checkpoint(path)
+                stored, meta = load_checkpoint(path)
                 report = LayerReport.from_dict(meta)
             else:
-                _, out = conv.run_layer(i, hidden, {}, layer_bits)
+                out = conv.quantize_layer(i, hidden, layer_bits)
                 stored = out["stored"]
                 report = LayerReport(i, representative_bits(layer_mods, bits), out["errors"],
                                      time.perf_counter() - begun,
                                      expert_tokens=out.get("expert_tokens"),
                                      tensor_bits=_short_bits(layer_mods, bits))
-                _atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
+                atomic_save(stored, path, {"report": json.dumps(report.to_dict())})
             # Activations always come from the stored tensors, in both paths alike.
-            hidden, _ = conv.run_layer(i, hidden, conv.dense_from_stored(stored, i))
+            hidden = conv.run_layer(i, hidden, conv.dense_from_stored(stored, i))
             reports.append(report)
             progress(report)
         head_error = _head(conv, hidden, work_dir, resume, plan.head_bits)
@@ -429,14 +333,14 @@ def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool,
         return None
     path = work_dir / "head.safetensors"
     if resume and path.is_file():
-        return float(_load_checkpoint(path)[1]["error"])
-    x = conv.runner.rms_norm(hidden, conv.tensor(conv.names.final_norm))
+        return float(load_checkpoint(path)[1]["error"])
+    x = conv.engine_layers.final_norm(hidden, conv.tensor(conv.names.final_norm))
     acc = HessianAccumulator(x.shape[-1], conv.device)
     acc.add(x)
     name = _head_name(conv)
     q, = quantize_group([name], [_head_weight(conv)], [None], acc.hessian(),
                         conv.settings(head_bits))
-    _atomic_save({f"{name}.{k}": v for k, v in q.tensors.items()}, path,
+    atomic_save({f"{name}.{k}": v for k, v in q.tensors.items()}, path,
                  {"report": json.dumps({"error": q.proxy_error})})
     conv.progress(f"head {head_bits}b {q.proxy_error:.2e}")
     return q.proxy_error
@@ -465,7 +369,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     t = conv.names
     writer.add_tensor(t.embed, conv.reader.get(t.embed))
     for i in range(conv.config.num_layers):
-        stored, _ = _load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
+        stored, _ = load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
         for name in conv.norm_names(i):
             writer.add_tensor(name, conv.reader.get(name))
         for modules in conv.layer_modules(i).values():
@@ -474,7 +378,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
                     bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
                     writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
                 else:
-                    writer.add_linear_tensors(m, _module_tensors(stored, m))
+                    writer.add_linear_tensors(m, module_tensors(stored, m))
         for m in kept_dense_modules(conv.spec, conv.config, i):
             bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
             writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
@@ -483,8 +387,8 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     if plan.head_bits >= 16:
         writer.add_dense_linear(head, _head_weight(conv).T)
     else:
-        stored, _ = _load_checkpoint(work_dir / "head.safetensors")
-        writer.add_linear_tensors(head, _module_tensors(stored, head))
+        stored, _ = load_checkpoint(work_dir / "head.safetensors")
+        writer.add_linear_tensors(head, module_tensors(stored, head))
     for name in _wrapper_tensors(conv):  # 16-bit, under ExLlamaV3's names
         writer.add_tensor(stored_tensor_name(conv.spec.name, name), conv.reader.get(name))
     qconfig = make_quantization_config(

@@ -16,10 +16,11 @@ tensor's cost per unit codec MSE is then ``½ · tr(D_rot) · Σ_j F_j side_j²`
 
 The pass: one forward of the unquantized model over a few calibration rows (keeping
 each layer's input), the head's loss on sampled tokens, then layer by layer from the
-top a recomputation with zero "probe" biases on every linear output, whose gradients
-are ``∂ℓ/∂y``. Memory is one layer's activations plus the layer inputs. Hessians come
-from the same forward. Families the raw-weight runner cannot run (``layer_forward``'s
-``unsupported_features``) are not measured (the caller falls back).
+top a recomputation with zero "probes" added to every linear output, whose gradients
+are ``∂ℓ/∂y``. Layers are the engine's own (engine_layer.py), as in the quantization
+itself. Memory is one layer's activations plus the layer inputs. Hessians come from
+the same forward, read by hooks on the layer's linears. Mixtures of experts are not
+measured (the caller falls back to the fixed order).
 
 Public API:
 - ``measure_costs(conv, tokens, head_weight, seed=0) -> dict[module, float]``:
@@ -30,11 +31,14 @@ Public API:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from exl3cli.convert.engine_layer import slot_module
 from exl3cli.convert.hessian import HessianAccumulator, damp_hessian, pad_hessian, rotate_hessian
-from exl3cli.convert.layer_forward import LayerRunner
 from exl3cli.convert.ldlq import block_ldl_feedback
 from exl3cli.convert.quantize_layer import group_scales
 
@@ -51,50 +55,44 @@ def predicted_error(hessian: torch.Tensor, names: list[str], weights: list[torch
     return [trace * s.double().pow(2) for s in scales.sides]
 
 
+def _accumulate(hessians: dict[str, HessianAccumulator], group: str) -> Callable:
+    """A forward pre-hook adding its module's input to ``hessians[group]``."""
+
+    def hook(_module: nn.Module, args: tuple) -> None:
+        x = args[0].detach()
+        hessians.setdefault(group, HessianAccumulator(x.shape[-1], x.device)).add(x)
+
+    return hook
+
+
 class _Layer:
     """One decoder layer of the unquantized model, with optional probes and Hessians."""
 
-    def __init__(self, conv, runner: LayerRunner, index: int):
-        self.conv, self.runner, self.i = conv, runner, index
+    def __init__(self, conv, index: int):
+        self.conv, self.i = conv, index
         self.mods = conv.layer_modules(index)
 
     def __call__(self, hidden: torch.Tensor, probes: dict | None = None,
                  hessians: dict | None = None) -> torch.Tensor:
-        conv, r, i, t = self.conv, self.runner, self.i, self.conv.names
-
-        def group(name: str, x: torch.Tensor) -> list[tuple]:
-            if hessians is not None:
-                acc = hessians.setdefault(name, HessianAccumulator(x.shape[-1], x.device))
-                acc.add(x.detach())
-            out = []
-            for m in self.mods[name]:
-                b = conv.bias(m)
-                if probes is not None:
-                    b = probes[m] if b is None else b + probes[m]
-                out.append((conv.weight(m), b))
-            return out
-
-        qk_norms = None
-        if conv.spec.uses_qk_norm(conv.config):
-            qk_norms = (conv.tensor(t.q_norm.format(i=i)), conv.tensor(t.k_norm.format(i=i)))
-        x = r.rms_norm(hidden, conv.tensor(t.input_norm.format(i=i)))
-        qkv = group("qkv", x)
-        attn = r.attention_core(x, i, tuple(w for w, _ in qkv), tuple(b for _, b in qkv),
-                                qk_norms)
-        (o_w, o_b), = group("o", attn)
-        hidden = hidden + r.linear(attn, o_w, o_b)
-        x = r.rms_norm(hidden, conv.tensor(t.post_attention_norm.format(i=i)))
-        (g_w, g_b), (u_w, u_b) = group("gate_up", x)
-        mid = r.gated(x, g_w, u_w, (g_b, u_b))
-        (d_w, d_b), = group("down", mid)
-        return hidden + r.linear(mid, d_w, d_b)
+        conv, engine = self.conv, self.conv.engine_layers
+        dense = {m: (conv.weight(m), conv.bias(m)) for ms in self.mods.values() for m in ms}
+        layer = engine.build(self.i, dense, conv.tensor, probes)
+        handles = []
+        if hessians is not None:
+            handles = [slot_module(layer, group).register_forward_pre_hook(
+                _accumulate(hessians, group)) for group in self.mods]
+        try:  # every row at once: the probes are shaped like the whole batch's outputs
+            return layer(hidden, engine.step(*hidden.shape[:2]))
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def out_features(self) -> dict[str, int]:
         return {m: self.conv.reader.get(m + ".weight").shape[0]
                 for ms in self.mods.values() for m in ms}
 
 
-def _head_gradient(conv, runner: LayerRunner, hidden: torch.Tensor, head_weight: torch.Tensor,
+def _head_gradient(conv, hidden: torch.Tensor, head_weight: torch.Tensor,
                    seed: int) -> torch.Tensor:
     """∂ℓ/∂hidden for ℓ = Σ log p(sampled token), one row at a time."""
     gen = torch.Generator(device=hidden.device)
@@ -104,7 +102,7 @@ def _head_gradient(conv, runner: LayerRunner, hidden: torch.Tensor, head_weight:
     for row in hidden:
         h = row.detach().clone().requires_grad_(True)
         with torch.enable_grad():
-            logp = F.log_softmax(runner.rms_norm(h, norm) @ head_weight, dim=-1)
+            logp = F.log_softmax(conv.engine_layers.logits(h, norm, head_weight), dim=-1)
             sampled = torch.multinomial(logp.detach().exp(), 1, generator=gen)
             loss = logp.gather(-1, sampled).sum()
             grad, = torch.autograd.grad(loss, h)
@@ -115,8 +113,7 @@ def _head_gradient(conv, runner: LayerRunner, hidden: torch.Tensor, head_weight:
 def measure_costs(conv, tokens: torch.Tensor, head_weight: torch.Tensor,
                   seed: int = 0) -> dict[str, float]:
     """Each layer linear's expected error per unit codec MSE (module name -> cost)."""
-    runner = LayerRunner(conv.config, conv.spec, conv.device, row_chunk=tokens.shape[0])
-    layers = [_Layer(conv, runner, i) for i in range(conv.config.num_layers)]
+    layers = [_Layer(conv, i) for i in range(conv.config.num_layers)]
     inputs, hessians = [], []
     with torch.no_grad():
         hidden = conv.embeddings(tokens).float()
@@ -125,7 +122,7 @@ def measure_costs(conv, tokens: torch.Tensor, head_weight: torch.Tensor,
             found: dict[str, HessianAccumulator] = {}
             hidden = layer(hidden, hessians=found)
             hessians.append({g: acc.hessian() for g, acc in found.items()})
-    grad = _head_gradient(conv, runner, hidden, head_weight, seed)
+    grad = _head_gradient(conv, hidden, head_weight, seed)
     del hidden
     costs: dict[str, float] = {}
     for i in reversed(range(len(layers))):

@@ -1,6 +1,6 @@
 """`exl3 convert` on tiny random Gemma 2, Gemma 3 and Gemma 3 image-text models (CPU):
-the quantizer's calibration forward is the engine's, the written folder loads with the
-engine's Gemma spec and its logits track the original's."""
+the written folder loads with the engine's Gemma spec and its logits track the
+original's (that the calibration forward is the engine's: test_engine_layer.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,12 @@ import torch
 import transformers
 
 from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
-from exl3cli.convert.engine_layer import EngineLayerForward
-from exl3cli.convert.layer_forward import LayerRunner
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.vision.gemma3 import exllamav3_name
 from exl3cli.engine.models.weights import WeightReader
-from exl3cli.engine.spec.architecture import get_architecture, load_family_config
+from exl3cli.engine.spec.architecture import get_architecture
 from exl3cli.engine.text.tokenizer import Tokenizer
-from exl3cli.errors import ConversionError
 from tests.fixtures.tiny_model import tiny_reference_model
 from tests.fixtures.tiny_store import TINY_VOCAB, write_tiny_chat_model
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
@@ -99,38 +96,6 @@ def test_output_folder_loads_with_the_gemma_spec(converted):
     assert model.layers[0].attention.window == 6 and model.layers[1].attention.window is None
     assert model.layers[0].attention.local_rope == (arch == "gemma3")
     assert [r.layer for r in converted["summary"].layers] == [0, 1]
-
-
-@pytest.mark.parametrize("arch", sorted(CASES))
-def test_calibration_forward_is_the_engines(tmp_path, arch):
-    """Layer by layer through EngineLayerForward equals the engine's whole forward
-    (scaled embeddings, sandwich and 1 + w norms, caps, windows, both ropes)."""
-    src = write_tiny_chat_model(tmp_path / "src", arch, **CASES[arch])
-    config = load_family_config(src)
-    spec = get_architecture(config.architecture)
-    reader = WeightReader(src)
-    names = spec.tensor_names(reader.has)
-    engine = EngineLayerForward(config, spec, names, torch.device("cpu"), row_chunk=2)
-    ids = _held_out_ids(src)[:, :40]  # past the 6-token window, 3 row chunks
-
-    def tensor(name: str) -> torch.Tensor:
-        return reader.get(name, dtype=torch.float32)
-
-    with torch.inference_mode():
-        hidden = torch.nn.functional.embedding(ids, tensor(names.embed))
-        hidden = hidden * engine.embed_scale(torch.float32)
-        for i in range(config.num_layers):
-            modules = [t.format(i=i) for t in (names.q_proj, names.k_proj, names.v_proj,
-                                              names.o_proj, names.gate_proj, names.up_proj,
-                                              names.down_proj)]
-            dense = {m: (tensor(m + ".weight").T, None) for m in modules}
-            hidden = engine.run(engine.build(i, dense, tensor), hidden)
-        got = engine.rms_norm(hidden, tensor(names.final_norm))
-    expected = load_causal_lm(src, device="cpu").hidden_states(ids)
-    assert (got - expected).abs().max() < 1e-5
-    # The raw-weight runner cannot do Gemma's layers and says so.
-    with pytest.raises(ConversionError, match="EngineLayerForward"):
-        LayerRunner(config, spec, torch.device("cpu"))
 
 
 def _image_text_model(folder: Path) -> None:

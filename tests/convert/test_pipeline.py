@@ -121,7 +121,7 @@ def test_eta_averages_the_quantized_layers_and_skips_resumed_ones():
 
 
 def test_a_rerun_without_resume_keeps_finished_layers_unless_forced(converted, tmp_path):
-    from exl3cli.convert.pipeline import JOB_FILE, _prepare_work_dir
+    from exl3cli.convert.work_folder import JOB_FILE, prepare_work_dir
 
     work = tmp_path / "work"
     work.mkdir()
@@ -134,7 +134,7 @@ def test_a_rerun_without_resume_keeps_finished_layers_unless_forced(converted, t
     assert result.exit_code == 1 and finished.read_bytes() == b"a finished layer"
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("Error: ") and "--resume" in error and "--force" in error
-    _prepare_work_dir(work, {"job": 1}, resume=False, force=True)
+    prepare_work_dir(work, {"job": 1}, resume=False, force=True)
     assert not finished.exists() and (work / JOB_FILE).is_file()
 
 

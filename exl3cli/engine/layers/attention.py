@@ -203,8 +203,10 @@ class Attention(nn.Module):
                                     sinks=self.sinks)
 
     def _use_fused(self, qkv: torch.Tensor) -> bool:
-        """Fused CPU ops (cpu_kernels) for float32 on CPU; the answer is kept per module."""
-        if qkv.dtype != torch.float32 or qkv.device.type != "cpu" or self.head_dim > 512:
+        """Fused CPU ops (cpu_kernels) for float32 on CPU; the answer is kept per module.
+        Not when q/k/v need a gradient: the fused rotary has no backward."""
+        if (qkv.dtype != torch.float32 or qkv.device.type != "cpu" or self.head_dim > 512
+                or qkv.requires_grad):
             return False
         if self._fused is None:
             self._fused = cpu_kernels.available()

@@ -52,7 +52,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         if (self._silu and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
-                and gate_up.is_contiguous()):
+                and gate_up.is_contiguous() and not gate_up.requires_grad):  # no backward
             if self._fused_silu is None:  # SiLU(gate) * up in one pass
                 self._fused_silu = cpu_kernels.available()
             if self._fused_silu:

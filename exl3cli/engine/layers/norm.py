@@ -15,7 +15,9 @@ class RMSNorm(nn.Module):
     `weight` may have more than one dimension (e.g. [heads, head_dim] when the q and k
     norms of Qwen3 are applied to q and k heads together); it broadcasts over x.
     On CPU with float32 a 1-D norm runs as one fused op (cpu_kernels.rms_norm_cpu)
-    instead of the six torch ops F.rms_norm decomposes into there.
+    instead of the six torch ops F.rms_norm decomposes into there; the fused ops have
+    no backward, so an input that needs a gradient (the quantizer's sensitivity pass)
+    takes the torch path.
 
     `unit_offset` (Gemma): the stored weight w scales by (1 + w), and the whole norm
     runs in float32 before rounding to the activation dtype. (1 + w) is formed once, in
@@ -35,7 +37,8 @@ class RMSNorm(nn.Module):
 
     def _use_fused(self, x: torch.Tensor) -> bool:
         return (self._fused and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.is_contiguous() and self.weight.device.type == "cpu")
+                and x.is_contiguous() and self.weight.device.type == "cpu"
+                and not x.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = x.shape[-1]
@@ -54,7 +57,8 @@ class RMSNorm(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm(x + residual)): a pre-norm block's residual add and the
         norm after it, one pass on the fused CPU path."""
-        if self._use_fused(x) and residual.dtype == torch.float32 and residual.is_contiguous():
+        if (self._use_fused(x) and residual.dtype == torch.float32 and residual.is_contiguous()
+                and not residual.requires_grad):
             return cpu_kernels.add_rms_norm_cpu(x, residual, self.weight, self.eps)
         total = x + residual
         return total, self(total)

@@ -103,6 +103,14 @@ class DecoderLayer(nn.Module):
         return self._plan  # type: ignore[return-value]
 
 
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's final soft-cap: cap * tanh(logits / cap); identity when `cap` is None
+    (the quantizer's sensitivity pass applies it too)."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 class _DecodePlan(NamedTuple):
     qkv: cpu_kernels.GemvWeights
     o: cpu_kernels.GemvWeights
@@ -297,10 +305,7 @@ class CausalLM(nn.Module):
         return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's final soft-cap: cap * tanh(logits / cap); identity without one."""
-        if self.final_softcap is None:
-            return logits
-        return torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return softcap_logits(logits, self.final_softcap)
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection. A decode step on CPU with an unpacked float32/bf16
