@@ -3,6 +3,8 @@ they place in a language model's prompt.
 
 - `image_processor.py`: bytes -> Pillow image -> normalised pixel tensor (transformers'
   processors, step for step).
+- `patch_processor.py`: dynamic-resolution patches (Qwen2-VL's smart_resize to multiples
+  of 28 pixels, flattened merge-block by merge-block) and their grid.
 - `siglip.py`: the SigLIP vision encoder (patch embedding, encoder, post-layernorm).
 - `gemma3.py`: Gemma 3's projector (pool to 256 tokens, soft-embedding norm,
   projection) and how its image tokens are spelled in the prompt.
