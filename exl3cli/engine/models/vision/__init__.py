@@ -6,6 +6,8 @@ they place in a language model's prompt.
 - `patch_processor.py`: dynamic-resolution patches (Qwen2-VL's smart_resize to multiples
   of 28 pixels, flattened merge-block by merge-block) and their grid.
 - `siglip.py`: the SigLIP vision encoder (patch embedding, encoder, post-layernorm).
+- `qwen2_5_vl_tower.py`: Qwen2.5-VL's vision transformer (2-D rotary, window attention
+  with full-attention blocks, SwiGLU) and patch merger (2 x 2 patches -> one token).
 - `gemma3.py`: Gemma 3's projector (pool to 256 tokens, soft-embedding norm,
   projection) and how its image tokens are spelled in the prompt.
 - `image_tokens.py`: encoded images as token ids past the vocabulary (so the paged cache
