@@ -221,6 +221,25 @@ GEMMA3_MULTIMODAL = ArchitectureSpec(
 )
 
 
+# Qwen2.5-VL (3B, 7B, 32B, 72B) ships as an image-text model: a Qwen2 language model
+# whose rope is M-RoPE (temporal, height and width positions over the frequency
+# sections of mrope_section; for text every position is the same on all three, plain
+# rope) under "model." (hub checkpoints, and what transformers 5 saves) or
+# "model.language_model." (transformers' module names); the vision tower ("visual.") is
+# engine/models/vision/qwen2_5_vl.py. Config keys transformers 5's text_config leaves
+# out take Qwen2_5_VLTextConfig's defaults.
+QWEN2_5_VL = ArchitectureSpec(
+    name="Qwen2_5_VLForConditionalGeneration", qkv_bias=True, sliding_window="from_layer",
+    alt_tensors=_moved(TensorNames(), "model.language_model.", "lm_head.weight"),
+    config_defaults={
+        "vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "use_sliding_window": False, "max_window_layers": 80,
+    },
+)
+
+
 # DeepSeek-V3 / R1 / V3.1 (and Kimi K2's architecture): multi-head latent attention
 # (engine/layers/mla.py; keys and values expanded per head before caching), YaRN with mscale;
 # GLM-4.5's router (sigmoid scores, choice bias, grouped top-k, routed scaling), shared
@@ -259,5 +278,5 @@ def exl3_architectures() -> dict[str, ArchitectureSpec]:
              QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
              GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
              COHERE, COHERE2, GPT_OSS, MINISTRAL3, MISTRAL3_MULTIMODAL,
-             DEEPSEEK_V3)
+             DEEPSEEK_V3, QWEN2_5_VL)
     return {spec.name: spec for spec in specs}

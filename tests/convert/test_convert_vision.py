@@ -1,6 +1,7 @@
 """`exl3 convert` of a Gemma 3 image-text model keeps the vision tower and projector
 (16-bit, under ExLlamaV3's names: vision_tower.vision_model.*, multi_modal_projector.*);
-the converted folder loads with its vision half and answers about an image."""
+the converted folder loads with its vision half and answers about an image. Qwen2.5-VL
+(slow) keeps its tower under "visual."."""
 
 from __future__ import annotations
 
@@ -57,3 +58,28 @@ def test_converted_folder_reads_images(folders):
     got, expected = quantized.model(torch.tensor([ids_q])), original.model(torch.tensor([ids_o]))
     corr = torch.corrcoef(torch.stack([got.flatten(), expected.flatten()]))[0, 1].item()
     assert corr > 0.98, f"correlation {corr:.4f}"
+
+
+@pytest.mark.slow
+def test_qwen2_5_vl_converted_folder_keeps_its_tower_and_reads_images(tmp_path):
+    """Qwen2.5-VL: the tower stays under "visual." (16-bit) and the converted folder
+    answers about an image much as the source does."""
+    from tests.fixtures.tiny_vision import write_tiny_qwen2_5_vl
+
+    src = write_tiny_qwen2_5_vl(tmp_path / "src")
+    convert_model(src, tmp_path / "out", replace(FAST), tmp_path / "work")
+    source, converted = WeightReader(src), WeightReader(tmp_path / "out")
+    tower = [k for k in source.keys() if k.startswith("visual.")]
+    assert len(tower) > 20
+    assert all(torch.equal(converted.get(k), source.get(k).to(torch.float16)) for k in tower)
+    original = TextModel.load(src, device="cpu", dtype=torch.float32)
+    quantized = TextModel.load(tmp_path / "out", device="cpu", dtype=torch.float32)
+    image = image_bytes(80, 60, "JPEG", seed=3)
+    prompt = (f"<|im_start|>user\n{original.vision.placeholder} Describe it.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    ids = [m.vision.prompt_ids(prompt, [image], m.tokenizer.encode)
+           for m in (quantized, original)]
+    got = quantized.model(torch.tensor([ids[0]]))
+    expected = original.model(torch.tensor([ids[1]]))
+    corr = torch.corrcoef(torch.stack([got.flatten(), expected.flatten()]))[0, 1].item()
+    assert corr > 0.98, f"correlation {corr:.4f}"  # measured 0.993

@@ -84,3 +84,42 @@ def test_broken_or_incomplete_config_is_a_load_error(tmp_path):
     write_config(tmp_path, {**LEGACY_LLAMA31, "architectures": []})
     with pytest.raises(ModelLoadError, match="architectures"):
         load_model_config(tmp_path)
+
+
+# Qwen2.5-VL-3B-Instruct's config.json as published (transformers 4.x): the language
+# model's keys at the top level, M-RoPE as rope_scaling type "mrope".
+HUB_QWEN2_5_VL = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 128000, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 70,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 2048},
+}
+
+
+def test_qwen2_5_vl_hub_config_reads_mrope_as_sections_over_default_rope():
+    config = ModelConfig.from_dict(HUB_QWEN2_5_VL)
+    assert config.rope_scaling == {"rope_type": "default"}
+    assert config.mrope_section == [16, 24, 24]
+    assert config.rope_theta == 1000000.0 and config.head_dim == 128
+    assert config.tie_word_embeddings and config.hidden_size == 2048
+
+
+def test_qwen2_5_vl_transformers5_text_config_takes_the_family_defaults(tmp_path):
+    from exl3cli.engine.spec.architecture import get_architecture, load_family_config
+
+    data = {"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "tie_word_embeddings": True,
+            "text_config": {"hidden_size": 64, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "vocab_size": 300,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                "mrope_section": [2, 3, 3]}}}
+    config = load_family_config(write_config(tmp_path, data))
+    assert config.mrope_section == [2, 3, 3] and config.rope_theta == 1e4
+    assert config.rms_norm_eps == 1e-5  # Qwen2_5_VLTextConfig's, not the engine's 1e-6
+    assert config.max_position_embeddings == 32768 and config.tie_word_embeddings
+    spec = get_architecture(config.architecture)
+    assert spec.qkv_bias and spec.layer_types(config) == ["full_attention"] * 2

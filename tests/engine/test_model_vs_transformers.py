@@ -102,6 +102,10 @@ CASES = {
     # Multi-head latent attention (query latent, v heads narrower than k heads, YaRN
     # mscale in the score scale), interleaved and half-split rope pairs, no query latent.
     "deepseek_v3": ("deepseek_v3", {}),
+    # Qwen2.5-VL's language model in its image-text wrapper, text only (M-RoPE with the
+    # same position on all three axes is 1-D rope); tied like the 3B.
+    "qwen2_5_vl": ("qwen2_5_vl", {}),
+    "qwen2_5_vl_tied": ("qwen2_5_vl", {"tie_word_embeddings": True}),
     "deepseek_v3_plain_rope_no_q_latent": ("deepseek_v3", {"rope_interleave": False,
                                                            "q_lora_rank": None}),
 }

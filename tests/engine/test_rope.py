@@ -126,3 +126,25 @@ def test_longrope_table_switches_to_long_factors_past_the_original_length():
     assert not torch.allclose(short, long)
     scale = math.sqrt(1 + math.log(4) / math.log(8))
     assert rope.lookup(torch.tensor([[0]]), 9)[0].max().item() == pytest.approx(scale)
+
+
+def test_mrope_sections_match_transformers_and_reduce_to_plain_rope():
+    import transformers
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    config = transformers.Qwen2_5_VLTextConfig(
+        hidden_size=64, num_attention_heads=4, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    reference = Qwen2_5_VLRotaryEmbedding(config)
+    rotary = RotaryEmbedding(16, 10000.0, {"rope_type": "default"}, 64, torch.device("cpu"),
+                             torch.float32)
+    positions = torch.randint(0, 40, (3, 2, 9), generator=torch.Generator().manual_seed(0))
+    cos, sin = rotary.lookup_sections(positions, 64, [2, 3, 3])
+    expected_cos, expected_sin = reference(torch.zeros(1, dtype=torch.float32), positions)
+    assert (cos - expected_cos).abs().max() < 1e-6 and (sin - expected_sin).abs().max() < 1e-6
+    same = positions[:1].expand(3, -1, -1)
+    plain_cos, plain_sin = rotary.lookup(same[0], 64)
+    cos, sin = rotary.lookup_sections(same, 64, [2, 3, 3])
+    assert torch.equal(cos, plain_cos) and torch.equal(sin, plain_sin)
+    with pytest.raises(UnsupportedArchitecture, match="do not cover"):
+        rotary.lookup_sections(positions, 64, [2, 2, 2])

@@ -1,8 +1,8 @@
 """Images through a real `exl3 serve` on 127.0.0.1 with the official clients: the
 `ollama` client's images (generate and chat, file paths and base64) and the `openai`
-client's image_url data URLs reach a Gemma 3 image-text model and get answers; the same
-image in a follow-up turn is not encoded again; a text-only model and remote image URLs
-are refused with 400."""
+client's image_url data URLs reach a Gemma 3 and a Qwen2.5-VL image-text model and get
+answers; the same image in a follow-up turn is not encoded again; a text-only model and
+remote image URLs are refused with 400."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ import openai
 import pytest
 
 from tests.fixtures.tiny_store import make_tiny_store
-from tests.fixtures.tiny_vision import TOKENS_PER_IMAGE, image_bytes, write_tiny_gemma3_vision
+from tests.fixtures.tiny_vision import (
+    TOKENS_PER_IMAGE,
+    image_bytes,
+    write_tiny_gemma3_vision,
+    write_tiny_qwen2_5_vl,
+)
 
 GREEDY = {"temperature": 0, "num_predict": 4}
 
@@ -24,6 +29,8 @@ def store(tmp_path_factory):
     store = make_tiny_store(root)  # "tiny": text only
     folder = write_tiny_gemma3_vision(root / "vision-src")
     store.import_folder("vision", folder, {"type": "folder", "path": str(folder)})
+    qwen = write_tiny_qwen2_5_vl(root / "qwen-vision-src")
+    store.import_folder("qwen-vision", qwen, {"type": "folder", "path": str(qwen)})
     return store
 
 
@@ -44,14 +51,15 @@ def png(tmp_path):
     return path
 
 
-def _encoded(daemon) -> int:
+def _encoded(daemon, model: str = "vision") -> int:
     runner = daemon.manager.runner
-    loaded = runner.loaded_model("vision")
+    loaded = runner.loaded_model(model)
     return loaded.text_model.model.images.encoded
 
 
 def test_show_names_the_vision_capability(client):
     assert client.show("vision").capabilities == ["completion", "vision"]
+    assert client.show("qwen-vision").capabilities == ["completion", "vision"]
     assert client.show("tiny").capabilities == ["completion"]
 
 
@@ -120,3 +128,28 @@ def test_undecodable_image_is_a_400(client):
     assert error.value.status_code == 400 and "could not be decoded" in error.value.error
     answer = client.generate(model="vision", prompt="still fine?", options=GREEDY)
     assert answer.done  # one failing request harms no other
+
+
+def test_qwen2_5_vl_images_through_ollama_and_openai(client, oai, daemon, png):
+    """The 120 x 80 PNG is resized to 112 x 84 pixels: 3 x 4 tokens (M-RoPE positions),
+    between <|vision_start|> and <|vision_end|>."""
+    plain = client.generate(model="qwen-vision", prompt="what is in this?", options=GREEDY)
+    answer = client.generate(model="qwen-vision", prompt="what is in this?", images=[png],
+                             options=GREEDY)
+    assert answer.done and answer.eval_count == 4
+    assert answer.prompt_eval_count == plain.prompt_eval_count + 12 + 2
+    data = base64.b64encode(png.read_bytes()).decode()
+    turn = [{"role": "user", "content": "Describe this.", "images": [data]}]
+    first = client.chat(model="qwen-vision", messages=turn, options=GREEDY)
+    encoded = _encoded(daemon, "qwen-vision")
+    follow = turn + [{"role": "assistant", "content": first.message.content},
+                     {"role": "user", "content": "And the colours?"}]
+    assert client.chat(model="qwen-vision", messages=follow, options=GREEDY).done
+    assert _encoded(daemon, "qwen-vision") == encoded  # the image was not encoded again
+    reply = oai.chat.completions.create(
+        model="qwen-vision", max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Describe this."},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}]}])
+    assert reply.choices[0].message.content == first.message.content
+    assert reply.usage.prompt_tokens == first.prompt_eval_count

@@ -8,6 +8,11 @@ factors, the long set once the sequence passes original_max_position_embeddings)
 cos/sin tables are cached and indexed by position, so a decode step costs one gather
 instead of recomputing frequencies.
 
+M-RoPE (Qwen2.5-VL, `lookup_sections`): each token has three positions (temporal,
+height, width); the first `sections[0]` frequencies rotate by the first, the next
+`sections[1]` by the second, and so on (in both halves of the head). With the same
+position on all three it is plain rope.
+
 `partial_rotary_factor` in the scaling dict (config.py puts it there when it is not 1):
 only that fraction of head_dim rotates; the table's other frequencies are 0 (cos 1,
 sin 0), and the loader orders q/k head dimensions so the rotated pairs come first in
@@ -204,3 +209,16 @@ class RotaryEmbedding:
         elif span > self._table_len:
             self._build(max(span, 2 * self._table_len, 256), None)
         return self._cos[positions], self._sin[positions]
+
+    def lookup_sections(self, positions: torch.Tensor, span: int, sections: list[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE: cos, sin [*positions.shape[1:], head_dim] for positions [3, ...],
+        frequency section i following positions[i % 3]."""
+        if 2 * sum(sections) != self.head_dim:
+            raise UnsupportedArchitecture(f"M-RoPE sections {sections} do not cover "
+                                          f"head_dim {self.head_dim}")
+        cos, sin = self.lookup(positions, span)  # [3, ..., head_dim]
+        axis = torch.cat([torch.full((size,), i % 3, dtype=torch.long)
+                          for i, size in enumerate(sections * 2)]).to(cos.device)
+        index = axis.expand(1, *cos.shape[1:])
+        return cos.gather(0, index)[0], sin.gather(0, index)[0]

@@ -17,6 +17,7 @@ from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.engine.layers.rope import RotaryEmbedding
 from exl3cli.engine.spec.architecture import ArchitectureSpec
 from exl3cli.engine.spec.config import ModelConfig
+from exl3cli.errors import UnsupportedArchitecture
 from exl3cli.ops import cpu_kernels
 
 
@@ -175,6 +176,16 @@ class CausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling,
             config.max_position_embeddings, embed_weight.device, self._compute_dtype,
         )
+        # M-RoPE (Qwen2.5-VL): frequency sections follow a token's temporal, height and
+        # width positions, which image tokens give (`images.rope_positions`); text alone
+        # has the same position on all three, which is plain rope.
+        self.mrope_section = config.mrope_section
+        if self.mrope_section is not None and (
+                2 * sum(self.mrope_section) != config.head_dim
+                or config.partial_rotary_factor != 1.0 or spec.rope_interleaved):
+            raise UnsupportedArchitecture(f"M-RoPE sections {self.mrope_section} over "
+                                          f"head_dim {config.head_dim} (all of it rotating, "
+                                          "halves paired) are needed")
         # Sliding layers with their own rope (Gemma 3): a second table, looked up with
         # the first on every step so both grow (and bump `version`) together.
         self.local_rotary: RotaryEmbedding | None = None
@@ -252,6 +263,8 @@ class CausalLM(nn.Module):
         cannot run them (dynamic NTK rope rebuilds its table as the sequence grows)."""
         if self.rotary.dynamic or (self.local_rotary is not None and self.local_rotary.dynamic):
             return False
+        if self.images is not None and not self.images.cache_positions:
+            return False  # M-RoPE: image prompts move positions off the cache lengths
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self.rotary.lookup(zero, max_seq_len)
         if self.local_rotary is not None:
@@ -274,19 +287,29 @@ class CausalLM(nn.Module):
                    input_ids: torch.Tensor | None = None) -> AttentionStep:
         """A whole sequence per row from position 0, no cache."""
         positions = torch.arange(steps, device=self.device).expand(batch, steps)
-        step = self._step(positions, steps, 0, None)
-        if self.images is not None and input_ids is not None:
-            step.blocks = self.images.block_ids(input_ids)
+        images = self.images if input_ids is not None else None
+        rope = images.rope_positions(input_ids) if images is not None else None
+        step = self._step(positions, steps, 0, None, rope)
+        if images is not None:
+            step.blocks = images.block_ids(input_ids)
         return step
 
     def _plan_paged_step(self, batch: AttentionCache) -> AttentionStep:
         positions, span = batch.prepare()
-        return self._step(positions.to(self.device), span, None, batch)
+        rope = self.images.paged_rope_positions(batch) if self.images is not None else None
+        return self._step(positions.to(self.device), span, None, batch, rope)
 
     def _step(self, positions: torch.Tensor, span: int, start: int | None,
-              cache: AttentionCache | None) -> AttentionStep:
-        """The AttentionStep for `positions` [B, T]: rotary tables and the cache."""
-        cos, sin = self.rotary.lookup(positions, span)
+              cache: AttentionCache | None,
+              rope: torch.Tensor | None = None) -> AttentionStep:
+        """The AttentionStep for `positions` [B, T]: rotary tables and the cache.
+        `rope` [3, B, T]: M-RoPE positions of the tokens (else `positions` rotate)."""
+        if rope is not None:
+            if self.mrope_section is None or self.local_rotary is not None:
+                raise ValueError("three-axis rotary positions for a model without M-RoPE")
+            cos, sin = self.rotary.lookup_sections(rope, span, self.mrope_section)
+        else:
+            cos, sin = self.rotary.lookup(positions, span)
         local_cos = local_sin = None
         if self.local_rotary is not None:
             local_cos, local_sin = (t.unsqueeze(2) for t in self.local_rotary.lookup(positions, span))

@@ -3,7 +3,9 @@
 Both config styles are accepted: transformers 4.x (`rope_theta` + `rope_scaling` at the
 top level) and 5.x (`rope_parameters` holding theta, type and scaling keys). Gemma 3's
 separate rope for sliding layers comes either as `rope_local_base_freq` (4.x) or as
-`rope_parameters` keyed by layer type (5.x). A multimodal wrapper's `text_config`
+`rope_parameters` keyed by layer type (5.x). Qwen2.5-VL's M-RoPE ("mrope" in 4.x, or
+default rope with an `mrope_section`) becomes `mrope_section` over default frequencies.
+A multimodal wrapper's `text_config`
 (Gemma3ForConditionalGeneration) describes the language model and is read in place of
 the top level; keys it leaves out take the family's defaults (`ArchitectureSpec.
 config_defaults`, transformers' values, given by architecture.load_family_config), as
@@ -41,6 +43,9 @@ class ModelConfig:
     # Scaling parameters with a normalised "rope_type" key ("default" when unscaled).
     rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
     partial_rotary_factor: float = 1.0
+    # M-RoPE (Qwen2.5-VL): how many rotary frequencies follow each of the temporal,
+    # height and width positions (summing to rotary dim / 2); None for 1-D rope.
+    mrope_section: list[int] | None = None
     # Rope of sliding-window layers when it differs from the global one (Gemma 3).
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
@@ -75,6 +80,7 @@ class ModelConfig:
         num_heads = int(data["num_attention_heads"])
         head_dim = data.get("head_dim") or int(data["hidden_size"]) // num_heads
         theta, scaling, partial = _parse_rope(data)
+        mrope_section = scaling.pop("mrope_section", None)
         sliding_theta, sliding_scaling = _parse_sliding_rope(data)
         layer_types = data.get("layer_types")
         return cls(
@@ -90,6 +96,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             partial_rotary_factor=partial,
+            mrope_section=[int(n) for n in mrope_section] if mrope_section else None,
             sliding_rope_theta=sliding_theta,
             sliding_rope_scaling=sliding_scaling,
             query_pre_attn_scalar=_optional_float(data.get("query_pre_attn_scalar")),
@@ -154,6 +161,8 @@ def _parse_rope(data: dict[str, Any]) -> tuple[float, dict[str, Any], float]:
     theta = float(merged.pop("rope_theta", data.get("rope_theta", 10000.0)))
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
+    if rope_type == "mrope":  # transformers 4.x's name for M-RoPE over default frequencies
+        rope_type = "default"
     partial = float(merged.pop("partial_rotary_factor", data.get("partial_rotary_factor", 1.0)))
     scaling = {"rope_type": str(rope_type), **merged}
     if partial != 1.0:  # the rotary table covers only this fraction of head_dim

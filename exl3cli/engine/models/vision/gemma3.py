@@ -7,7 +7,7 @@ in place of each "<start_of_image>" of the rendered chat.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,7 +84,16 @@ class Gemma3Vision(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.projector(self.tower(pixel_values))
 
-    def expand(self, text: str) -> str:
+    def embed_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One image's pixels [3, S, S] -> [mm_tokens_per_image, text hidden]."""
+        return self(pixels.unsqueeze(0).to(self.projector.projection.device))[0]
+
+    def token_grid(self, size: tuple[int, int], processor: Any) -> tuple[int, int]:
+        """(rows, columns) of an image's tokens: the pooled grid, whatever its size."""
+        side = self.projector.patches_per_side // self.projector.kernel
+        return side, side
+
+    def expand(self, text: str, grids: Sequence[tuple[int, int]] = ()) -> str:
         """The rendered chat with each placeholder spelled out as the image's tokens."""
         return text.replace(self.placeholder, self._spelled)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,23 @@ def decode_image(data: bytes) -> Any:
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of encoded image bytes from their header (nothing decoded);
+    InvalidOption as decode_image gives it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            width, height = opened.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        raise InvalidOption(f"image could not be decoded (PNG, JPEG or WebP expected): "
+                            f"{error}") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidOption(f"image of {width}x{height} pixels is too large (at most "
+                            f"{MAX_IMAGE_PIXELS} pixels)")
+    return width, height
 
 
 @dataclass(frozen=True)
@@ -90,18 +108,30 @@ class ImageProcessor:
 
     def __call__(self, image: Any) -> torch.Tensor:
         """A Pillow RGB image (decode_image) -> pixel values [3, height, width]."""
-        from PIL import Image
+        pixels = normalized_pixels(
+            image, (self.width, self.height) if self.do_resize else None, self.resample,
+            self.rescale_factor if self.do_rescale else None,
+            (self.image_mean, self.image_std) if self.do_normalize else None)
+        return torch.from_numpy(pixels)
 
-        if self.do_resize and image.size != (self.width, self.height):
-            image = image.resize((self.width, self.height),
-                                 getattr(Image.Resampling, _FILTERS.get(self.resample, "BILINEAR")))
-        pixels = np.asarray(image)
-        if self.do_rescale:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        else:
-            pixels = pixels.astype(np.float32)
-        if self.do_normalize:
-            mean = np.array(self.image_mean, dtype=np.float32)
-            std = np.array(self.image_std, dtype=np.float32)
-            pixels = (pixels - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+def normalized_pixels(image: Any, size: tuple[int, int] | None, resample: int,
+                      rescale_factor: float | None,
+                      mean_std: tuple[Sequence[float], Sequence[float]] | None) -> np.ndarray:
+    """A Pillow RGB image resized to `size` (width, height; None: as it is) with
+    Pillow's filter `resample`, rescaled (float64 times the factor, stored as float32)
+    and normalised per channel in float32: [3, height, width] float32, contiguous."""
+    from PIL import Image
+
+    if size is not None and image.size != size:
+        image = image.resize(size, getattr(Image.Resampling, _FILTERS.get(resample, "BILINEAR")))
+    pixels = np.asarray(image)
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    else:
+        pixels = pixels.astype(np.float32)
+    if mean_std is not None:
+        mean = np.array(mean_std[0], dtype=np.float32)
+        std = np.array(mean_std[1], dtype=np.float32)
+        pixels = (pixels - mean) / std
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))

@@ -9,7 +9,10 @@ keeps the embeddings (LRU) so an image is encoded once, not once per turn.
 
 The model's embedding step reads image rows from here (`embed`); within each image
 (a maximal run of such ids) attention is bidirectional, as Gemma 3 trains it
-(`block_ids` for whole sequences, `BlockAttentionBatch` over the paged cache).
+(`block_ids` for whole sequences, `BlockAttentionBatch` over the paged cache). An
+image's token grid (rows, columns), when its family gives one, is kept for good with its
+ids: M-RoPE positions (mrope.py) follow it. `rope_positions` / `paged_rope_positions`
+give a step's own rotary positions; None here: the cache positions.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ def allowed_keys(start: int, count: int, runs: Iterable[tuple[int, int]],
 class ImageTokens:
     """Image embeddings by token id, for one model (thread-safe)."""
 
+    # The rotary position of every token is its cache position (the fixed-shape decode
+    # steps of decode_step.py rely on it); False where images move positions (M-RoPE).
+    cache_positions = True
+
     def __init__(self, vocab_size: int, capacity: int = DEFAULT_CAPACITY):
         self.vocab_size = vocab_size
         self.capacity = max(1, capacity)
@@ -85,17 +92,23 @@ class ImageTokens:
         self._counts: dict[int, int] = {}  # first id -> how many ids
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # first id -> [n, hidden]
         self._sorted: list[int] = []  # first ids with rows, ascending
+        self._known: list[int] = []  # every first id handed out, ascending
+        self._grids: dict[int, tuple[int, int]] = {}  # first id -> (rows, columns)
         self._lock = threading.Lock()
 
-    def ids_for(self, digest: str, encode: Callable[[], torch.Tensor]) -> list[int]:
+    def ids_for(self, digest: str, encode: Callable[[], torch.Tensor],
+                grid: tuple[int, int] | None = None) -> list[int]:
         """The token ids of the image `digest`, calling `encode()` -> [n, hidden] only
-        when its embeddings are not held (first sight, or evicted since)."""
+        when its embeddings are not held (first sight, or evicted since); `grid` is
+        its tokens' (rows, columns), row-major, when the family lays them out so."""
         with self._lock:
             first = self._firsts.get(digest)
             if first is not None and first in self._rows:
                 self._rows.move_to_end(first)
                 return list(range(first, first + self._counts[first]))
         rows = encode()
+        if grid is not None and grid[0] * grid[1] != rows.shape[0]:
+            raise ValueError(f"an image of {rows.shape[0]} tokens has no {grid} grid")
         with self._lock:
             self.encoded += 1
             first = self._firsts.get(digest)
@@ -104,6 +117,9 @@ class ImageTokens:
                 self._next += rows.shape[0]
                 self._firsts[digest] = first
                 self._counts[first] = rows.shape[0]
+                self._known.append(first)
+            if grid is not None:
+                self._grids[first] = grid
             if first not in self._rows:
                 bisect.insort(self._sorted, first)
             self._rows[first] = rows
@@ -151,6 +167,26 @@ class ImageTokens:
             rows = torch.stack([self._rows[first][row] for first, row in located])  # type: ignore[misc]
         hidden[image] = rows.to(hidden.device, hidden.dtype)
         return hidden
+
+    def image_at(self, value: int) -> tuple[int, int, int, tuple[int, int] | None] | None:
+        """(first id, row, token count, grid) of any image id handed out (held or
+        not), None for an id that never was one."""
+        with self._lock:
+            at = bisect.bisect_right(self._known, value) - 1
+            if at < 0:
+                return None
+            first = self._known[at]
+            count = self._counts[first]
+            return (first, value - first, count, self._grids.get(first)) \
+                if value - first < count else None
+
+    def rope_positions(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Rotary positions [3, B, T] of whole sequences, None: 0..T-1 (M-RoPE: mrope.py)."""
+        return None
+
+    def paged_rope_positions(self, batch: AttentionCache) -> torch.Tensor | None:
+        """Rotary positions [3, 1, N] of a paged step's tokens, None: the cache's."""
+        return None
 
     def block_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Image runs of whole sequences (module function `block_ids`)."""

@@ -11,32 +11,51 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from exl3cli.engine.models.vision.gemma3 import ARCHITECTURE as GEMMA3
-from exl3cli.engine.models.vision.gemma3 import PROCESSOR_DEFAULTS as GEMMA3_PROCESSOR
-from exl3cli.engine.models.vision.gemma3 import exllamav3_name, load_gemma3_vision
-from exl3cli.engine.models.vision.image_processor import ImageProcessor, decode_image
+from exl3cli.engine.models.vision import gemma3, qwen2_5_vl
+from exl3cli.engine.models.vision.image_processor import ImageProcessor, decode_image, image_size
 from exl3cli.engine.models.vision.image_tokens import ImageTokens
+from exl3cli.engine.models.vision.mrope import MRopeImageTokens
+from exl3cli.engine.models.vision.patch_processor import PatchImageProcessor
 from exl3cli.errors import InvalidOption, ModelLoadError
 
-# Architectures whose vision tower exl3 runs: (tower loader, processor defaults).
-VISION_FAMILIES: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
-    GEMMA3: (load_gemma3_vision, GEMMA3_PROCESSOR),
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """How exl3 reads one architecture's images: `load(raw config, tensor, has,
+    token_text)` builds its tower (with `placeholder`, `image_token`, `embed_image`,
+    `token_grid` and `expand`), `processor(folder)` its image processor, `tokens` the
+    ImageTokens kind its language model takes, `stored_name` the name `exl3 convert`
+    writes a tower tensor under (ExLlamaV3's layout, so the folder loads in both)."""
+
+    load: Callable[..., Any]
+    processor: Callable[[Path], Any]
+    tokens: type[ImageTokens] = ImageTokens
+    stored_name: Callable[[str], str] | None = None
+
+
+# Architectures whose vision tower exl3 runs.
+VISION_FAMILIES: dict[str, VisionFamily] = {
+    gemma3.ARCHITECTURE: VisionFamily(
+        gemma3.load_gemma3_vision,
+        lambda folder: ImageProcessor.from_folder(folder, gemma3.PROCESSOR_DEFAULTS),
+        stored_name=gemma3.exllamav3_name),
+    qwen2_5_vl.ARCHITECTURE: VisionFamily(
+        qwen2_5_vl.load_qwen2_5_vl_vision,
+        lambda folder: PatchImageProcessor.from_folder(folder, {}),
+        tokens=MRopeImageTokens, stored_name=qwen2_5_vl.exllamav3_name),
 }
-
-
-# How a converted folder names a family's tower and projector tensors (ExLlamaV3's
-# layout, so the folder loads in both).
-STORED_NAMES: dict[str, Callable[[str], str]] = {GEMMA3: exllamav3_name}
 
 
 def stored_tensor_name(architecture: str, name: str) -> str:
     """The name `exl3 convert` writes a wrapper tensor (vision tower, projector) under."""
-    rename = STORED_NAMES.get(architecture)
+    family = VISION_FAMILIES.get(architecture)
+    rename = family.stored_name if family is not None else None
     return rename(name) if rename is not None else name
 
 
@@ -72,14 +91,18 @@ class VisionModel:
         return next(iter(self.vision.buffers())).device
 
     def encode(self, data: bytes) -> torch.Tensor:
-        """Image bytes -> embeddings [tokens per image, hidden] (no caching)."""
-        pixels = self.processor(decode_image(data)).unsqueeze(0)
-        return self.vision(pixels.to(self.device))[0]
+        """Image bytes -> embeddings [tokens of the image, hidden] (no caching)."""
+        return self.vision.embed_image(self.processor(decode_image(data)))
 
-    def image_ids(self, data: bytes) -> list[int]:
+    def token_grid(self, data: bytes) -> tuple[int, int]:
+        """(rows, columns) of an image's tokens, from its header (nothing decoded)."""
+        return self.vision.token_grid(image_size(data), self.processor)
+
+    def image_ids(self, data: bytes, grid: tuple[int, int] | None = None) -> list[int]:
         """The prompt ids of one image, encoding it only when it is not held yet."""
         digest = hashlib.sha256(data).hexdigest()
-        return self.tokens.ids_for(digest, lambda: self.encode(data))
+        return self.tokens.ids_for(digest, lambda: self.encode(data),
+                                   grid or self.token_grid(data))
 
     def prompt_ids(self, text: str, images: Sequence[bytes],
                    encode: Callable[[str], list[int]]) -> list[int]:
@@ -89,8 +112,8 @@ class VisionModel:
         if found != len(images):
             raise InvalidOption(f"the prompt marks {found} image(s) ({self.placeholder}) "
                                 f"but {len(images)} were given")
-        ids = encode(self.vision.expand(text))
-        per_image = self.vision.tokens_per_image
+        grids = [self.token_grid(data) for data in images]
+        ids = encode(self.vision.expand(text, grids))
         out: list[int] = []
         index = taken = 0
         while index < len(ids):
@@ -98,12 +121,14 @@ class VisionModel:
                 out.append(ids[index])
                 index += 1
                 continue
+            per_image = grids[taken][0] * grids[taken][1] if taken < len(images) else 0
             run = ids[index : index + per_image]
             if taken >= len(images) or len(run) < per_image or any(
-                    t != self.image_token_id for t in run):
+                    t != self.image_token_id for t in run) or (
+                    index + per_image < len(ids) and ids[index + per_image] == self.image_token_id):
                 raise InvalidOption("image soft tokens in the prompt do not match the images "
                                     "(is the image token typed in the text?)")
-            out.extend(self.image_ids(images[taken]))
+            out.extend(self.image_ids(images[taken], grids[taken]))
             taken += 1
             index += per_image
         if taken != len(images):
@@ -159,7 +184,7 @@ def load_vision(folder: str | Path, model: Any, tokenizer: Any,
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if not reads_images(raw):
         return None
-    load_tower, processor_defaults = VISION_FAMILIES[raw["architectures"][0]]
+    family = VISION_FAMILIES[raw["architectures"][0]]
     reader = WeightReader(folder)
     device, dtype = model.device, model.dtype
 
@@ -170,13 +195,13 @@ def load_vision(folder: str | Path, model: Any, tokenizer: Any,
         return tokenizer.id_to_token(token_id)
 
     try:
-        vision = load_tower(raw, tensor, reader.has, token_text)
-        processor = ImageProcessor.from_folder(folder, processor_defaults)
+        vision = family.load(raw, tensor, reader.has, token_text)
+        processor = family.processor(folder)
     except (KeyError, ValueError, InvalidOption) as error:
         raise ModelLoadError(f"cannot load the vision tower of {folder}: {error}") from None
     image_token = tokenizer.token_to_id(vision.image_token)
     if image_token is None:
         raise ModelLoadError(f"the tokenizer has no {vision.image_token} token")
-    tokens = ImageTokens(model.config.vocab_size, capacity or 64)
+    tokens = family.tokens(model.config.vocab_size, capacity or 64)
     model.images = tokens
     return VisionModel(vision, processor, tokens, image_token)
