@@ -56,28 +56,92 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
   v[3] = s.w;
 }
 
-// The LoRA delta (exl3_ops.h LowRank) of `row` at 4 columns from `base` of the part
-// whose columns start at `offset` in bt, rounded to T; false (d untouched) when the row
-// has no adapter. Columns from `cols` on get 0. Every branch is uniform over the warp.
+// The bt rows a warp reads between two waits on memory, over all parts: their loads are
+// issued together (a rank-16 adapter's columns are two rounds of loads, not 16).
+constexpr int kLoraLoads = 8;
+
 template <typename T>
-__device__ __forceinline__ bool lora_delta(const LowRank& lora, int row, int offset, int base,
-                                           int cols, float (&d)[4]) {
+struct alignas(4 * sizeof(T)) Four {
+  T v[4];
+};
+
+// s[p][e] += sum over the rank columns k0 + j (j < 32, k0 + j < rank) of h_j *
+// bt[k0 + j, col[p] + e], h_j lane j's value of h (0 but for the row's own adapter's
+// columns, the bits of `m`; bt is finite); groups of U = kLoraLoads / N columns without
+// a bit are skipped. VEC: each part's 4 columns are one aligned vector load (n is 0 or
+// 4); else scalar loads of the first n.
+template <typename T, int N, bool VEC>
+__device__ __forceinline__ void lora_columns(const T* const (&col)[N], int64_t stride, int rank,
+                                             int k0, unsigned m, float h, int n,
+                                             float (&s)[N][4]) {
+  constexpr int U = kLoraLoads / N;
+  for (int j0 = 0; j0 < 32; j0 += U) {
+    if (((m >> j0) & ((1u << U) - 1)) == 0) continue;
+    Four<T> f[U][N];  // every load of the group first, then the products
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+      // Columns past the rank read the last one (h_j is 0 there, as for another
+      // adapter's columns): every load of the group is issued, none out of bounds.
+      const size_t r = (size_t)min(k0 + j0 + j, rank - 1) * stride;
+#pragma unroll
+      for (int p = 0; p < N; p++) {
+        if (VEC) {
+          if (n > 0) f[j][p] = *reinterpret_cast<const Four<T>*>(col[p] + r);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; e++)
+            if (e < n) f[j][p].v[e] = col[p][r + e];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+      const float hj = __shfl_sync(0xffffffffu, h, j0 + j);
+#pragma unroll
+      for (int p = 0; p < N; p++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          if (e < n) s[p][e] = fmaf(hj, to_f32(f[j][p].v[e]), s[p][e]);
+    }
+  }
+}
+
+// The LoRA deltas (exl3_ops.h LowRank) of `row` at 4 columns from `base` of N parts whose
+// columns start at offset[p] in bt, rounded to T; false (d untouched) when the row has no
+// adapter. Columns from `cols` on get 0. Lane k holds rank column k0 + k's low value
+// masked by the row's slot; the warp walks the groups of columns that hold the row's
+// adapter (ballot). Every branch but the lane's own column range is uniform.
+template <typename T, int N>
+__device__ __forceinline__ bool lora_delta(const LowRank& lora, int row, const int (&offset)[N],
+                                           int base, int cols, int lane, float (&d)[N][4]) {
   if (lora.low == nullptr) return false;
   const int64_t slot = lora.slots[row];
   if (slot == 0) return false;
   const T* low = static_cast<const T*>(lora.low) + (size_t)row * lora.low_stride;
-  const T* bt = static_cast<const T*>(lora.bt) + offset + base;
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int k = 0; k < lora.rank; k++) {
-    if (lora.columns[k] != slot) continue;  // another adapter's rank column
-    const float h = to_f32(low[k]);
-    const T* b = bt + (size_t)k * lora.bt_stride;
+  const int n = max(0, min(4, cols - base));  // this lane's columns inside the part
+  bool vec = cols % 4 == 0 && lora.bt_stride % 4 == 0 &&
+             reinterpret_cast<uintptr_t>(lora.bt) % sizeof(Four<T>) == 0;
+  const T* col[N];
 #pragma unroll
-    for (int e = 0; e < 4; e++)
-      if (base + e < cols) s[e] = fmaf(h, to_f32(b[e]), s[e]);
+  for (int p = 0; p < N; p++) {
+    col[p] = static_cast<const T*>(lora.bt) + offset[p] + base;
+    vec = vec && offset[p] % 4 == 0;
+  }
+  float s[N][4] = {};
+  for (int k0 = 0; k0 < lora.rank; k0 += 32) {
+    const int k = k0 + lane;
+    const bool mine = k < lora.rank && lora.columns[k] == slot;
+    const float h = mine ? to_f32(low[k]) : 0.0f;
+    const unsigned m = __ballot_sync(0xffffffffu, mine);
+    if (vec)
+      lora_columns<T, N, true>(col, lora.bt_stride, lora.rank, k0, m, h, n, s);
+    else
+      lora_columns<T, N, false>(col, lora.bt_stride, lora.rank, k0, m, h, n, s);
   }
 #pragma unroll
-  for (int e = 0; e < 4; e++) d[e] = round_to<T>(s[e]);
+  for (int p = 0; p < N; p++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) d[p][e] = round_to<T>(s[p][e]);
   return true;
 }
 
@@ -139,8 +203,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
 }
 
-// grid (warps over rows x column blocks of the widest part / 8, parts).
-template <typename T>
+// grid (warps over rows x column blocks of the widest part / 8, parts). LORA: with the
+// LoRA update (its own instance: the bare one keeps its registers).
+template <typename T, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     hadamard_out_kernel(const __grid_constant__ OutParts parts, int rows,
                         const T* __restrict__ residual, int64_t residual_stride,
@@ -166,10 +231,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (part.bias != nullptr && c < part.out_cols) y += part.bias[c];
     v[e] = round_to<T>(y);
   }
-  float d[4];
-  if (lora_delta<T>(lora, row, part.lora_offset, base, part.out_cols, d)) {
+  const int lora_offset[1] = {part.lora_offset};
+  float d[1][4];
+  if (LORA && lora_delta<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, d)) {
 #pragma unroll
-    for (int e = 0; e < 4; e++) v[e] = round_to<T>(v[e] + d[e]);
+    for (int e = 0; e < 4; e++) v[e] = round_to<T>(v[e] + d[0][e]);
   }
   if (cos != nullptr && part.rope_cols > 0) {
     // rotate-half: d < h pairs with d + h (x*cos - x[d+h]*sin), d >= h with d - h.
@@ -205,7 +271,8 @@ __device__ __forceinline__ float activation(float g, int act) {
   return 0.5f * g * (1.0f + tanhf(inner));
 }
 
-template <typename T>
+// LORA: with the LoRA update or the product output (the bare instance keeps its registers).
+template <typename T, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     glu_hadamard_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                         int splits, int width, const float* __restrict__ post_gate,
@@ -227,10 +294,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   load_split_sum(up, splits, rows, width, row, base, u);
   hadamard128_warp(g, lane);
   hadamard128_warp(u, lane);
-  float dg[4], du[4];
-  const bool adapted = lora_delta<T>(lora, row, 0, base, inter, dg);
-  if (adapted) lora_delta<T>(lora, row, inter, base, inter, du);
-  T* product_row = product != nullptr ? product + (size_t)row * product_stride : nullptr;
+  const int lora_offset[2] = {0, inter};  // bt columns: [gate | up]
+  float d[2][4];
+  const bool adapted = LORA && lora_delta<T, 2>(lora, row, lora_offset, base, inter, lane, d);
+  T* product_row = LORA && product != nullptr ? product + (size_t)row * product_stride : nullptr;
   float v[4];
 #pragma unroll
   for (int e = 0; e < 4; e++) {
@@ -246,8 +313,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       gv = round_to<T>(gv);
       uv = round_to<T>(uv);
       if (adapted) {
-        gv = round_to<T>(gv + dg[e]);
-        uv = round_to<T>(uv + du[e]);
+        gv = round_to<T>(gv + d[0][e]);
+        uv = round_to<T>(uv + d[1][e]);
       }
       a = round_to<T>(round_to<T>(activation(gv, act)) * uv);
       if (product_row != nullptr) product_row[c] = from_f32<T>(a);
@@ -279,7 +346,8 @@ void run_out(const OutParts& parts, int rows, const void* residual, int64_t resi
   int width = 0;
   for (int p = 0; p < parts.count; p++) width = max(width, parts.part[p].width);
   dim3 grid(warp_blocks((int64_t)rows * (width / 128)), parts.count);
-  launch(hadamard_out_kernel<T>, grid, dim3(kWarps * 32), 0, stream, parts, rows,
+  launch(lora.low != nullptr ? hadamard_out_kernel<T, true> : hadamard_out_kernel<T, false>,
+         grid, dim3(kWarps * 32), 0, stream, parts, rows,
          static_cast<const T*>(residual), residual_stride, static_cast<const T*>(cos),
          static_cast<const T*>(sin), head_dim, lora);
 }
@@ -289,7 +357,9 @@ void run_glu(const float* gate, const float* up, int splits, int width, const fl
              const float* post_up, const float* bias_gate, const float* bias_up, int inter,
              int act, const float* pre, void* out, int rows, const LowRank& lora,
              void* product, int64_t product_stride, cudaStream_t stream) {
-  launch(glu_hadamard_kernel<T>, dim3(warp_blocks((int64_t)rows * (width / 128))),
+  const bool extras = lora.low != nullptr || product != nullptr;
+  launch(extras ? glu_hadamard_kernel<T, true> : glu_hadamard_kernel<T, false>,
+         dim3(warp_blocks((int64_t)rows * (width / 128))),
          dim3(kWarps * 32), 0, stream, gate, up, splits, width, post_gate, post_up, bias_gate,
          bias_up, inter, act, pre, static_cast<__half*>(out), rows, lora,
          static_cast<T*>(product), product_stride);
