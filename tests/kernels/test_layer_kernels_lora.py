@@ -20,6 +20,9 @@ from exl3cli.ops.layer_kernels import LowRank
 pytestmark = pytest.mark.cuda
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 COLUMNS = [1] * 4 + [2] * 8 + [3] * 4  # the adapter slot of each rank column
+# Over 32 rank columns and none a multiple of 8: the kernel's second chunk of columns
+# and a last group past the rank.
+WIDE_COLUMNS = [2] * 13 + [1] * 20 + [3] * 12
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -41,10 +44,11 @@ def _slots(rows: int) -> torch.Tensor:
     return torch.tensor([(1, 0, 2)[r % 3] for r in range(rows)], dtype=torch.long)
 
 
-def _lora(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator) -> LowRank:
-    low = torch.randn(rows, len(COLUMNS), generator=gen).to(dtype)
-    bt = (torch.randn(len(COLUMNS), cols, generator=gen) * 0.5).to(dtype)
-    return LowRank(low, bt, torch.tensor(COLUMNS), _slots(rows))
+def _lora(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator,
+          columns: list[int] = COLUMNS) -> LowRank:
+    low = torch.randn(rows, len(columns), generator=gen).to(dtype)
+    bt = (torch.randn(len(columns), cols, generator=gen) * 0.5).to(dtype)
+    return LowRank(low, bt, torch.tensor(columns), _slots(rows))
 
 
 def _on(lora: LowRank, device: str) -> LowRank:
@@ -98,13 +102,15 @@ def test_hadamard_out_adds_the_update_before_rotary(dtype, head_dim, rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [2, 33])
-def test_hadamard_out_adds_the_update_before_the_residual(dtype, rows):
-    gen = _gen(rows + 3)
-    cols, width = 320, 384
+@pytest.mark.parametrize("cols, columns", [(320, COLUMNS), (318, WIDE_COLUMNS)])
+def test_hadamard_out_adds_the_update_before_the_residual(dtype, rows, cols, columns):
+    # 318 columns: bt rows not 4-aligned (the kernel's scalar loads), a partial last group.
+    gen = _gen(rows + cols)
+    width = 384
     partial = torch.randn(5, rows, width, generator=gen)
     post = torch.randn(width, generator=gen) * 0.1
     residual = torch.randn(rows, cols, generator=gen).to(dtype)
-    lora = _lora(rows, cols, dtype, gen)
+    lora = _lora(rows, cols, dtype, gen, columns)
 
     def run(device: str) -> torch.Tensor:
         out = torch.full((rows, cols + 8), float("nan"), dtype=dtype, device=device)
@@ -121,14 +127,15 @@ def test_hadamard_out_adds_the_update_before_the_residual(dtype, rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 33])
-def test_glu_hadamard_adds_the_updates_before_the_activation(dtype, act, rows):
-    gen = _gen(rows + 11)
-    inter, width = 320, 384
+@pytest.mark.parametrize("inter, columns", [(320, COLUMNS), (318, WIDE_COLUMNS)])
+def test_glu_hadamard_adds_the_updates_before_the_activation(dtype, act, rows, inter, columns):
+    gen = _gen(rows + inter)
+    width = 384
     gate, up = (torch.randn(6, rows, width, generator=gen) for _ in range(2))
     post_g, post_u, pre = (torch.randn(width, generator=gen) * 0.3 for _ in range(3))
     bias_g = torch.randn(inter, generator=gen)
     args = (post_g, post_u, bias_g, None)
-    lora = _lora(rows, 2 * inter, dtype, gen)
+    lora = _lora(rows, 2 * inter, dtype, gen, columns)
 
     def run(device: str, update: LowRank | None) -> tuple[torch.Tensor, torch.Tensor]:
         product = torch.full((rows, inter + 8), float("nan"), dtype=dtype, device=device)
