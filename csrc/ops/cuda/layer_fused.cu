@@ -57,8 +57,14 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
 }
 
 // The bt rows a warp reads between two waits on memory, over all parts: their loads are
-// issued together (a rank-16 adapter's columns are two rounds of loads, not 16).
-constexpr int kLoraLoads = 8;
+// issued together (a rank-16 adapter's columns are two rounds of loads, not 16). A/B with
+// EXL3_NVCC_FLAGS=-DEXL3_LORA_LOADS=16 (a power of two, 2..32).
+#ifndef EXL3_LORA_LOADS
+#define EXL3_LORA_LOADS 8
+#endif
+constexpr int kLoraLoads = EXL3_LORA_LOADS;
+static_assert(kLoraLoads >= 2 && kLoraLoads <= 32 && (kLoraLoads & (kLoraLoads - 1)) == 0,
+              "EXL3_LORA_LOADS: a power of two, 2..32");
 
 template <typename T>
 struct alignas(4 * sizeof(T)) Four {
