@@ -111,7 +111,9 @@ def _first_decode_logits(model, tokenizer, jobs, mode: str) -> tuple[torch.Tenso
 
 
 def _jobs(adapters: list[str | None], num_predict: int = 4) -> list[GenerationJob]:
-    return [GenerationJob([10 + (7 * i + 3 * j) % 200 for j in range(5 + 9 * i)], GREEDY,
+    # Prompts over 64 tokens: every prefill forward takes the unfused path (the fused
+    # layer takes up to 64 rows), so fused and unfused runs decode from the same tokens.
+    return [GenerationJob([10 + (7 * i + 3 * j) % 200 for j in range(70 + 9 * i)], GREEDY,
                           num_predict=num_predict, ignore_eos=True, adapter=name)
             for i, name in enumerate(adapters)]
 
