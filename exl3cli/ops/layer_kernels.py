@@ -8,26 +8,40 @@ Hadamard, svh, bias, then rotary or the residual add, or for gate/up the activat
 the down projection's input side). Several projections of one input (q/k/v, gate/up)
 share each launch.
 
+An adapted projection (``engine/adapters/lora.py``) adds its LoRA update in the output
+side, where ``AdaptedLinear`` adds it: ``y = round(round(H128(sum) * svh + bias) +
+delta)``, then rotary, the activation or the residual; ``delta`` comes from a
+``LowRank`` (``low = x_in @ A^T`` made by one matmul per input, and B^T of all the
+input's parts), with the masking by the rows' adapter slots done in the kernel.
+
 Public API (``x``: activations in the model dtype; ``partials``: float32
 (splits, rows, width); every list has one entry per part):
-- ``norm_hadamard(x[rows, cols], norm_weight|None, eps, unit_offset, pres, width)
-  -> list[float16 (rows, width)]``: ``H128(norm(x) * pre)``; ``norm`` is RMSNorm as
-  ``engine/layers/norm.py`` computes it (``norm_weight`` float32; ``unit_offset``: Gemma's
-  single rounding), or the identity when ``norm_weight`` is None.
+- ``LowRank(low, bt, columns, slots)`` and ``low_rank_delta(lora) -> (rows, cols)``:
+  row r gains ``(low[r] * (columns == slots[r])) @ bt`` in ``low``'s dtype (exact zeros
+  for slot 0); ``bt`` covers the parts of one call side by side, in order.
+- ``norm_hadamard(x[rows, cols], norm_weight|None, eps, unit_offset, pres, width,
+  normed=None) -> list[float16 (rows, width)]``: ``H128(norm(x) * pre)``; ``norm`` is
+  RMSNorm as ``engine/layers/norm.py`` computes it (``norm_weight`` float32;
+  ``unit_offset``: Gemma's single rounding), or the identity when ``norm_weight`` is
+  None; ``normed`` (rows, cols) in x's dtype receives ``norm(x)`` (a LoRA's input).
 - ``gemm_parts(xhs, trellises, k2, codebook, splits) -> list[partials]``: ``xh @ Ŵ``
   (the reference returns one split).
 - ``hadamard_out(partials, posts, biases, outs, rope_cols, residual=None, cos=None,
-  sin=None, head_dim=0)``: writes ``outs[p] = H128(sum partial) * post + bias``
-  (rounded to the output dtype), its first ``rope_cols[p]`` columns rotated per head
-  (rotate-half with ``cos``/``sin`` (rows, head_dim)), plus ``residual`` when given.
+  sin=None, head_dim=0, lora=None)``: writes ``outs[p] = H128(sum partial) * post +
+  bias`` (rounded to the output dtype) plus part p's columns of the LoRA delta, its
+  first ``rope_cols[p]`` columns rotated per head (rotate-half with ``cos``/``sin``
+  (rows, head_dim)), plus ``residual`` when given.
 - ``glu_hadamard(gate, up, post_gate, post_up, bias_gate, bias_up, inter, act, pre,
-  dtype) -> float16 (rows, width)``: ``H128((act(g) * u) * pre)`` with ``g``/``u``
-  the gate/up outputs as ``hadamard_out`` makes them (act "silu" or "gelu_tanh").
+  dtype, lora=None, product=None) -> float16 (rows, width)``: ``H128((act(g) * u) *
+  pre)`` with ``g``/``u`` the gate/up outputs as ``hadamard_out`` makes them (``lora``
+  covers [gate | up]; act "silu" or "gelu_tanh"); ``product`` (rows, inter) in
+  ``dtype`` receives ``act(g) * u`` (the down projection's LoRA input).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +52,27 @@ from exl3cli.ops.reference import apply_rotary
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+class LowRank(NamedTuple):
+    """The LoRA update of one output-kernel call (module docstring)."""
+
+    low: torch.Tensor  # (rows, R) in the activation dtype: x_in @ A^T
+    bt: torch.Tensor  # (R, columns of the call's parts) in the activation dtype: B^T
+    columns: torch.Tensor  # (R,) int64: the adapter slot of each rank column
+    slots: torch.Tensor  # (rows,) int64: the adapter slot of each row (0: none)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.low, self.bt, self.columns, self.slots)
+
+
+_NO_LORA = (None, None, None, None)
+
+
+def low_rank_delta(lora: LowRank) -> torch.Tensor:
+    """(rows, columns of bt): each row's own adapter's update, as AdaptedLinear makes it."""
+    mask = (lora.columns[None, :] == lora.slots[: lora.low.shape[0], None]).to(lora.low.dtype)
+    return (lora.low * mask) @ lora.bt
 
 
 def _ext(*tensors: torch.Tensor):
@@ -58,17 +93,20 @@ def _normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 
 def norm_hadamard(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                  unit_offset: bool, pres: Sequence[torch.Tensor], width: int
-                  ) -> list[torch.Tensor]:
+                  unit_offset: bool, pres: Sequence[torch.Tensor], width: int,
+                  normed: torch.Tensor | None = None) -> list[torch.Tensor]:
     """See the module docstring."""
     rows = x.shape[0]
     ext = _ext(x)
     if ext is not None and x.dtype in _DTYPES and x.stride(-1) == 1 and rows > 0:
         outs = [torch.empty(rows, width, dtype=torch.float16, device=x.device) for _ in pres]
-        ext.norm_hadamard(x, norm_weight, eps, unit_offset, list(pres), outs, width)
+        ext.norm_hadamard(x, norm_weight, eps, unit_offset, list(pres), outs, width, normed)
         return outs
-    normed = F.pad(_normed(x, norm_weight, eps, unit_offset).float(), (0, width - x.shape[1]))
-    return [block_hadamard(normed * pre[:width].float(), dim=-1).half() for pre in pres]
+    n = _normed(x, norm_weight, eps, unit_offset)
+    if normed is not None:
+        normed.copy_(n)
+    padded = F.pad(n.float(), (0, width - x.shape[1]))
+    return [block_hadamard(padded * pre[:width].float(), dim=-1).half() for pre in pres]
 
 
 def gemm_parts(xhs: Sequence[torch.Tensor], trellises: Sequence[torch.Tensor], k2: int,
@@ -106,17 +144,23 @@ def hadamard_out(partials: Sequence[torch.Tensor], posts: Sequence[torch.Tensor 
                  biases: Sequence[torch.Tensor | None], outs: Sequence[torch.Tensor],
                  rope_cols: Sequence[int], residual: torch.Tensor | None = None,
                  cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                 head_dim: int = 0) -> None:
+                 head_dim: int = 0, lora: LowRank | None = None) -> None:
     """See the module docstring."""
     ext = _ext(partials[0])
     if ext is not None and head_dim in (0, 64, 128) and outs[0].dtype in _DTYPES:
         ext.hadamard_out(list(partials), list(posts), list(biases), list(outs),
-                         [int(c) for c in rope_cols], residual, cos, sin, head_dim)
+                         [int(c) for c in rope_cols], residual, cos, sin, head_dim,
+                         *(lora.args() if lora is not None else _NO_LORA))
         return
+    delta = low_rank_delta(lora) if lora is not None else None
+    start = 0
     for partial, post, bias, out, rope in zip(partials, posts, biases, outs, rope_cols,
                                               strict=True):
         cols = out.shape[1]
         y = _output(partial, post, bias, cols).to(out.dtype)
+        if delta is not None:
+            y = y + delta[:, start : start + cols].to(y.dtype)
+        start += cols
         if rope > 0 and cos is not None and sin is not None:
             y = torch.cat([_rotate(y[:, :rope], cos, sin, head_dim), y[:, rope:]], dim=1)
         if residual is not None:
@@ -127,17 +171,25 @@ def hadamard_out(partials: Sequence[torch.Tensor], posts: Sequence[torch.Tensor 
 def glu_hadamard(gate: torch.Tensor, up: torch.Tensor, post_gate: torch.Tensor | None,
                  post_up: torch.Tensor | None, bias_gate: torch.Tensor | None,
                  bias_up: torch.Tensor | None, inter: int, act: str, pre: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, lora: LowRank | None = None,
+                 product: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring."""
     rows, width = gate.shape[1], gate.shape[2]
     ext = _ext(gate)
     if ext is not None and dtype in _DTYPES:
         out = torch.empty(rows, width, dtype=torch.float16, device=gate.device)
         ext.glu_hadamard(gate, up, post_gate, post_up, bias_gate, bias_up, inter,
-                         ACTIVATIONS[act], pre, out, _DTYPES[dtype])
+                         ACTIVATIONS[act], pre, out, _DTYPES[dtype],
+                         *(lora.args() if lora is not None else _NO_LORA), product)
         return out
     g = _output(gate, post_gate, bias_gate, inter).to(dtype)
     u = _output(up, post_up, bias_up, inter).to(dtype)
+    if lora is not None:
+        delta = low_rank_delta(lora).to(dtype)
+        g, u = g + delta[:, :inter], u + delta[:, inter : 2 * inter]
     a = F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
-    product = F.pad((a * u).float(), (0, width - inter))
-    return block_hadamard(product * pre[:width].float(), dim=-1).half()
+    au = a * u
+    if product is not None:
+        product.copy_(au)
+    padded = F.pad(au.float(), (0, width - inter))
+    return block_hadamard(padded * pre[:width].float(), dim=-1).half()

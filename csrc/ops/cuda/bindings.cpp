@@ -1,33 +1,17 @@
-// Torch bindings for the EXL3 kernels: tensor checks, then the raw launchers.
+// Torch bindings for the EXL3 kernels: tensor checks, then the raw launchers (the fused
+// decode-layer kernels: layer_bindings.cpp).
 // Every op writes into a caller-provided output (the Python side allocates), runs on
 // the current CUDA stream and raises on launch errors.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "bindings_util.h"
 #include "exl3_ops.h"
 
 namespace {
 
-void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-}
-
-void check_launch(bool ok, const char* what) {
-  TORCH_CHECK(ok, what, ": unsupported arguments (bits/codebook/shape)");
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
-}
-
-int dtype_code(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kHalf: return exl3::DT_HALF;
-    case at::kBFloat16: return exl3::DT_BF16;
-    case at::kFloat: return exl3::DT_FLOAT;
-    default: TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
-  }
-  return -1;
-}
+using namespace exl3_bind;
 
 void check_trellis(const at::Tensor& trellis, int k2) {
   check_cuda(trellis, "trellis");
@@ -103,15 +87,6 @@ void gemm_partial(const at::Tensor& xh, const at::Tensor& trellis, int64_t k2, i
   gemm_parts({xh}, {trellis}, k2, cb, {partial});
 }
 
-const float* optional_vector(const c10::optional<at::Tensor>& t, int64_t width,
-                             const char* name) {
-  if (!t.has_value()) return nullptr;
-  check_cuda(*t, name);
-  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() >= width,
-              name, " must be contiguous float32 with at least ", width, " entries");
-  return t->data_ptr<float>();
-}
-
 // x: (slices, rows, x_cols) with unit column stride; out: (rows, out_cols), unit column stride.
 void hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& pre,
               const c10::optional<at::Tensor>& post, const c10::optional<at::Tensor>& bias,
@@ -133,11 +108,6 @@ void hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& pre,
                             optional_vector(bias, out.size(1), "bias"), out.data_ptr(),
                             out.stride(0), (int)out.size(1), (int)x.size(1), stream),
       "exl3 hadamard");
-}
-
-void check_contiguous(const at::Tensor& t, const char* name) {
-  check_cuda(t, name);
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
 // q/out: (B, H, D) half/bf16; k/v: pool storage (see exl3_ops.h); k_bits/v_bits 16 when
@@ -230,122 +200,6 @@ void kv_quant_write(const at::Tensor& x, const at::Tensor& slots, int64_t bits,
 }
 
 
-// x: (rows, x_cols), unit column stride; pres: float32 (>= width); outs: (rows, width) fp16.
-void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight,
-                   double eps, bool unit_offset, const std::vector<at::Tensor>& pres,
-                   const std::vector<at::Tensor>& outs, int64_t width) {
-  check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols) with unit column stride");
-  const size_t n = pres.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && outs.size() == n, "1..4 parts");
-  const float* pre_ptr[exl3::kMaxParts] = {};
-  void* out_ptr[exl3::kMaxParts] = {};
-  for (size_t p = 0; p < n; p++) {
-    pre_ptr[p] = optional_vector(pres[p], width, "pre");
-    const at::Tensor& out = outs[p];
-    check_cuda(out, "out");
-    TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
-                    out.size(0) == x.size(0) && out.size(1) == width,
-                "out must be contiguous float16 (rows, width)");
-  }
-  for (size_t p = 0; p < n; p++) out_ptr[p] = outs[p].data_ptr();
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_launch(exl3::launch_norm_hadamard(
-                   dtype_code(x), x.data_ptr(), x.stride(0), (int)x.size(1), (int)width,
-                   optional_vector(norm_weight, x.size(1), "norm_weight"), (float)eps,
-                   unit_offset, (int)n, pre_ptr, out_ptr, (int)x.size(0), stream),
-               "exl3 norm hadamard");
-}
-
-// partials: (splits, rows, width) float32; outs: (rows, out_cols) column views in dtype.
-void hadamard_out(const std::vector<at::Tensor>& partials,
-                  const std::vector<c10::optional<at::Tensor>>& posts,
-                  const std::vector<c10::optional<at::Tensor>>& biases,
-                  const std::vector<at::Tensor>& outs, const std::vector<int64_t>& rope_cols,
-                  const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& cos,
-                  const c10::optional<at::Tensor>& sin, int64_t head_dim) {
-  const size_t n = partials.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
-                  biases.size() == n && outs.size() == n && rope_cols.size() == n,
-              "1..4 parts, each with post, bias, out and rope_cols");
-  exl3::OutParts parts{};
-  parts.count = (int)n;
-  const int64_t rows = partials[0].size(1);
-  const auto dtype = outs[0].scalar_type();
-  for (size_t p = 0; p < n; p++) {
-    const at::Tensor& partial = partials[p];
-    const at::Tensor& out = outs[p];
-    check_contiguous(partial, "partial");
-    check_cuda(out, "out");
-    TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3 &&
-                    partial.size(1) == rows, "partials must be float32 (splits, rows, width)");
-    TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == rows &&
-                    out.scalar_type() == dtype, "outs must be (rows, cols) of one dtype");
-    const int64_t width = partial.size(2);
-    parts.part[p] = exl3::OutPart{partial.data_ptr<float>(), (int)partial.size(0), (int)width,
-                                  optional_vector(posts[p], width, "post"),
-                                  optional_vector(biases[p], out.size(1), "bias"),
-                                  out.data_ptr(), out.stride(0), (int)out.size(1),
-                                  (int)rope_cols[p]};
-  }
-  const void* res_ptr = nullptr;
-  int64_t res_stride = 0;
-  if (residual.has_value()) {
-    check_cuda(*residual, "residual");
-    TORCH_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->size(0) == rows &&
-                    residual->scalar_type() == dtype,
-                "residual must be (rows, cols) in the outputs' dtype");
-    for (size_t p = 0; p < n; p++)
-      TORCH_CHECK(residual->size(1) >= outs[p].size(1), "residual narrower than an output");
-    res_ptr = residual->data_ptr();
-    res_stride = residual->stride(0);
-  }
-  const void* cos_ptr = nullptr;
-  const void* sin_ptr = nullptr;
-  if (cos.has_value() || sin.has_value()) {
-    TORCH_CHECK(cos.has_value() && sin.has_value(), "cos and sin come together");
-    for (const auto* t : {&*cos, &*sin}) {
-      check_contiguous(*t, "cos/sin");
-      TORCH_CHECK(t->scalar_type() == dtype && t->numel() == rows * head_dim,
-                  "cos/sin must be (rows, head_dim) in the outputs' dtype");
-    }
-    cos_ptr = cos->data_ptr();
-    sin_ptr = sin->data_ptr();
-  }
-  const c10::cuda::CUDAGuard guard(partials[0].device());
-  auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_launch(exl3::launch_hadamard_out(dtype_code(outs[0]), parts, (int)rows, res_ptr,
-                                         res_stride, cos_ptr, sin_ptr, (int)head_dim, stream),
-               "exl3 hadamard out");
-}
-
-// gate/up: (splits, rows, width) float32; out: (rows, width) float16; dtype: rounding.
-void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
-                  const c10::optional<at::Tensor>& post_gate,
-                  const c10::optional<at::Tensor>& post_up,
-                  const c10::optional<at::Tensor>& bias_gate,
-                  const c10::optional<at::Tensor>& bias_up, int64_t inter, int64_t act,
-                  const at::Tensor& pre, at::Tensor& out, int64_t dtype) {
-  check_contiguous(gate, "gate");
-  check_contiguous(up, "up");
-  check_contiguous(out, "out");
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && gate.dim() == 3 && up.sizes() == gate.sizes() &&
-                  up.scalar_type() == at::kFloat, "gate and up must be float32 (splits, rows, width)");
-  const int64_t rows = gate.size(1), width = gate.size(2);
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
-                  out.size(1) == width, "out must be contiguous float16 (rows, width)");
-  const c10::cuda::CUDAGuard guard(gate.device());
-  auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_launch(exl3::launch_glu_hadamard(
-                   (int)dtype, gate.data_ptr<float>(), up.data_ptr<float>(), (int)gate.size(0),
-                   (int)width, optional_vector(post_gate, width, "post_gate"),
-                   optional_vector(post_up, width, "post_up"),
-                   optional_vector(bias_gate, inter, "bias_gate"),
-                   optional_vector(bias_up, inter, "bias_up"), (int)inter, (int)act,
-                   optional_vector(pre, width, "pre"), out.data_ptr(), (int)rows, stream),
-               "exl3 glu hadamard");
-}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -360,20 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gemm_partial for up to 4 parts (same rows, kb, K, codebook) in one launch",
         py::arg("xhs"), py::arg("trellises"), py::arg("k2"), py::arg("codebook"),
         py::arg("partials"));
-  m.def("norm_hadamard", &norm_hadamard,
-        "outs[p] = f16(H128(rmsnorm(x) * pres[p])) (norm optional)", py::arg("x"),
-        py::arg("norm_weight"), py::arg("eps"), py::arg("unit_offset"), py::arg("pres"),
-        py::arg("outs"), py::arg("width"));
-  m.def("hadamard_out", &hadamard_out,
-        "split sum + H128 + post + bias (+ rotary, + residual) for up to 4 parts",
-        py::arg("partials"), py::arg("posts"), py::arg("biases"), py::arg("outs"),
-        py::arg("rope_cols"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
-        py::arg("head_dim"));
-  m.def("glu_hadamard", &glu_hadamard,
-        "act(gate) * up from their partials, then the down projection's input Hadamard",
-        py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),
-        py::arg("bias_gate"), py::arg("bias_up"), py::arg("inter"), py::arg("act"),
-        py::arg("pre"), py::arg("out"), py::arg("dtype"));
+  exl3_bind::define_layer_ops(m);  // layer_bindings.cpp
   m.def("hadamard", &hadamard,
         "out = H128(sum_s x[s] * pre) * post + bias, per 128 columns over width",
         py::arg("x"), py::arg("pre"), py::arg("post"), py::arg("bias"), py::arg("out"),

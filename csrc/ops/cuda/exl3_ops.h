@@ -76,15 +76,34 @@ bool launch_kv_quant_write(int dtype, const void* x, int64_t x_row_stride,
 // `width` columns, n = RMSNorm with float32 weight norm_w (rounded to dtype as
 // engine/layers/norm.py does; unit_offset: one rounding after the weight) or, with norm_w null,
 // the identity. x: (rows, x_cols) with row stride; out[p]: (rows, width) contiguous.
+// normed (optional): n(x) in dtype, (rows, x_cols) with normed_stride (a LoRA's input).
 bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_cols,
                           int width, const float* norm_w, float eps, bool unit_offset,
                           int nparts, const float* const* pre, void* const* out, int rows,
-                          cudaStream_t stream);
+                          void* normed, int64_t normed_stride, cudaStream_t stream);
+
+// A LoRA update for the rows of one output-kernel launch (engine/adapters/lora.py): row r
+// of the part whose columns start at `offset` in bt gains, rounded to dtype,
+//   delta[r, c] = sum over k with columns[k] == slots[r] of low[r, k] * bt[k, offset + c]
+// (no update where slots[r] == 0), added to the part's rounded y = H128(...) * post + bias
+// before rotary, the activation or the residual. low = x_in @ A^T: (rows, rank) in dtype;
+// bt = B^T: (rank, sum of the parts' columns) in dtype; columns (rank,) and slots (rows,)
+// the adapter slot of each rank column and row. low == nullptr: no update.
+struct LowRank {
+  const void* low;
+  int64_t low_stride;
+  const void* bt;
+  int64_t bt_stride;
+  const int64_t* columns;
+  const int64_t* slots;
+  int rank;
+};
 
 // hadamard_out: for each part, y = H128(sum of its splits) * post + bias rounded to
 // dtype; columns below rope_cols rotated per head (rotate-half, cos/sin (rows, head_dim)
 // in dtype; head_dim 64 or 128); plus residual (rows, *) when given; written to out
-// (rows, out_cols) with out_row_stride.
+// (rows, out_cols) with out_row_stride. With lora.low set, each part's y gains its LoRA
+// delta (columns from lora_offset of bt) right after the bias, before rotary/residual.
 struct OutPart {
   const float* partial;  // (splits, rows, width)
   int splits;
@@ -95,6 +114,7 @@ struct OutPart {
   int64_t out_row_stride;
   int out_cols;
   int rope_cols;
+  int lora_offset;  // first column of this part in LowRank::bt
 };
 struct OutParts {
   OutPart part[kMaxParts];
@@ -102,15 +122,18 @@ struct OutParts {
 };
 bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
                          int64_t residual_stride, const void* cos, const void* sin,
-                         int head_dim, cudaStream_t stream);
+                         int head_dim, const LowRank& lora, cudaStream_t stream);
 
 // glu_hadamard: gate and up partials (splits, rows, width) -> their outputs as
-// hadamard_out computes them, a = act(gate) * up (act 0: SiLU, 1: GELU tanh; columns
-// >= inter are 0), then out = float16(H128(a * pre)) (rows, width): the next (down)
-// projection's rotated input.
+// hadamard_out computes them (with lora.low set: plus their LoRA deltas, gate at bt
+// columns [0, inter), up at [inter, 2 inter)), a = act(gate) * up (act 0: SiLU, 1: GELU
+// tanh; columns >= inter are 0), then out = float16(H128(a * pre)) (rows, width): the
+// next (down) projection's rotated input. product (optional): a in dtype, (rows, inter)
+// with product_stride (the down projection's LoRA input).
 bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
                          int width, const float* post_gate, const float* post_up,
                          const float* bias_gate, const float* bias_up, int inter, int act,
-                         const float* pre, void* out, int rows, cudaStream_t stream);
+                         const float* pre, void* out, int rows, const LowRank& lora,
+                         void* product, int64_t product_stride, cudaStream_t stream);
 
 }  // namespace exl3

@@ -3,6 +3,10 @@
 //   norm_hadamard  RMSNorm + suh + input Hadamard for up to 4 projections of one input
 //   hadamard_out   split sum + output Hadamard + svh + bias (+ rotary, + residual)
 //   glu_hadamard   gate/up outputs + act(gate) * up + the down projection's input side
+// An adapted layer's LoRA update (exl3_ops.h LowRank) is added in the output kernels,
+// right where engine/adapters/lora.py's AdaptedLinear adds it: after svh and bias,
+// before rotary, the activation and the residual; norm_hadamard and glu_hadamard can
+// also write the LoRA inputs (the normed rows, act(gate) * up) in the activation dtype.
 // Every value that the PyTorch path rounds to the activation dtype is rounded here at
 // the same place (engine/layers/norm.py, engine/layers/rope.py, engine/layers/mlp.py), so the fused layer
 // follows the reference to the last bit in most positions. One warp per (row,
@@ -13,6 +17,7 @@
 #include "exl3_convert.cuh"
 #include "../../codec/exl3_hadamard.cuh"
 #include "exl3_launch.cuh"
+#include "exl3_lora.cuh"
 #include "exl3_ops.h"
 
 namespace exl3 {
@@ -20,10 +25,6 @@ namespace {
 
 constexpr int kWarps = 8;
 
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_f32(from_f32<T>(v));
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -62,7 +63,8 @@ template <typename T>
 __global__ void __launch_bounds__(kWarps * 32)
     norm_hadamard_kernel(const T* __restrict__ x, int64_t row_stride, int x_cols, int width,
                          const float* __restrict__ norm_w, float eps, bool unit_offset,
-                         const __grid_constant__ InParts parts) {
+                         const __grid_constant__ InParts parts, T* __restrict__ normed,
+                         int64_t normed_stride) {
   pdl_trigger();
   pdl_wait();
   const int lane = threadIdx.x & 31;
@@ -86,6 +88,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
   if (base >= width) return;  // whole warps: width is a multiple of 128
   const float* pre = parts.pre[blockIdx.y];
+  T* normed_row = normed != nullptr && blockIdx.y == 0 ? normed + row * normed_stride : nullptr;
   float v[4];
 #pragma unroll
   for (int e = 0; e < 4; e++) {
@@ -96,6 +99,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (norm_w != nullptr)
         f = unit_offset ? round_to<T>(f * rs * norm_w[c])
                         : round_to<T>(round_to<T>(f * rs) * norm_w[c]);
+      if (normed_row != nullptr) normed_row[c] = from_f32<T>(f);
       f *= pre[c];
     }
     v[e] = f;
@@ -107,12 +111,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
 }
 
-// grid (warps over rows x column blocks of the widest part / 8, parts).
-template <typename T>
+// grid (warps over rows x column blocks of the widest part / 8, parts). LORA: with the
+// LoRA update (its own instance: the bare one keeps its registers).
+template <typename T, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     hadamard_out_kernel(const __grid_constant__ OutParts parts, int rows,
                         const T* __restrict__ residual, int64_t residual_stride,
-                        const T* __restrict__ cos, const T* __restrict__ sin, int head_dim) {
+                        const T* __restrict__ cos, const T* __restrict__ sin, int head_dim,
+                        const __grid_constant__ LowRank lora) {
   pdl_trigger();
   pdl_wait();
   const OutPart& part = parts.part[blockIdx.y];
@@ -132,6 +138,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (part.post != nullptr) y *= part.post[c];
     if (part.bias != nullptr && c < part.out_cols) y += part.bias[c];
     v[e] = round_to<T>(y);
+  }
+  const int lora_offset[1] = {part.lora_offset};
+  float d[1][4];
+  if (LORA && lora_delta<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, d)) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) v[e] = round_to<T>(v[e] + d[0][e]);
   }
   if (cos != nullptr && part.rope_cols > 0) {
     // rotate-half: d < h pairs with d + h (x*cos - x[d+h]*sin), d >= h with d - h.
@@ -167,13 +179,16 @@ __device__ __forceinline__ float activation(float g, int act) {
   return 0.5f * g * (1.0f + tanhf(inner));
 }
 
-template <typename T>
+// LORA: with the LoRA update or the product output (the bare instance keeps its registers).
+template <typename T, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     glu_hadamard_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                         int splits, int width, const float* __restrict__ post_gate,
                         const float* __restrict__ post_up, const float* __restrict__ bias_gate,
                         const float* __restrict__ bias_up, int inter, int act,
-                        const float* __restrict__ pre, __half* __restrict__ out, int rows) {
+                        const float* __restrict__ pre, __half* __restrict__ out, int rows,
+                        const __grid_constant__ LowRank lora, T* __restrict__ product,
+                        int64_t product_stride) {
   pdl_trigger();
   pdl_wait();
   const int lane = threadIdx.x & 31;
@@ -187,6 +202,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   load_split_sum(up, splits, rows, width, row, base, u);
   hadamard128_warp(g, lane);
   hadamard128_warp(u, lane);
+  const int lora_offset[2] = {0, inter};  // bt columns: [gate | up]
+  float d[2][4];
+  const bool adapted = LORA && lora_delta<T, 2>(lora, row, lora_offset, base, inter, lane, d);
+  T* product_row = LORA && product != nullptr ? product + (size_t)row * product_stride : nullptr;
   float v[4];
 #pragma unroll
   for (int e = 0; e < 4; e++) {
@@ -201,7 +220,12 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (bias_up != nullptr) uv += bias_up[c];
       gv = round_to<T>(gv);
       uv = round_to<T>(uv);
+      if (adapted) {
+        gv = round_to<T>(gv + d[0][e]);
+        uv = round_to<T>(uv + d[1][e]);
+      }
       a = round_to<T>(round_to<T>(activation(gv, act)) * uv);
+      if (product_row != nullptr) product_row[c] = from_f32<T>(a);
     }
     v[e] = a * pre[c];
   }
@@ -216,30 +240,44 @@ unsigned warp_blocks(int64_t warps) { return (unsigned)((warps + kWarps - 1) / k
 template <typename T>
 void run_norm(const void* x, int64_t row_stride, int x_cols, int width, const float* norm_w,
               float eps, bool unit_offset, const InParts& parts, int nparts, int rows,
-              cudaStream_t stream) {
+              void* normed, int64_t normed_stride, cudaStream_t stream) {
   dim3 grid(warp_blocks(width / 128), nparts, rows);
   launch(norm_hadamard_kernel<T>, grid, dim3(kWarps * 32), 0, stream, static_cast<const T*>(x),
-         row_stride, x_cols, width, norm_w, eps, unit_offset, parts);
+         row_stride, x_cols, width, norm_w, eps, unit_offset, parts, static_cast<T*>(normed),
+         normed_stride);
 }
 
 template <typename T>
 void run_out(const OutParts& parts, int rows, const void* residual, int64_t residual_stride,
-             const void* cos, const void* sin, int head_dim, cudaStream_t stream) {
+             const void* cos, const void* sin, int head_dim, const LowRank& lora,
+             cudaStream_t stream) {
   int width = 0;
   for (int p = 0; p < parts.count; p++) width = max(width, parts.part[p].width);
   dim3 grid(warp_blocks((int64_t)rows * (width / 128)), parts.count);
-  launch(hadamard_out_kernel<T>, grid, dim3(kWarps * 32), 0, stream, parts, rows,
+  launch(lora.low != nullptr ? hadamard_out_kernel<T, true> : hadamard_out_kernel<T, false>,
+         grid, dim3(kWarps * 32), 0, stream, parts, rows,
          static_cast<const T*>(residual), residual_stride, static_cast<const T*>(cos),
-         static_cast<const T*>(sin), head_dim);
+         static_cast<const T*>(sin), head_dim, lora);
 }
 
 template <typename T>
 void run_glu(const float* gate, const float* up, int splits, int width, const float* post_gate,
              const float* post_up, const float* bias_gate, const float* bias_up, int inter,
-             int act, const float* pre, void* out, int rows, cudaStream_t stream) {
-  launch(glu_hadamard_kernel<T>, dim3(warp_blocks((int64_t)rows * (width / 128))),
+             int act, const float* pre, void* out, int rows, const LowRank& lora,
+             void* product, int64_t product_stride, cudaStream_t stream) {
+  const bool extras = lora.low != nullptr || product != nullptr;
+  launch(extras ? glu_hadamard_kernel<T, true> : glu_hadamard_kernel<T, false>,
+         dim3(warp_blocks((int64_t)rows * (width / 128))),
          dim3(kWarps * 32), 0, stream, gate, up, splits, width, post_gate, post_up, bias_gate,
-         bias_up, inter, act, pre, static_cast<__half*>(out), rows);
+         bias_up, inter, act, pre, static_cast<__half*>(out), rows, lora,
+         static_cast<T*>(product), product_stride);
+}
+
+// A LowRank the kernels can use: none (low null), or every pointer set.
+bool lora_ok(const LowRank& lora) {
+  return lora.low == nullptr ||
+         (lora.bt != nullptr && lora.columns != nullptr && lora.slots != nullptr &&
+          lora.rank >= 0);
 }
 
 }  // namespace
@@ -247,7 +285,7 @@ void run_glu(const float* gate, const float* up, int splits, int width, const fl
 bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_cols,
                           int width, const float* norm_w, float eps, bool unit_offset,
                           int nparts, const float* const* pre, void* const* out, int rows,
-                          cudaStream_t stream) {
+                          void* normed, int64_t normed_stride, cudaStream_t stream) {
   if (width % 128 != 0 || x_cols > width || nparts < 1 || nparts > kMaxParts || rows < 0)
     return false;
   if (rows == 0) return true;
@@ -258,17 +296,17 @@ bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_co
     parts.out[p] = static_cast<__half*>(out[p]);
   }
   switch (dtype) {
-    case DT_HALF: run_norm<__half>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, stream); return true;
-    case DT_BF16: run_norm<__nv_bfloat16>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, stream); return true;
-    case DT_FLOAT: run_norm<float>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, stream); return true;
+    case DT_HALF: run_norm<__half>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, stream); return true;
+    case DT_BF16: run_norm<__nv_bfloat16>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, stream); return true;
+    case DT_FLOAT: run_norm<float>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, stream); return true;
     default: return false;
   }
 }
 
 bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
                          int64_t residual_stride, const void* cos, const void* sin,
-                         int head_dim, cudaStream_t stream) {
-  if (parts.count < 1 || parts.count > kMaxParts || rows < 0) return false;
+                         int head_dim, const LowRank& lora, cudaStream_t stream) {
+  if (parts.count < 1 || parts.count > kMaxParts || rows < 0 || !lora_ok(lora)) return false;
   for (int p = 0; p < parts.count; p++) {
     const OutPart& part = parts.part[p];
     if (part.width % 128 != 0 || part.out_cols > part.width || part.splits < 1) return false;
@@ -277,9 +315,9 @@ bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void*
   if (cos != nullptr && head_dim != 64 && head_dim != 128) return false;
   if (rows == 0) return true;
   switch (dtype) {
-    case DT_HALF: run_out<__half>(parts, rows, residual, residual_stride, cos, sin, head_dim, stream); return true;
-    case DT_BF16: run_out<__nv_bfloat16>(parts, rows, residual, residual_stride, cos, sin, head_dim, stream); return true;
-    case DT_FLOAT: run_out<float>(parts, rows, residual, residual_stride, cos, sin, head_dim, stream); return true;
+    case DT_HALF: run_out<__half>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, stream); return true;
+    case DT_BF16: run_out<__nv_bfloat16>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, stream); return true;
+    case DT_FLOAT: run_out<float>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, stream); return true;
     default: return false;
   }
 }
@@ -287,15 +325,16 @@ bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void*
 bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
                          int width, const float* post_gate, const float* post_up,
                          const float* bias_gate, const float* bias_up, int inter, int act,
-                         const float* pre, void* out, int rows, cudaStream_t stream) {
+                         const float* pre, void* out, int rows, const LowRank& lora,
+                         void* product, int64_t product_stride, cudaStream_t stream) {
   if (width % 128 != 0 || inter > width || splits < 1 || (act != 0 && act != 1) ||
-      pre == nullptr || rows < 0)
+      pre == nullptr || rows < 0 || !lora_ok(lora))
     return false;
   if (rows == 0) return true;
   switch (dtype) {
-    case DT_HALF: run_glu<__half>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, stream); return true;
-    case DT_BF16: run_glu<__nv_bfloat16>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, stream); return true;
-    case DT_FLOAT: run_glu<float>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, stream); return true;
+    case DT_HALF: run_glu<__half>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
+    case DT_BF16: run_glu<__nv_bfloat16>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
+    case DT_FLOAT: run_glu<float>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
     default: return false;
   }
 }

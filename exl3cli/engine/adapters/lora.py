@@ -2,20 +2,16 @@
 
 `AdapterBank.of(model)` (made on first use, kept as `model.adapters`) holds the adapters
 loaded on one base model. Loading one wraps each projection it adapts in an
-`AdaptedLinear`; the base layer (dense, EXL3 trellis, fused, packed) is left as it is:
+`AdaptedLinear` (engine/layers/adapted_linear.py); the base layer (dense, EXL3 trellis,
+fused, packed) is left as it is:
 
-    y = W x + s * B (A x)          (s folded into B: lora_peft.py)
+    y = W x + s * B (A x)          (s folded into B: peft.py)
 
 Every adapted projection holds the A and B of all the adapters that touch it, stacked
-along the rank: A_all [R, in], B_all [out, R] and, per rank column, the slot of the
-adapter it belongs to (slot 0 is "no adapter"). A forward pass over N token rows, each
-with its slot, is two matmuls whatever the mix of adapters in the batch:
-
-    h = x @ A_all^T                      [N, R]
-    h = h * (column_slot == row_slot)    rows keep only their own adapter's columns
-    y = y + h @ B_all^T
-
-so a row without an adapter adds exact zeros. `select_rows(names, counts)` sets the
+along the rank, with the slot of the adapter each rank column belongs to (slot 0 is "no
+adapter"): a forward over N token rows, each with its slot, is two matmuls whatever the
+mix of adapters in the batch, and a row without an adapter adds exact zeros. On the GPU
+the fused decode layer adds the same update inside its output kernels. `select_rows(names, counts)` sets the
 slot of every token of the next forward on the calling thread (the generator calls it
 before each step and `release()` after; rows past the selection, e.g. a decode step's
 padding, and forwards of other threads get slot 0); it writes into one persistent
@@ -43,36 +39,11 @@ from torch import nn
 
 from exl3cli.engine.adapters.peft import PeftAdapter
 from exl3cli.engine.kvcache.paged_cache import ROOT_HASH
+from exl3cli.engine.layers.adapted_linear import AdaptedLinear
 from exl3cli.engine.layers.linear import Linear
 from exl3cli.errors import AdapterError, InvalidOption
 
 _SLOT_CAPACITY = 4096  # token rows the persistent slot buffer holds before it grows
-
-
-class AdaptedLinear(Linear):
-    """`inner(x)` plus the low-rank updates of the adapters selected per row."""
-
-    def __init__(self, inner: Linear, bank: AdapterBank):
-        super().__init__()
-        self.inner = inner
-        self.in_features, self.out_features = inner.in_features, inner.out_features
-        self.__dict__["bank"] = bank  # not a submodule: the bank is shared
-        self.register_buffer("lora_a", None, persistent=False)
-        self.register_buffer("lora_b", None, persistent=False)
-        self.register_buffer("lora_columns", None, persistent=False)
-
-    def set_adapters(self, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor) -> None:
-        self.lora_a, self.lora_b, self.lora_columns = a, b, columns
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)
-        rows = x.reshape(-1, self.in_features)
-        low = rows.to(self.lora_a.dtype) @ self.lora_a.t()
-        low = low * self.bank.row_mask(self.lora_columns, rows.shape[0], low.dtype)
-        return y + (low @ self.lora_b.t()).to(y.dtype).view(y.shape)
-
-    def dense_weight(self) -> None:
-        return None  # never folded: the update depends on the row
 
 
 @dataclass

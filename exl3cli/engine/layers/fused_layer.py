@@ -16,11 +16,20 @@ with the kernels of ``exl3cli.ops.layer_kernels`` (their PyTorch twins on CPU, w
 how the CPU tests check this module against ``DecoderLayer``). Every rounding to the
 activation dtype happens where the unfused path rounds.
 
+A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
+on this path: the first low-rank matmul ``x_in @ A_all^T`` is one torch matmul per
+input (q|k|v and gate|up share theirs), on the normed input that ``norm_hadamard``
+writes next to its Hadamard outputs (for down: act(gate) * up from ``glu_hadamard``),
+and the output kernel masks it by the rows' adapter slots, multiplies by B^T and adds
+it after svh and bias, before rotary, the activation or the residual, as
+``AdaptedLinear`` does: four more launches per adapted layer. The adapters' tensors and
+the rows' slots (a persistent buffer) are read at every forward, never kept.
+
 Public API:
 - ``FusedDecodeLayer.of(layer, force=False) -> FusedDecodeLayer | None``: the plan
   for a plain pre-norm layer (RMSNorm, no q/k norm or position query scale, no sandwich
   norms, a gated MLP with SiLU or tanh-GELU, every linear an ``Exl3Linear`` in trellis
-  mode), or None.
+  mode, or such a linear wrapped in an ``AdaptedLinear``), or None.
   Without ``force`` it also needs CUDA kernels and ``EXL3_FUSED_LAYER`` not "0".
 - ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device) and
   ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
@@ -34,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from exl3cli.engine.layers.adapted_linear import AdaptedLinear
 from exl3cli.engine.layers.attention import Attention, AttentionStep
 from exl3cli.engine.layers.linear import Exl3Linear, FusedLinear, Linear
 from exl3cli.engine.layers.mlp import GatedMLP
@@ -96,7 +106,16 @@ def _f32(layer: Exl3Linear, name: str) -> torch.Tensor:
 
 
 def _split(linear: Linear) -> list[Linear]:
+    linear = _base(linear)
     return list(linear.parts) if isinstance(linear, FusedLinear) else [linear]
+
+
+def _base(linear: Linear) -> Linear:
+    return linear.inner if isinstance(linear, AdaptedLinear) else linear
+
+
+def _adapted(linear: Linear) -> AdaptedLinear | None:
+    return linear if isinstance(linear, AdaptedLinear) else None
 
 
 def _plain_norm(norm: nn.Module) -> bool:
@@ -114,6 +133,10 @@ class FusedDecodeLayer:
         self.norm1_weight = self.norm1.weight.float().contiguous()
         self.norm2_weight = self.norm2.weight.float().contiguous()
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        # The adapted projections (their current adapters are read at each forward).
+        self.qkv_lora, self.o_lora = _adapted(layer.attention.qkv), _adapted(layer.attention.o)
+        self.gate_up_lora = _adapted(layer.mlp.gate_up)
+        self.down_lora = _adapted(layer.mlp.down)
         self.activation = activation
         self.device = qkv.trellises[0].device
         attention = self.attention
@@ -141,8 +164,8 @@ class FusedDecodeLayer:
         activation = _ACTIVATIONS.get(mlp.activation)
         if activation is None:
             return None
-        qkv, o = _Parts.of(_split(attention.qkv)), _Parts.of([attention.o])
-        gate_up, down = _Parts.of(_split(mlp.gate_up)), _Parts.of([mlp.down])
+        qkv, o = _Parts.of(_split(attention.qkv)), _Parts.of([_base(attention.o)])
+        gate_up, down = _Parts.of(_split(mlp.gate_up)), _Parts.of([_base(mlp.down)])
         if qkv is None or o is None or gate_up is None or down is None:
             return None
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
@@ -170,16 +193,22 @@ class FusedDecodeLayer:
         attended = self._attention(x2, step, batch, steps)
         h = x2.new_empty(rows, hidden)
         self._project(self.o, layer_kernels.norm_hadamard(
-            attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2)
+            attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2,
+            lora=_low_rank(self.o_lora, attended))
         mlp = self.gate_up
+        normed = x2.new_empty(rows, hidden) if self.gate_up_lora is not None else None
         xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
-                                             self.norm2.unit_offset, mlp.pres, mlp.pad_in)
+                                             self.norm2.unit_offset, mlp.pres, mlp.pad_in,
+                                             normed=normed)
+        lora = _low_rank(self.gate_up_lora, normed)
         gate, up = mlp.gemm([xg, xu])
+        inter = mlp.widths[0]
+        product = x2.new_empty(rows, inter) if self.down_lora is not None else None
         xd = layer_kernels.glu_hadamard(gate, up, mlp.posts[0], mlp.posts[1], mlp.biases[0],
-                                        mlp.biases[1], mlp.widths[0], self.activation,
-                                        self.down.pres[0], x.dtype)
+                                        mlp.biases[1], inter, self.activation,
+                                        self.down.pres[0], x.dtype, lora=lora, product=product)
         out = x2.new_empty(rows, hidden)
-        self._project(self.down, [xd], [out], residual=h)
+        self._project(self.down, [xd], [out], residual=h, lora=_low_rank(self.down_lora, product))
         return out.view(batch, steps, hidden)
 
     def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int,
@@ -189,9 +218,11 @@ class FusedDecodeLayer:
         attention = self.attention
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = x2.shape[0]
+        normed = x2.new_empty(x2.shape) if self.qkv_lora is not None else None
         xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
                                           self.norm1.unit_offset, self.qkv.pres,
-                                          self.qkv.pad_in)
+                                          self.qkv.pad_in, normed=normed)
+        lora = _low_rank(self.qkv_lora, normed)
         qkv = x2.new_empty(rows, self.qkv_width)
         outs, start = [], 0
         for width in self.qkv.widths:
@@ -205,7 +236,8 @@ class FusedDecodeLayer:
                 cos, sin = cos4.reshape(rows, dim), sin4.reshape(rows, dim)
                 rope_cols = self.rope_cols
         layer_kernels.hadamard_out(self.qkv.gemm(xhs), self.qkv.posts, self.qkv.biases, outs,
-                                   rope_cols, cos=cos, sin=sin, head_dim=dim if cos is not None else 0)
+                                   rope_cols, cos=cos, sin=sin,
+                                   head_dim=dim if cos is not None else 0, lora=lora)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
         qk = qkv4[:, :, : heads + kv_heads]
         if attention.rope and not self.fused_rope:
@@ -213,9 +245,18 @@ class FusedDecodeLayer:
         return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1)
 
     def _project(self, parts: _Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
-                 residual: torch.Tensor | None = None) -> None:
+                 residual: torch.Tensor | None = None,
+                 lora: layer_kernels.LowRank | None = None) -> None:
         layer_kernels.hadamard_out(parts.gemm(xhs), parts.posts, parts.biases, outs,
-                                   [0] * len(outs), residual=residual)
+                                   [0] * len(outs), residual=residual, lora=lora)
+
+
+def _low_rank(adapted: AdaptedLinear | None, x_in: torch.Tensor | None
+              ) -> layer_kernels.LowRank | None:
+    """The LoRA update of `adapted` for its input rows (None: not adapted)."""
+    if adapted is None or x_in is None:
+        return None
+    return adapted.low_rank(x_in)
 
 
 def _padded_out(linear: Any) -> int:

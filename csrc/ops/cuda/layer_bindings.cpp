@@ -1,0 +1,215 @@
+// Torch bindings of the fused decode-layer kernels (layer_fused.cu, exl3_ops.h "Fused
+// decode-layer kernels"): norm_hadamard, hadamard_out, glu_hadamard, with the optional
+// LoRA update (LowRank) of the output kernels and the LoRA inputs they can write.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "bindings_util.h"
+#include "exl3_ops.h"
+
+namespace exl3_bind {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// The LoRA update of an output kernel (exl3_ops.h LowRank) from its four optional
+// tensors (all or none): low (rows, rank) and bt (rank, >= cols) in `dtype` (code), unit
+// column stride; columns (rank,) and slots (>= rows,) contiguous int64.
+exl3::LowRank low_rank(const OptTensor& low, const OptTensor& bt, const OptTensor& columns,
+                       const OptTensor& slots, int64_t rows, int64_t cols, int dtype) {
+  exl3::LowRank lora{};
+  const int given = low.has_value() + bt.has_value() + columns.has_value() + slots.has_value();
+  if (given == 0) return lora;
+  TORCH_CHECK(given == 4, "lora_low, lora_bt, lora_columns and lora_slots come together");
+  for (const auto* t : {&*low, &*bt, &*columns, &*slots}) check_cuda(*t, "lora tensors");
+  TORCH_CHECK(low->dim() == 2 && low->size(0) == rows &&
+                  (low->size(1) <= 1 || low->stride(1) == 1) && dtype_code(*low) == dtype,
+              "lora_low must be (rows, rank) in the activation dtype, unit column stride");
+  const int64_t rank = low->size(1);
+  TORCH_CHECK(bt->dim() == 2 && bt->size(0) == rank && bt->size(1) >= cols &&
+                  (bt->size(1) <= 1 || bt->stride(1) == 1) && dtype_code(*bt) == dtype,
+              "lora_bt must be (rank, >= the parts' columns) in the activation dtype");
+  TORCH_CHECK(columns->scalar_type() == at::kLong && columns->is_contiguous() &&
+                  columns->numel() == rank, "lora_columns must be contiguous int64 (rank,)");
+  TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() &&
+                  slots->numel() >= rows, "lora_slots must be contiguous int64 (>= rows,)");
+  lora.low = low->data_ptr();
+  lora.low_stride = low->stride(0);
+  lora.bt = bt->data_ptr();
+  lora.bt_stride = bt->stride(0);
+  lora.columns = columns->data_ptr<int64_t>();
+  lora.slots = slots->data_ptr<int64_t>();
+  lora.rank = (int)rank;
+  return lora;
+}
+
+// An optional (rows, cols) output in dtype (code) with unit column stride: its pointer.
+void* optional_rows(const OptTensor& t, int64_t rows, int64_t cols, int dtype,
+                    const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_cuda(*t, name);
+  TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == cols &&
+                  (cols <= 1 || t->stride(1) == 1) && dtype_code(*t) == dtype,
+              name, " must be (rows, ", cols, ") in the activation dtype, unit column stride");
+  return t->data_ptr();
+}
+
+// x: (rows, x_cols), unit column stride; pres: float32 (>= width); outs: (rows, width) fp16;
+// normed: (rows, x_cols) in x's dtype or none.
+void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight,
+                   double eps, bool unit_offset, const std::vector<at::Tensor>& pres,
+                   const std::vector<at::Tensor>& outs, int64_t width, const OptTensor& normed) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols) with unit column stride");
+  const size_t n = pres.size();
+  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && outs.size() == n, "1..4 parts");
+  const float* pre_ptr[exl3::kMaxParts] = {};
+  void* out_ptr[exl3::kMaxParts] = {};
+  for (size_t p = 0; p < n; p++) {
+    pre_ptr[p] = optional_vector(pres[p], width, "pre");
+    const at::Tensor& out = outs[p];
+    check_cuda(out, "out");
+    TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == x.size(0) && out.size(1) == width,
+                "out must be contiguous float16 (rows, width)");
+  }
+  for (size_t p = 0; p < n; p++) out_ptr[p] = outs[p].data_ptr();
+  void* normed_ptr = optional_rows(normed, x.size(0), x.size(1), dtype_code(x), "normed");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_norm_hadamard(
+                   dtype_code(x), x.data_ptr(), x.stride(0), (int)x.size(1), (int)width,
+                   optional_vector(norm_weight, x.size(1), "norm_weight"), (float)eps,
+                   unit_offset, (int)n, pre_ptr, out_ptr, (int)x.size(0), normed_ptr,
+                   normed.has_value() ? normed->stride(0) : 0, stream),
+               "exl3 norm hadamard");
+}
+
+// partials: (splits, rows, width) float32; outs: (rows, out_cols) column views in dtype;
+// the LoRA tensors (low_rank above) cover the outs' columns in order.
+void hadamard_out(const std::vector<at::Tensor>& partials,
+                  const std::vector<c10::optional<at::Tensor>>& posts,
+                  const std::vector<c10::optional<at::Tensor>>& biases,
+                  const std::vector<at::Tensor>& outs, const std::vector<int64_t>& rope_cols,
+                  const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& cos,
+                  const c10::optional<at::Tensor>& sin, int64_t head_dim,
+                  const OptTensor& lora_low, const OptTensor& lora_bt,
+                  const OptTensor& lora_columns, const OptTensor& lora_slots) {
+  const size_t n = partials.size();
+  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
+                  biases.size() == n && outs.size() == n && rope_cols.size() == n,
+              "1..4 parts, each with post, bias, out and rope_cols");
+  exl3::OutParts parts{};
+  parts.count = (int)n;
+  const int64_t rows = partials[0].size(1);
+  const auto dtype = outs[0].scalar_type();
+  int64_t lora_cols = 0;
+  for (size_t p = 0; p < n; p++) {
+    const at::Tensor& partial = partials[p];
+    const at::Tensor& out = outs[p];
+    check_contiguous(partial, "partial");
+    check_cuda(out, "out");
+    TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3 &&
+                    partial.size(1) == rows, "partials must be float32 (splits, rows, width)");
+    TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == rows &&
+                    out.scalar_type() == dtype, "outs must be (rows, cols) of one dtype");
+    const int64_t width = partial.size(2);
+    parts.part[p] = exl3::OutPart{partial.data_ptr<float>(), (int)partial.size(0), (int)width,
+                                  optional_vector(posts[p], width, "post"),
+                                  optional_vector(biases[p], out.size(1), "bias"),
+                                  out.data_ptr(), out.stride(0), (int)out.size(1),
+                                  (int)rope_cols[p], (int)lora_cols};
+    lora_cols += out.size(1);
+  }
+  const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
+                                      lora_cols, dtype_code(outs[0]));
+  const void* res_ptr = nullptr;
+  int64_t res_stride = 0;
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->size(0) == rows &&
+                    residual->scalar_type() == dtype,
+                "residual must be (rows, cols) in the outputs' dtype");
+    for (size_t p = 0; p < n; p++)
+      TORCH_CHECK(residual->size(1) >= outs[p].size(1), "residual narrower than an output");
+    res_ptr = residual->data_ptr();
+    res_stride = residual->stride(0);
+  }
+  const void* cos_ptr = nullptr;
+  const void* sin_ptr = nullptr;
+  if (cos.has_value() || sin.has_value()) {
+    TORCH_CHECK(cos.has_value() && sin.has_value(), "cos and sin come together");
+    for (const auto* t : {&*cos, &*sin}) {
+      check_contiguous(*t, "cos/sin");
+      TORCH_CHECK(t->scalar_type() == dtype && t->numel() == rows * head_dim,
+                  "cos/sin must be (rows, head_dim) in the outputs' dtype");
+    }
+    cos_ptr = cos->data_ptr();
+    sin_ptr = sin->data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(partials[0].device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_hadamard_out(dtype_code(outs[0]), parts, (int)rows, res_ptr,
+                                         res_stride, cos_ptr, sin_ptr, (int)head_dim, lora,
+                                         stream),
+               "exl3 hadamard out");
+}
+
+// gate/up: (splits, rows, width) float32; out: (rows, width) float16; dtype: rounding;
+// the LoRA tensors cover [gate | up] (2 * inter columns); product: (rows, inter) or none.
+void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
+                  const c10::optional<at::Tensor>& post_gate,
+                  const c10::optional<at::Tensor>& post_up,
+                  const c10::optional<at::Tensor>& bias_gate,
+                  const c10::optional<at::Tensor>& bias_up, int64_t inter, int64_t act,
+                  const at::Tensor& pre, at::Tensor& out, int64_t dtype,
+                  const OptTensor& lora_low, const OptTensor& lora_bt,
+                  const OptTensor& lora_columns, const OptTensor& lora_slots,
+                  const OptTensor& product) {
+  check_contiguous(gate, "gate");
+  check_contiguous(up, "up");
+  check_contiguous(out, "out");
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && gate.dim() == 3 && up.sizes() == gate.sizes() &&
+                  up.scalar_type() == at::kFloat, "gate and up must be float32 (splits, rows, width)");
+  const int64_t rows = gate.size(1), width = gate.size(2);
+  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == width, "out must be contiguous float16 (rows, width)");
+  const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
+                                      2 * inter, (int)dtype);
+  void* product_ptr = optional_rows(product, rows, inter, (int)dtype, "product");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_glu_hadamard(
+                   (int)dtype, gate.data_ptr<float>(), up.data_ptr<float>(), (int)gate.size(0),
+                   (int)width, optional_vector(post_gate, width, "post_gate"),
+                   optional_vector(post_up, width, "post_up"),
+                   optional_vector(bias_gate, inter, "bias_gate"),
+                   optional_vector(bias_up, inter, "bias_up"), (int)inter, (int)act,
+                   optional_vector(pre, width, "pre"), out.data_ptr(), (int)rows, lora,
+                   product_ptr, product.has_value() ? product->stride(0) : 0, stream),
+               "exl3 glu hadamard");
+}
+
+}  // namespace
+
+void define_layer_ops(pybind11::module_& m) {
+  m.def("norm_hadamard", &norm_hadamard,
+        "outs[p] = f16(H128(rmsnorm(x) * pres[p])) (norm optional)", py::arg("x"),
+        py::arg("norm_weight"), py::arg("eps"), py::arg("unit_offset"), py::arg("pres"),
+        py::arg("outs"), py::arg("width"), py::arg("normed"));
+  m.def("hadamard_out", &hadamard_out,
+        "split sum + H128 + post + bias (+ rotary, + residual) for up to 4 parts",
+        py::arg("partials"), py::arg("posts"), py::arg("biases"), py::arg("outs"),
+        py::arg("rope_cols"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
+        py::arg("head_dim"), py::arg("lora_low"), py::arg("lora_bt"), py::arg("lora_columns"),
+        py::arg("lora_slots"));
+  m.def("glu_hadamard", &glu_hadamard,
+        "act(gate) * up from their partials, then the down projection's input Hadamard",
+        py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),
+        py::arg("bias_gate"), py::arg("bias_up"), py::arg("inter"), py::arg("act"),
+        py::arg("pre"), py::arg("out"), py::arg("dtype"), py::arg("lora_low"),
+        py::arg("lora_bt"), py::arg("lora_columns"), py::arg("lora_slots"), py::arg("product"));
+}
+
+}  // namespace exl3_bind

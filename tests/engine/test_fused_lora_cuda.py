@@ -1,0 +1,163 @@
+"""LoRA adapters on the fused decode layer on the GPU (`-m cuda`): the adapted fused layers
+against the unfused adapted layers (AdaptedLinear around the EXL3 kernels), in a whole
+forward and in a decode step replayed from a CUDA graph, rows of two adapters and bare
+rows in one batch. The CPU twins of the same checks: tests/engine/test_fused_lora.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
+from exl3cli.engine.adapters.lora import AdapterBank
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.random_lora import random_adapter
+
+pytestmark = pytest.mark.cuda
+SHAPE_128 = dict(SHAPES["tiny"], hidden_size=256, intermediate_size=384,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+ROWS = ["a", None, "b", "a"]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(SHAPES, "test-hd128", SHAPE_128)
+        return write_synthetic_model(tmp_path_factory.mktemp("hd128"), "test-hd128", seed=13)
+
+
+def _adapted(folder: Path, dtype: torch.dtype):
+    model = load_causal_lm(folder, device="cuda", dtype=dtype)
+    bank = AdapterBank.of(model)
+    bank.load(random_adapter(model, "a", seed=1))
+    bank.load(random_adapter(model, "b", seed=2, rank=8,
+                             suffixes=("q_proj", "v_proj", "down_proj")))
+    return model, bank
+
+
+def _fused_with_adapters(model) -> bool:
+    return all(isinstance(layer._fused, FusedDecodeLayer) and layer._fused.qkv_lora is not None
+               and layer._fused.down_lora is not None for layer in model.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_adapted_fused_layers_give_the_unfused_adapted_logits(folder, dtype):
+    model, bank = _adapted(folder, dtype)
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 7, 8]], device="cuda").expand(len(ROWS), -1)
+    ids = ids.contiguous()
+
+    def logits(rows: list[str | None] | None) -> torch.Tensor:
+        if rows is not None:
+            bank.select_rows(rows, [ids.shape[1]] * len(rows))
+        try:
+            return model(ids).float()
+        finally:
+            bank.release()
+
+    fused = logits(ROWS)
+    assert _fused_with_adapters(model)
+    fused_bare = logits(None)
+    for layer in model.layers:
+        layer._fused = None  # the unfused kernels, each projection an AdaptedLinear
+    plain = logits(ROWS)
+    bare = logits(None)
+    scale = plain.abs().max().item()
+    tolerance = (2e-3 if dtype == torch.float32 else 3e-2) * scale
+    assert (fused - plain).abs().max().item() <= tolerance
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.85
+    # A row without an adapter is the bare fused layer's to the bit; the adapters move
+    # their rows far past the tolerance.
+    assert torch.equal(fused[1], fused_bare[1])
+    for row, adapter in enumerate(ROWS):
+        change = (plain[row] - bare[row]).abs().max().item()
+        assert (change > 3 * tolerance) == (adapter is not None), (row, change)
+
+
+def _first_decode_logits(model, tokenizer, jobs, mode: str) -> tuple[torch.Tensor, Generator]:
+    """The logits of the first decode-only step of `jobs` (the same inputs every run)."""
+    generator = Generator(model, tokenizer, decode_mode=mode, num_ctx=1024, max_batch=4)
+    seen: list[torch.Tensor] = []
+    if mode == "graph":
+        run = generator.decode.run
+
+        def spy_run(rows, ids=None):
+            out = run(rows, ids)
+            seen.append(out.float().clone())
+            return out
+
+        generator.decode.run = spy_run
+    else:
+        forward = generator._forward
+
+        def spy_forward(fed):
+            result = forward(fed)
+            if all(len(tokens) == 1 and not a.prefilling for a, tokens in fed):
+                seen.append(result[0].float().clone())
+            return result
+
+        generator._forward = spy_forward
+    handles = [generator.submit(job) for job in jobs]
+    generator.run_until_done()
+    assert generator.pool.pages_in_use == 0
+    assert all(len(h.token_ids) == job.num_predict for h, job in zip(handles, jobs, strict=True))
+    return seen[0], generator
+
+
+def _jobs(adapters: list[str | None], num_predict: int = 4) -> list[GenerationJob]:
+    # Prompts over 64 tokens: every prefill forward takes the unfused path (the fused
+    # layer takes up to 64 rows), so fused and unfused runs decode from the same tokens.
+    return [GenerationJob([10 + (7 * i + 3 * j) % 200 for j in range(70 + 9 * i)], GREEDY,
+                          num_predict=num_predict, ignore_eos=True, adapter=name)
+            for i, name in enumerate(adapters)]
+
+
+def test_adapted_decode_graph_step_matches_the_unfused_step(folder, monkeypatch):
+    model, _ = _adapted(folder, torch.float16)
+    tokenizer = Tokenizer.from_folder(folder)
+    got, generator = _first_decode_logits(model, tokenizer, _jobs(ROWS), "graph")
+    assert generator.decode.mode == "graph" and generator.decode.graph_count >= 1
+    assert _fused_with_adapters(model)
+    bare, _ = _first_decode_logits(model, tokenizer, _jobs([None] * len(ROWS)), "graph")
+    monkeypatch.setenv("EXL3_FUSED_LAYER", "0")
+    for layer in model.layers:
+        layer._fused = False  # decided again: unfused
+    want, _ = _first_decode_logits(model, tokenizer, _jobs(ROWS), "off")
+    assert all(layer._fused is None for layer in model.layers)
+    for row, adapter in enumerate(ROWS):
+        error = ((got[row] - want[row]).norm() / want[row].norm()).item()
+        change = ((bare[row] - want[row]).norm() / want[row].norm()).item()
+        assert error < 2e-2, (row, error)
+        assert (change > 0.1) == (adapter is not None), (row, change)
+
+
+def test_adapted_decode_graphs_give_the_eager_tokens_in_float32(folder):
+    # Jobs of different adapters join and leave between replays of the same graphs: the
+    # graphs read the rows' slots of each step, never the capture's.
+    model, _ = _adapted(folder, torch.float32)
+    tokenizer = Tokenizer.from_folder(folder)
+    names = ["a", None, "b", "a", "b", None]
+
+    def tokens(mode: str, adapters: list[str | None]) -> list[list[int]]:
+        generator = Generator(model, tokenizer, decode_mode=mode, num_ctx=1024, max_batch=4)
+        jobs = _jobs(adapters, num_predict=12)
+        handles = [generator.submit(job) for job in jobs[:3]]
+        for _ in range(4):
+            generator.step()
+        handles += [generator.submit(job) for job in jobs[3:]]
+        generator.run_until_done()
+        assert generator.decode.mode == mode
+        return [h.token_ids for h in handles]
+
+    got = tokens("graph", names)
+    assert _fused_with_adapters(model)
+    assert got == tokens("off", names)
+    bare = tokens("graph", [None] * len(names))
+    for mine, base, adapter in zip(got, bare, names, strict=True):
+        assert (mine != base) == (adapter is not None)  # bare rows: the base model's tokens
