@@ -10,26 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.models.loader import load_causal_lm
-
-SHAPE_128 = dict(SHAPES["tiny"], hidden_size=256, intermediate_size=384,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=128)
-SHAPE_64 = dict(SHAPES["tiny"], hidden_size=320, intermediate_size=640,
-                num_attention_heads=5, num_key_value_heads=1, head_dim=64)
+from tests.fixtures.fused_shapes import write_fused_shapes
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(SHAPES, "test-hd128", SHAPE_128)
-        patch.setitem(SHAPES, "test-hd64", SHAPE_64)
-        for name in ("tiny", "test-hd128", "test-hd64"):
-            out[name] = write_synthetic_model(tmp_path_factory.mktemp(name), name, bits=4.0,
-                                              seed=7)
-    return out
+    return write_fused_shapes(tmp_path_factory, seed=7)
 
 
 def _layer_io(model, batch: int, steps: int, seed: int):

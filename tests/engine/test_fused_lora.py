@@ -13,29 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
 from exl3cli.engine.adapters.lora import AdaptedLinear, AdapterBank
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.models.loader import load_causal_lm
+from tests.fixtures.fused_shapes import write_fused_shapes
 from tests.fixtures.random_lora import random_adapter
 
-SHAPE_128 = dict(SHAPES["tiny"], hidden_size=256, intermediate_size=384,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=128)
-SHAPE_64 = dict(SHAPES["tiny"], hidden_size=320, intermediate_size=640,
-                num_attention_heads=5, num_key_value_heads=1, head_dim=64)
 ROWS = ["a", None, "b", "a"]  # the adapter of each batch row (None: the base model)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(SHAPES, "test-hd128", SHAPE_128)
-        patch.setitem(SHAPES, "test-hd64", SHAPE_64)
-        for name in ("tiny", "test-hd128", "test-hd64"):
-            out[name] = write_synthetic_model(tmp_path_factory.mktemp(name), name, bits=4.0,
-                                              seed=11)
-    return out
+    return write_fused_shapes(tmp_path_factory, seed=11)
 
 
 def _adapted_model(folder: Path, dtype: torch.dtype, *, partial: bool = False):

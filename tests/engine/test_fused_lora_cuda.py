@@ -17,11 +17,10 @@ from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.fused_shapes import SHAPE_128
 from tests.fixtures.random_lora import random_adapter
 
 pytestmark = pytest.mark.cuda
-SHAPE_128 = dict(SHAPES["tiny"], hidden_size=256, intermediate_size=384,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=128)
 ROWS = ["a", None, "b", "a"]
 GREEDY = {"temperature": 0}
 
