@@ -62,11 +62,13 @@ def build_extension(prefix: str, sources: Sequence[Path], key: str, *,
                     hashed: Sequence[Path] = (), cflags: Sequence[str] = ("-O3",),
                     cuda_cflags: Sequence[str] | None = None) -> ModuleType:
     """JIT-build `sources` (plus `hashed` headers in the key) under a name that changes
-    whenever a source, `key` (torch/CUDA versions, flags, CPU) or a flag changes."""
+    whenever a source, `key` (torch/CUDA versions, flags, CPU) or a flag changes, and
+    with the sources' folder: torch writes absolute source paths into the build folder's
+    build.ninja, so two checkouts sharing one folder would rebuild each other's kernels."""
 
     digest = hashlib.sha256()
     for path in [*sources, *hashed]:
-        digest.update(path.name.encode() + path.read_bytes())
+        digest.update(str(path.resolve()).encode() + path.read_bytes())
     digest.update(f"{key}|{list(cflags)}|{list(cuda_cflags or [])}".encode())
     name = f"{prefix}_{digest.hexdigest()[:16]}"
     build_dir = kernel_cache_root() / name

@@ -36,6 +36,21 @@ def test_the_first_build_is_announced_with_an_estimate_later_loads_are_quiet(
     assert capsys.readouterr().err == "" and len(calls) == 2
 
 
+def test_checkouts_with_the_same_sources_build_in_folders_of_their_own(tmp_path, monkeypatch):
+    """torch's build.ninja names the sources by absolute path: a shared folder would make
+    each checkout rebuild the other's kernels."""
+    monkeypatch.setenv("EXL3_KERNEL_CACHE", str(tmp_path / "cache"))
+    calls: list = []
+    monkeypatch.setattr(cpp_extension, "load", fake_load(calls))
+    for checkout in ("a", "b", "a"):
+        source = tmp_path / checkout / "k.cpp"
+        source.parent.mkdir(exist_ok=True)
+        source.write_text("// the same kernel\n")
+        build_extension("exl3_test", [source], key="k")
+    folders = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(folders) == 2, folders
+
+
 def test_a_fallback_says_it_is_slower_and_points_at_exl3_kernels(capsys):
     extension = LazyExtension("Test kernels", lambda: "no C++ compiler found",
                               lambda: types.ModuleType("never"), announce=lambda _: True)
