@@ -3,8 +3,9 @@ quantized pages: the kernels alone, inside CUDA graphs (bench/gpu_kernels.py tim
 
 Usage: python3 bench/attention_bench.py [--json OUT.json]
 
-Llama-3.1-8B's attention shape (32 query heads, 8 kv heads, head dim 128), page size
-256, every row at the same context length; one layer's pool.
+Llama-3.1-8B's attention shape (32 query heads, 8 kv heads, head dim 128) at 1, 16 and 64
+rows, and Llama-3.2-1B's (head dim 64) at 64 rows; page size 256, every row at the same
+context length; one layer's pool.
 """
 
 from __future__ import annotations
@@ -22,18 +23,18 @@ from exl3cli.ops import cuda_kernels as kernels
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 256
 
 
-def case(kind: str, batch: int, context: int) -> dict:
+def case(kind: str, batch: int, context: int, dim: int = DIM) -> dict:
     pages_per_row = -(-context // PAGE)
-    pool = PagePool(batch * pages_per_row + 1, 1, KV_HEADS, DIM, torch.float16, "cuda",
+    pool = PagePool(batch * pages_per_row + 1, 1, KV_HEADS, dim, torch.float16, "cuda",
                     parse_kv_cache_type(kind), PAGE)
     gen = torch.Generator(device="cuda").manual_seed(batch)
     table = torch.arange(batch * pages_per_row, device="cuda").view(batch, pages_per_row)
     all_slots = (table[:, :, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(-1)
-    keys = torch.randn(all_slots.numel(), KV_HEADS, DIM, device="cuda", generator=gen).half()
+    keys = torch.randn(all_slots.numel(), KV_HEADS, dim, device="cuda", generator=gen).half()
     pool.write(0, all_slots, keys, keys)
     lengths = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    query = torch.randn(batch, HEADS, DIM, device="cuda", generator=gen).half()
-    new = torch.randn(batch, KV_HEADS, DIM, device="cuda", generator=gen).half()
+    query = torch.randn(batch, HEADS, dim, device="cuda", generator=gen).half()
+    new = torch.randn(batch, KV_HEADS, dim, device="cuda", generator=gen).half()
     write_slots = table[:, 0] * PAGE + (context - 1) % PAGE
     store = pool.keys[0], pool.values[0]
     bits = pool.cache_type.key_bits, pool.cache_type.value_bits
@@ -43,7 +44,7 @@ def case(kind: str, batch: int, context: int) -> dict:
                                        lengths, PAGE, None)
 
     assert attend() is not None, "no kernel for this case"
-    return {"kv": kind, "batch": batch, "context": context,
+    return {"kv": kind, "dim": dim, "batch": batch, "context": context,
             "attention_us": graph_time([attend] * 8) * 1e6,
             "write_us": graph_time([lambda: pool.write(0, write_slots, new, new)] * 8) * 1e6}
 
@@ -51,12 +52,15 @@ def case(kind: str, batch: int, context: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--quick", action="store_true", help="64 rows only (A/B runs)")
     args = parser.parse_args()
-    results = [case(kind, batch, context) for context in (192, 2048) for batch in (1, 16, 64)
+    batches = (64,) if args.quick else (1, 16, 64)
+    results = [case(kind, batch, context) for context in (192, 2048) for batch in batches
                for kind in ("fp16", "q4", "q8")]
-    print(f"{'kv':5}{'batch':>6}{'context':>8}{'attention us':>14}{'write us':>10}")
+    results += [case(kind, 64, context, 64) for context in (192, 2048) for kind in ("fp16", "q4")]
+    print(f"{'kv':5}{'dim':>4}{'batch':>6}{'context':>8}{'attention us':>14}{'write us':>10}")
     for r in results:
-        print(f"{r['kv']:5}{r['batch']:>6}{r['context']:>8}{r['attention_us']:>14.1f}"
+        print(f"{r['kv']:5}{r['dim']:>4}{r['batch']:>6}{r['context']:>8}{r['attention_us']:>14.1f}"
               f"{r['write_us']:>10.1f}")
     if args.json:
         with open(args.json, "w") as fh:

@@ -9,7 +9,7 @@
 # the peer's wheels, its prebuilt extension (*.so.xz) and peer_exllamav3_jobs.py
 # (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" picks stages
 # ("unfused": the 1/16-job points again with EXL3_FUSED_LAYER=0, the before of the
-# fused decode layer).
+# fused decode layer; "ab": kernel build variants, see below).
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-gen-out}
 mkdir -p "$OUT"
@@ -22,6 +22,7 @@ STAGES=${STAGES:-"tests ours unfused peer profile cli"}
 PEER_KV=${PEER_KV:-"16"}  # "16 4": also the peer with a 4-bit cache
 PROFILE_JOBS=${PROFILE_JOBS:-"1 64"}
 JOBS=${JOBS:-1,16,64}
+MODELS=${MODELS:-"8b 1b"}  # which shapes the "ours" stage measures
 M8=/tmp/exl3-llama3-8b-4.0 M1=/tmp/exl3-llama3.2-1b-4.0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
@@ -65,6 +66,7 @@ stamp "models: $(ls $M8 $M1 2>/dev/null | grep -c safetensors) shards"
 if [[ " $STAGES " == *" ours "* ]]; then
   for m in "8b $M8" "1b $M1"; do
     set -- $m
+    [[ " $MODELS " == *" $1 "* ]] || continue
     timeout 200 python3 bench/generator_throughput.py "$2" --device cuda --jobs "$JOBS" \
       --prompt 128 --gen 64 --kv fp16,q4 --repeat 3 --json >"$OUT/ours-$1.json" \
       2>"$OUT/ours-$1.err" || { echo "FAIL: ours $1"; tail -8 "$OUT/ours-$1.err"; }
@@ -99,6 +101,38 @@ if [[ " $STAGES " == *" attn "* ]]; then
     tail -5 "$OUT/attention.err"; }
   cat "$OUT/attention.txt"
   stamp "attention bench done"
+fi
+
+if [[ " $STAGES " == *" ab "* ]]; then
+  # A/B of kernel builds in one call: AB_FLAGS="|-DEXL3_PA_UNPACK=1" (variants split by
+  # "|", empty = the default build; each is its own EXL3_NVCC_FLAGS build), the attention
+  # bench twice per variant in turn, then AB_TESTS (cuda test files) on every variant.
+  IFS='|' read -ra variants <<< "${AB_FLAGS:-|}"
+  for round in 1 2; do
+    for i in "${!variants[@]}"; do
+      EXL3_NVCC_FLAGS="${variants[$i]}" timeout 200 python3 bench/attention_bench.py --quick \
+        --json "$OUT/ab-$i-$round.json" >"$OUT/ab-$i-$round.txt" 2>"$OUT/ab-$i-$round.err" \
+        || { echo "FAIL: ab variant $i round $round"; tail -5 "$OUT/ab-$i-$round.err"; }
+    done
+  done
+  for i in "${!variants[@]}"; do
+    [ -n "${AB_TESTS:-}" ] || break
+    EXL3_NVCC_FLAGS="${variants[$i]}" timeout 150 python3 -m pytest -q -m cuda -p no:randomly \
+      $AB_TESTS >"$OUT/ab-tests-$i.log" 2>&1
+    stamp "ab variant $i ('${variants[$i]}') tests: $(tail -1 "$OUT/ab-tests-$i.log")"
+  done
+  python3 - "$OUT" "${#variants[@]}" <<'PY'
+import json, sys
+out, n = sys.argv[1], int(sys.argv[2])
+runs = {(i, r): json.load(open(f"{out}/ab-{i}-{r}.json")) for i in range(n) for r in (1, 2)
+        if __import__("os").path.exists(f"{out}/ab-{i}-{r}.json")}
+keys = [(c["kv"], c.get("dim", 128), c["batch"], c["context"]) for c in next(iter(runs.values()), [])]
+print("attention us per call, variant/round:", " ".join(f"v{i}r{r}" for i, r in sorted(runs)))
+for k, key in enumerate(keys):
+    print(f"{key[0]:5}{key[1]:>4}{key[2]:>4}{key[3]:>6}",
+          " ".join(f"{runs[ir][k]['attention_us']:7.1f}" for ir in sorted(runs)))
+PY
+  stamp "ab done"
 fi
 
 if [[ " $STAGES " == *" unfused "* ]]; then

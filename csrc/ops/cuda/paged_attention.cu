@@ -22,6 +22,10 @@
 #include "exl3_launch.cuh"
 #include "exl3_ops.h"
 
+#ifndef EXL3_PA_UNPACK  // 1: the q4 unpack by bit transpose (A/B against the loop below)
+#define EXL3_PA_UNPACK 0
+#endif
+
 namespace exl3 {
 namespace {
 
@@ -98,9 +102,43 @@ __device__ __forceinline__ RawRow load_raw(const void* base, const __half* scale
   return raw;
 }
 
+#if EXL3_PA_UNPACK
+// Bits 8j + i (plane j, channel i; i, j < 4) of x moved to 8i + j: channel i's code in
+// byte i. Two delta swaps: the 2x2 blocks of the 4x4 bit matrix, then inside them.
+__device__ __forceinline__ uint32_t transpose_nibbles(uint32_t x) {
+  uint32_t t = ((x >> 14) ^ x) & 0x00000C0Cu;
+  x ^= t ^ (t << 14);
+  t = ((x >> 7) ^ x) & 0x000A000Au;
+  return x ^ t ^ (t << 7);
+}
+
+// Byte i of w (< 256) as a float, exactly: 2^23 + byte, read as a float, minus 2^23.
+__device__ __forceinline__ float byte_to_float(uint32_t w, int i) {
+  return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | i)) - 8388608.f;
+}
+#endif
+
 template <int CPL>
 __device__ __forceinline__ void unpack_raw(const RawRow& raw, int bits, int c,
                                            float (&out)[CPL]) {
+#if EXL3_PA_UNPACK
+  if (bits == 4) {  // the common q4 cache: a bit transpose, byte-permute conversion
+    const float step = raw.scale * 0.125f, bias = -7.5f * step;
+    const uint32_t w32 = (uint32_t)raw.word >> (c & 7);
+    if constexpr (CPL <= 4) {
+      const uint32_t codes = transpose_nibbles(w32 & (0x01010101u * ((1u << CPL) - 1)));
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) out[i] = fmaf(byte_to_float(codes, i), step, bias);
+    } else {
+      const uint32_t lo = transpose_nibbles(w32 & 0x0F0F0F0Fu);
+      const uint32_t hi = transpose_nibbles((w32 >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+      for (int i = 0; i < CPL; ++i)
+        out[i] = fmaf(byte_to_float(i < 4 ? lo : hi, i & 3), step, bias);
+    }
+    return;
+  }
+#endif
   const float half_range = (float)(1 << (bits - 1));
   const float step = raw.scale / half_range;
   int codes[CPL];
