@@ -2,7 +2,7 @@
 Hadamard, attention, other), and the time the GPU waits for the host.
 
     python bench/decode_profile.py MODEL_FOLDER [--gen 48] [--prompt 128] [--kv fp16]
-        [--mode graph] [--json]
+        [--mode graph] [--lora-rank R] [--json]
 
 `--jobs` greedy jobs run through the generator (the path `run` and `serve` use) twice: a
 warm-up, then under torch.profiler. Kernel times are summed from the profiler's CUDA
@@ -55,7 +55,7 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
-            mode: str | None, jobs: int = 1) -> dict[str, Any]:
+            mode: str | None, jobs: int = 1, adapter: str | None = None) -> dict[str, Any]:
     generator = Generator(model, tokenizer, max_batch=jobs, num_ctx=prompt + gen + 8,
                           kv_cache_type=kv, decode_mode=mode, max_prefill_tokens=prompt * jobs)
     seeds = torch.Generator().manual_seed(0)
@@ -65,7 +65,7 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
     def one_job(profiled: bool) -> tuple[int, float, Any]:
         for ids in prompts:
             generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen,
-                                           ignore_eos=True))
+                                           ignore_eos=True, adapter=adapter))
         while generator.step().prefill_tokens:  # the prompt, not profiled
             pass
         activities = [torch.profiler.ProfilerActivity.CPU,
@@ -102,6 +102,7 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
     per_token = {k: v / steps for k, v in sorted(by_kind.items())}
     return {
         "mode": generator.decode.mode, "kv": kv, "jobs": jobs, "steps": steps,
+        "adapter": adapter,
         "step_us": plain_s * 1e6 / steps, "kernel_us": per_token,
         "gpu_busy_us": busy / steps, "gpu_wait_us": (plain_s * 1e6 - busy) / steps,
         "kernels_per_step": len(kernels) / steps,
@@ -120,10 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default=None, help="graph, static or off")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="every job with a random LoRA adapter of this rank")
     args = parser.parse_args(argv)
     model = load_causal_lm(args.model, device="cuda")
     tokenizer = Tokenizer.from_folder(args.model)
-    result = profile(model, tokenizer, args.prompt, args.gen, args.kv, args.mode, args.jobs)
+    adapter = None
+    if args.lora_rank > 0:
+        from generator_throughput import random_adapter
+        adapter = random_adapter(model, args.lora_rank)
+    result = profile(model, tokenizer, args.prompt, args.gen, args.kv, args.mode, args.jobs,
+                     adapter)
     if args.json:
         print(json.dumps(result))
     else:

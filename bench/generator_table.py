@@ -60,16 +60,18 @@ def main(folder: Path) -> None:
             before = plain.get((kv, jobs))
             print(f"{model} {jobs} jobs, {kv}, EXL3_PDL=1: {value:.1f} tok/s; plain launches "
                   f"{before or 0:.1f} ({ratio(value, before).strip()})")
-        for (kv, jobs), value in sorted(ours(folder, f"{model}-lora").items()):
-            bare = plain.get((kv, jobs))
-            print(f"{model} {jobs} jobs, {kv}, rank-16 LoRA on every projection: {value:.1f} "
-                  f"tok/s; without {bare or 0:.1f} ({ratio(value, bare).strip()})")
+        for path in sorted(folder.glob(f"ours-{model}-lora*.json")):
+            variant = path.stem.removeprefix(f"ours-{model}-")
+            for (kv, jobs), value in sorted(ours(folder, f"{model}-{variant}").items()):
+                bare = plain.get((kv, jobs))
+                print(f"{model} {jobs} jobs, {kv}, rank-16 LoRA on every projection ({variant}): "
+                      f"{value:.1f} tok/s; without {bare or 0:.1f} ({ratio(value, bare).strip()})")
         unfused, fused = ours(folder, f"{model}-unfused"), ours(folder, model)
         for (kv, jobs), value in sorted(unfused.items()):
             now = fused.get((kv, jobs))
             print(f"{model} {jobs} jobs, {kv}, EXL3_FUSED_LAYER=0 (unfused layer): "
                   f"{value:.1f} tok/s; fused {now or 0:.1f} ({ratio(now, value).strip()})")
-    for jobs, kv in [(j, kv) for j in (1, 16, 64) for kv in ("", "-q4")]:
+    for jobs, kv in [(j, kv) for j in (1, 16, 64) for kv in ("", "-q4", "-lora", "-q4-lora")]:
         prof = _json(folder / f"profile-{jobs}{kv}.json")
         if prof and "kernel_us" in prof:
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["kernel_us"].items())
@@ -77,7 +79,7 @@ def main(folder: Path) -> None:
                   f"tok/s), {prof['kernels_per_step']:.0f} kernels/step; GPU busy "
                   f"{prof['gpu_busy_us']:.0f} us, waiting {prof['gpu_wait_us']:.0f} us; "
                   f"kernel us/step: {kinds}")
-            for top in prof.get("top_kernels", [])[:8]:
+            for top in prof.get("top_kernels", [])[:12 if "lora" in kv else 8]:
                 print(f"    {top['us_per_step']:8.1f} us/step  x{top['per_step']:5.1f}  "
                       f"{top['name']}")
         elif prof:

@@ -88,10 +88,15 @@ fi
 
 if [[ " $STAGES " == *" lora "* ]]; then
   # One random rank-16 LoRA adapter on all projections, every job using it (issue 16).
-  timeout 200 python3 bench/generator_throughput.py "$M8" --device cuda --jobs 1,16 \
-    --prompt 128 --gen 64 --kv fp16 --repeat 2 --lora-rank 16 --json \
-    >"$OUT/ours-8b-lora.json" 2>"$OUT/ours-8b-lora.err" \
-    || { echo "FAIL: lora"; tail -8 "$OUT/ours-8b-lora.err"; }
+  # LORA_VARIANTS="torch:EXL3_LORA_LOW=torch ...": more runs, each NAME:ENV=VALUE[,ENV=VALUE].
+  for variant in "lora:" ${LORA_VARIANTS:-}; do
+    name=${variant%%:*} envs=${variant#*:}
+    [ "$name" = lora ] || name="lora-$name"
+    env ${envs//,/ } timeout 200 python3 bench/generator_throughput.py "$M8" --device cuda \
+      --jobs 1,16 --prompt 128 --gen 64 --kv fp16 --repeat 2 --lora-rank 16 --json \
+      >"$OUT/ours-8b-$name.json" 2>"$OUT/ours-8b-$name.err" \
+      || { echo "FAIL: $name"; tail -8 "$OUT/ours-8b-$name.err"; }
+  done
   stamp "lora done"
 fi
 
@@ -184,6 +189,11 @@ if [[ " $STAGES " == *" profile "* ]]; then
       timeout 90 python3 bench/decode_profile.py "$M8" --jobs "$jobs" --kv "$kv" --json \
         >"$OUT/profile-$jobs$suffix.json" 2>"$OUT/profile-$jobs$suffix.err" \
         || { echo "FAIL: profile $jobs jobs $kv"; tail -5 "$OUT/profile-$jobs$suffix.err"; }
+      # PROFILE_LORA=R: the same step with every job on a random rank-R adapter (issue 16).
+      [ -n "${PROFILE_LORA:-}" ] && timeout 90 python3 bench/decode_profile.py "$M8" \
+        --jobs "$jobs" --kv "$kv" --lora-rank "$PROFILE_LORA" --json \
+        >"$OUT/profile-$jobs$suffix-lora.json" 2>"$OUT/profile-$jobs$suffix-lora.err" \
+        || { [ -n "${PROFILE_LORA:-}" ] && echo "FAIL: lora profile $jobs"; }
     done
   done
   stamp "profile done"

@@ -31,7 +31,8 @@ from exl3cli.ops import reference
 from exl3cli.ops.build import CSRC, LazyExtension, build_extension
 
 _SOURCES = ("bindings.cpp", "layer_bindings.cpp", "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu",
-            "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu", "layer_fused.cu")
+            "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu", "layer_fused.cu",
+            "lora_low.cu")
 # csrc/ mirrors the package: ops/cuda (these kernels), ops/cpu, codec (the format's
 # decode and Hadamard, included by the kernels).
 CUDA_DIR = CSRC / "ops" / "cuda"

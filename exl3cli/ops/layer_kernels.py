@@ -40,6 +40,7 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -73,6 +74,40 @@ def low_rank_delta(lora: LowRank) -> torch.Tensor:
     """(rows, columns of bt): each row's own adapter's update, as AdaptedLinear makes it."""
     mask = (lora.columns[None, :] == lora.slots[: lora.low.shape[0], None]).to(lora.low.dtype)
     return (lora.low * mask) @ lora.bt
+
+
+# EXL3_LORA_LOW=torch: the first LoRA product by torch's matmul (A/B of lora_low.cu).
+_LORA_LOW_KERNEL = os.environ.get("EXL3_LORA_LOW", "kernel") != "torch"
+_LORA_MAX_SPLITS, _LORA_MAX_RANK = 16, 128
+_lora_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def lora_workspace(device: torch.device) -> None:
+    """Allocate `device`'s lora_low workspace now (outside any CUDA graph capture)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device not in _lora_workspaces:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        _lora_workspaces[device] = (
+            torch.empty(_LORA_MAX_SPLITS * kernels.FUSED_MAX_ROWS * _LORA_MAX_RANK,
+                        dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def lora_low(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x @ a^T`` (rows, rank) in a's dtype: the first LoRA product (lora_low.cu for a
+    decode step's rows on CUDA, one launch; else torch's matmul)."""
+    x = x.to(a.dtype)
+    ext = _ext(x) if _LORA_LOW_KERNEL else None
+    rows, rank = x.shape[0], a.shape[0]
+    workspace = _lora_workspaces.get(x.device)
+    if (ext is not None and workspace is not None and hasattr(ext, "lora_low")
+            and 1 <= rows <= kernels.FUSED_MAX_ROWS and rank <= _LORA_MAX_RANK
+            and x.stride(-1) == 1 and a.is_contiguous()):
+        low = torch.empty(rows, rank, dtype=a.dtype, device=x.device)
+        if ext.lora_low(x, a, low, *workspace):
+            return low
+    return x @ a.t()
 
 
 def _ext(*tensors: torch.Tensor):

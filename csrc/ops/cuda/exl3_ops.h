@@ -82,6 +82,16 @@ bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_co
                           int nparts, const float* const* pre, void* const* out, int rows,
                           void* normed, int64_t normed_stride, cudaStream_t stream);
 
+// lora_low (lora_low.cu): low = x @ A^T rounded to dtype, x (rows, k_dim) with row stride
+// x_stride, A (rank, k_dim) contiguous, low (rows, rank) contiguous; rows <= 64, rank
+// <= 128, k_dim and x_stride multiples of 8, k_dim <= 32768. partial: float32 workspace
+// of kLoraLowMaxSplits * rows * rank; ticket: one unsigned, 0 between launches (the
+// kernel leaves it 0). Launches on one stream may share both. False: shape not taken.
+constexpr int kLoraLowMaxSplits = 16, kLoraLowMaxRank = 128, kLoraLowMaxRows = 64;
+bool launch_lora_low(int dtype, const void* x, int64_t x_stride, const void* a, int k_dim,
+                     int rank, int rows, float* partial, unsigned* ticket, void* low,
+                     cudaStream_t stream);
+
 // A LoRA update for the rows of one output-kernel launch (engine/adapters/lora.py): row r
 // of the part whose columns start at `offset` in bt gains, rounded to dtype,
 //   delta[r, c] = sum over k with columns[k] == slots[r] of low[r, k] * bt[k, offset + c]

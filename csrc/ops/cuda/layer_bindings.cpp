@@ -191,9 +191,39 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
                "exl3 glu hadamard");
 }
 
+// low = x @ a^T (lora_low.cu): x (rows, K) unit column stride, a (rank, K) contiguous, low
+// (rows, rank) contiguous, all in one dtype; partial float32 (>= kLoraLowMaxSplits * rows
+// * rank), ticket int32 (1,) holding 0. False: a shape the kernel does not take.
+bool lora_low(const at::Tensor& x, const at::Tensor& a, const at::Tensor& low,
+              const at::Tensor& partial, const at::Tensor& ticket) {
+  for (const auto* t : {&x, &a, &low, &partial, &ticket}) check_cuda(*t, "lora_low tensors");
+  const int64_t rows = x.size(0), rank = a.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && a.dim() == 2 && a.is_contiguous() &&
+                  a.size(1) == x.size(1) && a.scalar_type() == x.scalar_type(),
+              "lora_low: x (rows, K) unit column stride and a (rank, K) contiguous, one dtype");
+  TORCH_CHECK(low.is_contiguous() && low.dim() == 2 && low.size(0) == rows &&
+                  low.size(1) == rank && low.scalar_type() == x.scalar_type(),
+              "lora_low: low must be contiguous (rows, rank) in x's dtype");
+  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+                  partial.numel() >= exl3::kLoraLowMaxSplits * rows * rank,
+              "lora_low: partial workspace too small");
+  TORCH_CHECK(ticket.scalar_type() == at::kInt && ticket.numel() >= 1, "lora_low: ticket");
+  if (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const bool ok = exl3::launch_lora_low(
+      dtype_code(x), x.data_ptr(), x.stride(0), a.data_ptr(), (int)x.size(1), (int)rank,
+      (int)rows, partial.data_ptr<float>(), reinterpret_cast<unsigned*>(ticket.data_ptr<int>()),
+      low.data_ptr(), stream);
+  if (ok) check_launch(true, "exl3 lora low");
+  return ok;
+}
+
 }  // namespace
 
 void define_layer_ops(pybind11::module_& m) {
+  m.def("lora_low", &lora_low, "low = x @ a^T for a decode step's rows (False: not taken)",
+        py::arg("x"), py::arg("a"), py::arg("low"), py::arg("partial"), py::arg("ticket"));
   m.def("norm_hadamard", &norm_hadamard,
         "outs[p] = f16(H128(rmsnorm(x) * pres[p])) (norm optional)", py::arg("x"),
         py::arg("norm_weight"), py::arg("eps"), py::arg("unit_offset"), py::arg("pres"),

@@ -22,10 +22,6 @@
 #include "exl3_launch.cuh"
 #include "exl3_ops.h"
 
-#ifndef EXL3_PA_UNPACK  // 1: the q4 unpack by bit transpose (A/B against the loop below)
-#define EXL3_PA_UNPACK 0
-#endif
-
 namespace exl3 {
 namespace {
 
@@ -102,7 +98,6 @@ __device__ __forceinline__ RawRow load_raw(const void* base, const __half* scale
   return raw;
 }
 
-#if EXL3_PA_UNPACK
 // Bits 8j + i (plane j, channel i; i, j < 4) of x moved to 8i + j: channel i's code in
 // byte i. Two delta swaps: the 2x2 blocks of the 4x4 bit matrix, then inside them.
 __device__ __forceinline__ uint32_t transpose_nibbles(uint32_t x) {
@@ -116,12 +111,11 @@ __device__ __forceinline__ uint32_t transpose_nibbles(uint32_t x) {
 __device__ __forceinline__ float byte_to_float(uint32_t w, int i) {
   return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | i)) - 8388608.f;
 }
-#endif
 
 template <int CPL>
 __device__ __forceinline__ void unpack_raw(const RawRow& raw, int bits, int c,
                                            float (&out)[CPL]) {
-#if EXL3_PA_UNPACK
+  // code -> (code - (2^(bits-1) - 0.5)) * scale / 2^(bits-1): one FMA per channel.
   if (bits == 4) {  // the common q4 cache: a bit transpose, byte-permute conversion
     const float step = raw.scale * 0.125f, bias = -7.5f * step;
     const uint32_t w32 = (uint32_t)raw.word >> (c & 7);
@@ -138,33 +132,28 @@ __device__ __forceinline__ void unpack_raw(const RawRow& raw, int bits, int c,
     }
     return;
   }
-#endif
-  const float half_range = (float)(1 << (bits - 1));
-  const float step = raw.scale / half_range;
+  if (bits == 8) {  // one code byte per channel
+    const float step = raw.scale * 0.0078125f, bias = -127.5f * step;
+    const uint32_t lo = (uint32_t)raw.word, hi = (uint32_t)(raw.word >> 32);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i)
+      out[i] = fmaf(byte_to_float(i < 4 ? lo : hi, i & 3), step, bias);
+    return;
+  }
+  // 2, 3, 5, 6, 7 bits: bit j of every code from plane byte j.
+  const float step = raw.scale / (float)(1 << (bits - 1));
+  const float bias = -((float)(1 << (bits - 1)) - 0.5f) * step;
+  const int sub = c & 7;
   int codes[CPL];
-  if (bits == 8) {
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) codes[i] = (int)((raw.word >> (8 * i)) & 0xffu);
-  } else {
-    const int sub = c & 7;
+  for (int i = 0; i < CPL; ++i) codes[i] = 0;
+  for (int j = 0; j < bits; ++j) {
+    const int byte = (int)(raw.word >> (8 * j + sub));
 #pragma unroll
-    for (int i = 0; i < CPL; ++i) codes[i] = 0;
-    if (bits == 4) {  // the common q4 cache: fully unrolled
-      const uint32_t w32 = (uint32_t)raw.word >> sub;
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int i = 0; i < CPL; ++i) codes[i] |= ((w32 >> (8 * j + i)) & 1) << j;
-    } else {
-      for (int j = 0; j < bits; ++j) {
-        const int byte = (int)(raw.word >> (8 * j + sub));
-#pragma unroll
-        for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
-      }
-    }
+    for (int i = 0; i < CPL; ++i) codes[i] |= ((byte >> i) & 1) << j;
   }
 #pragma unroll
-  for (int i = 0; i < CPL; ++i) out[i] = ((float)codes[i] - (half_range - 0.5f)) * step;
+  for (int i = 0; i < CPL; ++i) out[i] = fmaf((float)codes[i], step, bias);
 }
 
 // The kPerWarp rows a warp reads (positions warp, warp + kWarps, ... of the chunk), CPL

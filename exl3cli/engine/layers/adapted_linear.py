@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from exl3cli.engine.layers.linear import Linear
-from exl3cli.ops.layer_kernels import LowRank
+from exl3cli.ops.layer_kernels import LowRank, lora_low, lora_workspace
 
 
 class RowSlots(Protocol):
@@ -52,7 +52,8 @@ class AdaptedLinear(Linear):
 
     def set_adapters(self, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor) -> None:
         """a [R, in], b [out, R] (scales folded in), columns [R] int64 (slot per rank)."""
-        self.lora_a, self.lora_bt, self.lora_columns = a, b.t().contiguous(), columns
+        self.lora_a, self.lora_bt, self.lora_columns = a.contiguous(), b.t().contiguous(), columns
+        lora_workspace(a.device)  # before any graph capture reads it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
@@ -64,7 +65,7 @@ class AdaptedLinear(Linear):
     def low_rank(self, x_in: torch.Tensor) -> LowRank:
         """The update of rows `x_in` [rows, in] for an output kernel: `x_in @ A_all^T`
         (one matmul), B_all^T and the slots of the rank columns and of the rows."""
-        low = x_in.to(self.lora_a.dtype) @ self.lora_a.t()
+        low = lora_low(x_in, self.lora_a)
         return LowRank(low, self.lora_bt, self.lora_columns,
                        self.bank.token_slots(x_in.shape[0]))
 
