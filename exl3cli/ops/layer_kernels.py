@@ -79,6 +79,8 @@ def low_rank_delta(lora: LowRank) -> torch.Tensor:
 # EXL3_LORA_LOW=torch: the first LoRA product by torch's matmul (A/B of lora_low.cu).
 _LORA_LOW_KERNEL = os.environ.get("EXL3_LORA_LOW", "kernel") != "torch"
 _LORA_MAX_SPLITS, _LORA_MAX_RANK = 16, 128
+# Rows the kernel takes: past a few rows the library GEMM's tiles win (H200, NOTES-gpu run 18).
+_LORA_KERNEL_ROWS = int(os.environ.get("EXL3_LORA_LOW_ROWS", "4"))
 _lora_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -102,7 +104,9 @@ def lora_low(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     rows, rank = x.shape[0], a.shape[0]
     workspace = _lora_workspaces.get(x.device)
     if (ext is not None and workspace is not None and hasattr(ext, "lora_low")
-            and 1 <= rows <= kernels.FUSED_MAX_ROWS and rank <= _LORA_MAX_RANK
+            and x.dtype in (torch.float16, torch.bfloat16)
+            and 1 <= rows <= min(_LORA_KERNEL_ROWS, kernels.FUSED_MAX_ROWS)
+            and rank <= _LORA_MAX_RANK
             and x.stride(-1) == 1 and a.is_contiguous()):
         low = torch.empty(rows, rank, dtype=a.dtype, device=x.device)
         if ext.lora_low(x, a, low, *workspace):

@@ -1,6 +1,7 @@
 """The first LoRA product of the fused decode layer, ``layer_kernels.lora_low`` (x @ A^T
-by csrc/ops/cuda/lora_low.cu for up to 64 rows), against torch's float32 product
-(``-m cuda``), and its fallbacks.
+by csrc/ops/cuda/lora_low.cu for up to 64 rows; the engine sends it up to
+``EXL3_LORA_LOW_ROWS`` = 4, the tests all 64), against torch's float32 product (``-m
+cuda``), and its fallbacks.
 
 K spans one slice (64) to the widest split (28,672 columns, a 70B MLP) and values not a
 multiple of 256; ranks below a warp count, over it and at the limit; the kernel's ticket
@@ -16,6 +17,11 @@ import torch
 from exl3cli.ops import cuda_kernels, layer_kernels
 
 cuda = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _kernel_for_every_row(monkeypatch):
+    monkeypatch.setattr(layer_kernels, "_LORA_KERNEL_ROWS", 64)
 
 
 def _inputs(rows: int, rank: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -90,7 +96,11 @@ def test_kernel_inside_a_cuda_graph():
 def test_shapes_the_kernel_does_not_take_fall_back():
     _require_kernels()
     layer_kernels.lora_workspace(torch.device("cuda"))
-    for rows, rank, k in [(65, 16, 512), (2, 129, 512), (2, 16, 100)]:
+    for rows, rank, k in [(65, 16, 512), (2, 129, 512), (2, 16, 100), (3, 16, 512)]:
+        if rows == 3:  # float32 is torch's
+            x, a = _inputs(rows, rank, k, torch.float32, "cuda")
+            torch.testing.assert_close(layer_kernels.lora_low(x, a), x @ a.t())
+            continue
         x, a = _inputs(rows, rank, k, torch.float16, "cuda", seed=rows)
         got = layer_kernels.lora_low(x, a)
         torch.testing.assert_close(got, x @ a.t())

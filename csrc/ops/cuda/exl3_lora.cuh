@@ -110,4 +110,70 @@ __device__ __forceinline__ bool lora_delta(const LowRank& lora, int row, const i
   return true;
 }
 
+// Ranks up to kLoraFetchRank take a shorter path: every bt load of the row's update is
+// issued at the top of the kernel (lora_fetch, before the split sums are read) and the
+// products are formed after (lora_apply), so the update costs about one trip to memory
+// that overlaps the kernel's own loads instead of a chain of dependent ones (slot ->
+// columns/low -> groups of bt). Same sums in the same order as lora_delta.
+constexpr int kLoraFetchRank = 16;
+
+template <typename T, int N>
+struct LoraFetch {
+  Four<T> f[kLoraFetchRank][N];
+  float h;  // lane k's low value masked by the row's slot (k < rank)
+  int n;  // this lane's columns inside the part (0 or 4)
+  bool fast;  // this path applies (else lora_delta)
+  bool on;  // the row has an adapter
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void lora_fetch(const LowRank& lora, int row, const int (&offset)[N],
+                                           int base, int cols, int lane, LoraFetch<T, N>& lf) {
+  lf.fast = lf.on = false;
+  lf.h = 0.0f;
+  lf.n = max(0, min(4, cols - base));
+  if (lora.low == nullptr || lora.rank > kLoraFetchRank) return;
+  bool vec = cols % 4 == 0 && lora.bt_stride % 4 == 0 &&
+             reinterpret_cast<uintptr_t>(lora.bt) % sizeof(Four<T>) == 0;
+#pragma unroll
+  for (int p = 0; p < N; p++) vec = vec && offset[p] % 4 == 0;
+  if (!vec) return;
+  lf.fast = true;
+  if (lf.n > 0) {
+#pragma unroll
+    for (int j = 0; j < kLoraFetchRank; j++) {
+      const size_t r = (size_t)min(j, lora.rank - 1) * lora.bt_stride;
+#pragma unroll
+      for (int p = 0; p < N; p++)
+        lf.f[j][p] = *reinterpret_cast<const Four<T>*>(static_cast<const T*>(lora.bt) +
+                                                       offset[p] + base + r);
+    }
+  }
+  const int64_t slot = lora.slots[row];
+  const T* low = static_cast<const T*>(lora.low) + (size_t)row * lora.low_stride;
+  const bool mine = lane < lora.rank && slot != 0 && lora.columns[lane] == slot;
+  lf.h = mine ? to_f32(low[lane]) : 0.0f;
+  lf.on = slot != 0;
+}
+
+// The deltas of a fetched update (lora_delta's contract); false when the row has none.
+template <typename T, int N>
+__device__ __forceinline__ bool lora_apply(const LoraFetch<T, N>& lf, float (&d)[N][4]) {
+  if (!lf.on) return false;  // uniform: a warp holds one row
+  float s[N][4] = {};
+#pragma unroll
+  for (int j = 0; j < kLoraFetchRank; j++) {
+    const float hj = __shfl_sync(0xffffffffu, lf.h, j);
+#pragma unroll
+    for (int p = 0; p < N; p++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[p][e] = fmaf(hj, to_f32(lf.f[j][p].v[e]), s[p][e]);
+  }
+#pragma unroll
+  for (int p = 0; p < N; p++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) d[p][e] = lf.n > 0 ? round_to<T>(s[p][e]) : 0.0f;
+  return true;
+}
+
 }  // namespace exl3

@@ -128,6 +128,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int row = id / blocks_per_row;
   if (row >= rows) return;  // whole warps
   const int base = (id % blocks_per_row) * 128 + lane * 4;
+  const int lora_offset[1] = {part.lora_offset};
+  LoraFetch<T, 1> lf;
+  if (LORA) lora_fetch<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, lf);
   float v[4];
   load_split_sum(part.partial, part.splits, rows, part.width, row, base, v);
   hadamard128_warp(v, lane);
@@ -139,9 +142,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (part.bias != nullptr && c < part.out_cols) y += part.bias[c];
     v[e] = round_to<T>(y);
   }
-  const int lora_offset[1] = {part.lora_offset};
   float d[1][4];
-  if (LORA && lora_delta<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, d)) {
+  if (LORA && (lf.fast ? lora_apply<T, 1>(lf, d)
+                       : lora_delta<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, d))) {
 #pragma unroll
     for (int e = 0; e < 4; e++) v[e] = round_to<T>(v[e] + d[0][e]);
   }
@@ -197,14 +200,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int row = id / blocks_per_row;
   if (row >= rows) return;
   const int base = (id % blocks_per_row) * 128 + lane * 4;
+  const int lora_offset[2] = {0, inter};  // bt columns: [gate | up]
+  LoraFetch<T, 2> lf;
+  if (LORA) lora_fetch<T, 2>(lora, row, lora_offset, base, inter, lane, lf);
   float g[4], u[4];
   load_split_sum(gate, splits, rows, width, row, base, g);
   load_split_sum(up, splits, rows, width, row, base, u);
   hadamard128_warp(g, lane);
   hadamard128_warp(u, lane);
-  const int lora_offset[2] = {0, inter};  // bt columns: [gate | up]
   float d[2][4];
-  const bool adapted = LORA && lora_delta<T, 2>(lora, row, lora_offset, base, inter, lane, d);
+  const bool adapted =
+      LORA && (lf.fast ? lora_apply<T, 2>(lf, d)
+                       : lora_delta<T, 2>(lora, row, lora_offset, base, inter, lane, d));
   T* product_row = LORA && product != nullptr ? product + (size_t)row * product_stride : nullptr;
   float v[4];
 #pragma unroll
