@@ -14,6 +14,7 @@ from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.layers.linear import GEMV_MAX_ROWS, DenseLinear, Linear
 from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.norm import RMSNorm
+from exl3cli.engine.layers.parallel import VocabShard
 from exl3cli.engine.layers.rope import RotaryEmbedding
 from exl3cli.engine.spec.architecture import ArchitectureSpec
 from exl3cli.engine.spec.config import ModelConfig
@@ -203,6 +204,9 @@ class CausalLM(nn.Module):
             if spec.embed_scale else None
         )
         self.final_softcap = config.final_logit_softcapping
+        # Tensor parallel (engine/models/shard.py): this rank's slice of the vocabulary
+        # (embedding rows, head columns), a layers/parallel.VocabShard; None: all of it.
+        self.vocab_shard: VocabShard | None = None
         # An image-text model's encoded images (vision/image_tokens.ImageTokens): token
         # ids past the vocabulary that embed as image rows; None for text only.
         self.images: Any = None
@@ -324,16 +328,24 @@ class CausalLM(nn.Module):
         return self._embed_text(input_ids)
 
     def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_weight).to(self._compute_dtype)
+        if self.vocab_shard is not None:
+            hidden = self.vocab_shard.embed(input_ids, self.embed_weight, self._compute_dtype)
+        else:
+            hidden = F.embedding(input_ids, self.embed_weight).to(self._compute_dtype)
         return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         return softcap_logits(logits, self.final_softcap)
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The vocabulary projection. A decode step on CPU with an unpacked float32/bf16
-        head (the tied embedding: no packed copy of the largest matrix) streams the
-        row-major weight through a GEMV kernel, about twice as fast as F.linear there."""
+        """The vocabulary projection (every rank's slice gathered under tensor parallel)."""
+        logits = self._project_local(hidden)
+        return logits if self.vocab_shard is None else self.vocab_shard.gather(logits)
+
+    def _project_local(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This model's head. A decode step on CPU with an unpacked float32/bf16 head
+        (the tied embedding: no packed copy of the largest matrix) streams the row-major
+        weight through a GEMV kernel, about twice as fast as F.linear there."""
         head = self.lm_head
         rows = hidden.reshape(-1, hidden.shape[-1])
         if (rows.shape[0] <= GEMV_MAX_ROWS and hidden.dtype == torch.float32

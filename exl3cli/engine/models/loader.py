@@ -27,6 +27,7 @@ from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP, build_moe_mlp
 from exl3cli.engine.layers.norm import FullWidthQKNorm, LayerNorm, RMSNorm
 from exl3cli.engine.layers.offload import offload_linear
+from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.layers.rope import rope_permutation, rotary_dim
 from exl3cli.engine.models.blocks import ParallelDecoderLayer
 from exl3cli.engine.models.causal_lm import CausalLM, DecoderLayer
@@ -321,9 +322,13 @@ def build_causal_lm(
     def tensor(name: str) -> torch.Tensor:
         return reader.get(name, dtype=dtype, device=device).contiguous()
 
+    absent = getattr(reader, "absent", None)  # modules another tensor-parallel rank holds
+
     def linear(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
         # Each module as stored (dense .weight or EXL3 .trellis), trimmed to its logical
         # (in, out) shape; fused projections concatenate along the output dimension.
+        if absent is not None and all(absent(p) for p in prefixes):
+            return AbsentLinear(shapes[0][0], sum(o for _, o in shapes))
         mode = linear_mode or ("trellis" if packing == "exl3" else None)
         parts = [
             load_linear(reader, p, i, o, device, dtype, mode=mode, require_bias=bias)
