@@ -207,6 +207,8 @@ class CausalLM(nn.Module):
         # Tensor parallel (engine/models/shard.py): this rank's slice of the vocabulary
         # (embedding rows, head columns), a layers/parallel.VocabShard; None: all of it.
         self.vocab_shard: VocabShard | None = None
+        # A layer split (layer_split.LayerStages): the layers' devices in turn; None: one.
+        self.stages: Any = None
         # An image-text model's encoded images (vision/image_tokens.ImageTokens): token
         # ids past the vocabulary that embed as image rows; None for text only.
         self.images: Any = None
@@ -251,9 +253,7 @@ class CausalLM(nn.Module):
                 cache = self.images.wrap_step(cache, input_ids)
             step = self._plan_paged_step(cache)
             cache.check_input(input_ids)
-        hidden = self._embed(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, step)
+        hidden = self._run_layers(self._embed(input_ids), step)
         if cache is not None:
             cache.advance()
         if last_logits_only:
@@ -282,10 +282,15 @@ class CausalLM(nn.Module):
         batch, steps = input_ids.shape
         input_ids = input_ids.to(self.device)
         step = self._plan_step(batch, steps, input_ids)
-        hidden = self._embed(input_ids)
+        hidden = self._run_layers(self._embed(input_ids), step)
+        return self.final_norm(hidden).float()
+
+    def _run_layers(self, hidden: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        if self.stages is not None:  # a layer split over devices (layer_split.py)
+            return self.stages.run(self.layers, hidden, step)
         for layer in self.layers:
             hidden = layer(hidden, step)
-        return self.final_norm(hidden).float()
+        return hidden
 
     def _plan_step(self, batch: int, steps: int,
                    input_ids: torch.Tensor | None = None) -> AttentionStep:

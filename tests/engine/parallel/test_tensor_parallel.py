@@ -26,21 +26,22 @@ BLOCK_SHAPES = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_hea
                 "head_dim": 128, "intermediate_size": 256}
 
 
-def _same_as_one_process(folder) -> None:
+def _same_as_one_process(folder, modes=("off",)) -> None:
     single = load_causal_lm(folder, device="cpu")
     expected_logits = single(IDS)
     expected = greedy_texts(single, folder)
     model = load_tensor_parallel(folder, 2, device="cpu")
     try:
         torch.testing.assert_close(model(IDS), expected_logits, rtol=1e-4, atol=1e-4)
-        assert greedy_texts(model, folder) == expected
+        for mode in modes:  # "static": the fixed-shape decode steps, buffer broadcast
+            assert greedy_texts(model, folder, decode_mode=mode) == expected
     finally:
         model.close()
     assert all(len(tokens) == 8 for tokens in expected)
 
 
 def test_dense_fp32_two_ranks(tmp_path):
-    _same_as_one_process(write_tiny_chat_model(tmp_path / "llama", "llama"))
+    _same_as_one_process(write_tiny_chat_model(tmp_path / "llama", "llama"), ("off", "static"))
 
 
 @pytest.mark.slow
