@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from exl3cli.engine.generation.decode_step import FixedDecodeStep
+from exl3cli.engine.generation.tp_group import TensorParallelGroup
 from exl3cli.engine.kvcache.paged_attention import mirrored_batch
 from exl3cli.engine.kvcache.paged_cache import PagePool
-from exl3cli.engine.generation.tp_group import TensorParallelGroup
 
 
 def serve(group: TensorParallelGroup, device: torch.device, store: Any = None) -> None:

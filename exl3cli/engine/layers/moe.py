@@ -29,8 +29,8 @@ from torch import nn
 
 from exl3cli.engine.layers.linear import Linear
 from exl3cli.engine.layers.mlp import GatedMLP
-from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.layers.moe_decode import SYNC_FREE_MAX_PAIRS, StackedExperts
+from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.spec.architecture import MoESpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture

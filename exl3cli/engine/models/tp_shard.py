@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from exl3cli.engine.layers.fused_experts import split_fused_experts
 from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.layers.parallel import (
@@ -25,7 +26,6 @@ from exl3cli.engine.layers.parallel import (
     ReducedModule,
     VocabShard,
 )
-from exl3cli.engine.layers.fused_experts import split_fused_experts
 from exl3cli.engine.models.causal_lm import CausalLM
 from exl3cli.engine.models.loader import build_causal_lm, default_device, default_dtype
 from exl3cli.engine.models.shard import ShardedReader, local_config, plan_shards
