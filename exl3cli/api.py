@@ -150,9 +150,13 @@ class LLM:
         return self
 
     def close(self) -> None:
+        """Stop the background thread (and the other ranks of a tensor-parallel model)."""
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
+        close = getattr(self.text_model.model, "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> LLM:
         return self
@@ -201,6 +205,8 @@ def load(
     draft: str | None = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     adapters: dict[str, str | Path] | None = None,
+    tensor_parallel: int | None = None,
+    gpu_split: Any = None,
 ) -> LLM:
     """Load a model folder or store name into an LLM.
 
@@ -213,9 +219,13 @@ def load(
     `draft_tokens` tokens per step; greedy output is unchanged by it.
     `adapters` ({name: PEFT LoRA folder}) are loaded for requests to choose
     (`adapter=name`); `LLM.load_adapter` adds more later.
+    `tensor_parallel=N` splits the model over N GPUs (one process each; on the CPU,
+    N gloo processes: for tests); `gpu_split` ("auto" or GiB per GPU, [20, 24])
+    places whole layers on the GPUs in turn. `LLM.close()` stops the other ranks.
     """
     text_model = TextModel.load(resolve_model_folder(model, store_root), device=device,
-                                dtype=dtype)
+                                dtype=dtype, tensor_parallel=tensor_parallel,
+                                gpu_split=gpu_split)
     generator = Generator(
         text_model.model, text_model.tokenizer, max_batch=max_batch, num_ctx=max_seq_len,
         kv_cache_type=kv_cache_type, num_pages=num_pages,

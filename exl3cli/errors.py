@@ -79,3 +79,10 @@ class ConversionError(Exl3Error):
 class AdapterError(Exl3Error):
     """A LoRA adapter that cannot be read or does not fit the model it is put on; the
     message names the adapter and the mismatch."""
+
+
+class RankFailure(Exl3Error):
+    """A tensor-parallel rank died or stopped answering: the model it served is stopped
+    (the daemon stays up and loads it again on the next request)."""
+
+    http_status = 500

@@ -17,6 +17,10 @@ def _serve_help() -> str:
     from exl3cli.server.limits import LIMIT_VARIABLES
 
     rows = [("EXL3_HOST", "where to listen (default 127.0.0.1:11435)"),
+            ("EXL3_TENSOR_PARALLEL", "split each model over N GPUs (--tp)"),
+            ("EXL3_GPU_SPLIT", "whole layers per GPU: auto or GiB,GiB,... (--gpu-split)"),
+            ("EXL3_TP_TIMEOUT", "seconds a tensor-parallel collective may wait for a rank "
+                                "(default 300)"),
             ("EXL3_MODELS", "the model store (default ~/.exl3/models)"),
             ("EXL3_API_KEY", "require Authorization: Bearer <key>"),
             ("EXL3_ADMIN_KEY", "when set, loading models and store writes need this key"),
@@ -47,9 +51,26 @@ def _serve_help() -> str:
 
 
 @click.command("serve", help=_serve_help())
-def serve() -> None:
+@click.option("--tp", "tensor_parallel", type=click.IntRange(min=1), default=None,
+              help="Tensor-parallel width: split each model over this many GPUs, one "
+                   "process each (on a machine without GPUs: CPU processes over gloo). "
+                   "Same as EXL3_TENSOR_PARALLEL; PARAMETER tensor_parallel overrides it.")
+@click.option("--gpu-split", default=None, metavar="auto|GiB,GiB,...",
+              help="Layer split: whole layers on the GPUs in turn, sized from their free "
+                   "memory (auto) or the GiB given per GPU. Same as EXL3_GPU_SPLIT.")
+def serve(tensor_parallel: int | None, gpu_split: str | None) -> None:
     """Start the daemon (its help, with the environment it reads: _serve_help)."""
+    import os
+
     from aiohttp import web
+
+    if tensor_parallel is not None:
+        os.environ["EXL3_TENSOR_PARALLEL"] = str(tensor_parallel)
+    if gpu_split is not None:
+        from exl3cli.engine.models.layer_split import parse_gpu_split
+
+        parse_gpu_split(gpu_split)  # a bad value fails here, not at the first load
+        os.environ["EXL3_GPU_SPLIT"] = gpu_split
 
     from exl3cli import __version__
     from exl3cli.hostaddr import parse_host

@@ -73,7 +73,7 @@ OPTION_RANGES: dict[str, tuple[float | None, float | None]] = {
     "typical_p": (0, 1), "repeat_penalty": (0, None), "repeat_last_n": (-1, None),
     "dry_multiplier": (0, None), "dry_base": (0, None), "dry_allowed_length": (0, None),
     "xtc_probability": (0, 1), "xtc_threshold": (0, 1), "draft_num_predict": (0, None),
-    "num_gpu": (-1, None),
+    "num_gpu": (-1, None), "tensor_parallel": (1, None),
 }
 # Past this keep_alive (about 100 years) a duration means nothing; -1 says "forever".
 MAX_KEEP_ALIVE_SECONDS = 100 * 365 * 24 * 3600.0
@@ -119,10 +119,11 @@ def refuse_unsupported(req: dict[str, Any]) -> None:
         for name, message in UNSUPPORTED_OPTIONS.items():
             if options.get(name) not in (None, 0, 0.0, False, "0"):
                 raise InvalidOption(f"option {name}: {message}")
-        if options.get("num_gpu") is not None:
-            raise InvalidOption("option num_gpu: layers are placed when a model loads; set "
-                                "PARAMETER num_gpu in its Modelfile (a per-request num_gpu "
-                                "is not supported)")
+        for name in ("num_gpu", "tensor_parallel", "gpu_split"):
+            if options.get(name) is not None:
+                raise InvalidOption(f"option {name}: layers are placed when a model loads; "
+                                    f"set PARAMETER {name} in its Modelfile (a per-request "
+                                    f"{name} is not supported)")
 
 
 def merge_options(parameters: dict[str, Any] | None,

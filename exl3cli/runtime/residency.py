@@ -11,6 +11,7 @@ answer from the model's continuous-batching Generator (engine/generation/generat
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -311,6 +312,9 @@ class InferenceRunner:
         with self._lock:
             self._expire()
             loaded = self._loaded.get(key)
+            if loaded is not None and getattr(loaded.text_model.model, "failure", None):
+                self._drop(key)  # a tensor-parallel rank died: load it again
+                loaded = None
             if loaded is None:
                 loaded = self._load(key, name)
                 while len(self._loaded) >= self.max_loaded:
@@ -331,9 +335,14 @@ class InferenceRunner:
 
         folder = Path(self.store.model_folder(name))
         manifest = self.store.read_manifest(name)
-        num_gpu = (manifest.get("parameters") or {}).get("num_gpu")  # Modelfile PARAMETER
+        parameters = manifest.get("parameters") or {}
+        num_gpu = parameters.get("num_gpu")  # Modelfile PARAMETERs, else the daemon's
+        width = parameters.get("tensor_parallel") or os.environ.get("EXL3_TENSOR_PARALLEL")
+        split = parameters.get("gpu_split") or os.environ.get("EXL3_GPU_SPLIT") or None
         text_model = TextModel.load(folder, device=self.device,
-                                    gpu_layers=None if num_gpu is None else int(num_gpu))
+                                    gpu_layers=None if num_gpu is None else int(num_gpu),
+                                    tensor_parallel=int(width) if width else None,
+                                    gpu_split=split if not width or int(width) < 2 else None)
         device = str(getattr(text_model.model, "device", "cpu"))
         details = model_details(self.store, manifest)
         return LoadedModel(key=key, name=name, text_model=text_model,
@@ -366,4 +375,7 @@ class InferenceRunner:
         if loaded is None:
             return False
         loaded.stop_generator()
+        close = getattr(loaded.text_model.model, "close", None)
+        if close is not None:  # a tensor-parallel model: stop its other ranks
+            close()
         return True

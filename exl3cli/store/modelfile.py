@@ -40,6 +40,8 @@ PARAMETER_TYPES: dict[str, type] = {
     "kv_cache_type": str,
     "draft_num_predict": int,
     "num_gpu": int,
+    "tensor_parallel": int,
+    "gpu_split": str,
     "truncate": bool,
 }
 

@@ -88,6 +88,10 @@ class AdapterBank:
     @classmethod
     def of(cls, model: Any) -> AdapterBank:
         bank = getattr(model, "adapters", None)
+        if bank is None and getattr(model, "tensor_parallel", None):
+            raise AdapterError("LoRA adapters are not applied to a tensor-parallel model "
+                               "(its projections are split over ranks); load it on one "
+                               "device or with a layer split")
         if bank is None:
             bank = cls(model)
             model.adapters = bank

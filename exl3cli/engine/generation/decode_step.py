@@ -169,6 +169,18 @@ class FixedDecodeStep:
     def advance(self, counts: Sequence[int] | None = None) -> None:
         """Nothing: the generator commits the tokens on the host once it knows them."""
 
+    def describe(self) -> dict:
+        """The step's shape; its data is `buffer` (tensor-parallel ranks receive it by a
+        broadcast, engine/generation/tp_driver.py)."""
+        return {"kind": "fixed", "batch": self.batch, "pages": self.pages}
+
+    def mirror(self, pool: PagePool) -> FixedDecodeStep:
+        """This step over `pool` (another device's layers): the same buffer, copied."""
+        step = FixedDecodeStep(pool, self.batch, self.pages)
+        step.buffer.copy_(self.buffer)
+        step.rows = self.rows
+        return step
+
 
 class DecodeRunner:
     """Fixed-shape decode steps of one model over one page pool, by (B, P) bucket."""
@@ -183,6 +195,8 @@ class DecodeRunner:
         if mode != "off" and (pool.scratch_page is None
                               or not model.prepare_decode(num_ctx + pool.page_size)):
             mode = "off"  # e.g. dynamic NTK rope: its table changes with the length
+        if mode == "graph" and not getattr(model, "supports_graphs", True):
+            mode = "static"  # several processes or devices per step: no one-device graph
         self.model = model
         self.pool = pool
         self.mode = mode

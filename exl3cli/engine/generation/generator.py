@@ -109,7 +109,10 @@ class Generator:
         self.max_queue = max_queue
         if num_pages is None:
             num_pages = self.max_batch * pages_for(self.num_ctx, PAGE_SIZE)
-        self.pool = PagePool(
+        # A model split over ranks or devices makes its own pool (its share of the KV
+        # heads or of the layers; tp_driver.py, models/layer_split.py).
+        make_pool = getattr(model, "page_pool", None)
+        self.pool = make_pool(num_pages, self.cache_type) if make_pool is not None else PagePool(
             num_pages, len(model.layers), config.num_kv_heads, config.head_dim,
             model.dtype, model.device, self.cache_type,
         )

@@ -21,7 +21,7 @@ from exl3cli.errors import InvalidOption
 # engine, not to a sampler step; build_sampler neither uses nor reports them.
 GENERATION_OPTIONS = frozenset(
     {"num_ctx", "num_predict", "stop", "num_keep", "kv_cache_type", "draft_num_predict",
-     "num_gpu", "seed", "truncate"}
+     "num_gpu", "tensor_parallel", "gpu_split", "seed", "truncate"}
 )
 
 

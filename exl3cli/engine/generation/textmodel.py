@@ -51,11 +51,16 @@ class TextModel:
         dtype: Any = None,
         template: str | None = None,
         gpu_layers: int | None = None,
+        tensor_parallel: int | None = None,
+        gpu_split: Any = None,
     ) -> TextModel:
         """Load weights, tokenizer and template from an HF-style folder.
 
         `template` (a Modelfile TEMPLATE) replaces the folder's chat template;
         `gpu_layers` (num_gpu) is passed to the loader's memory plan.
+        `tensor_parallel` N > 1 splits the model over N devices, one process each
+        (tp_launch.py); `gpu_split` ("auto" or GiB per device, e.g. "20,24") places
+        whole layers on the CUDA devices in turn instead (models/layer_split.py).
         """
         from exl3cli.engine.models.loader import load_causal_lm
         from exl3cli.engine.models.vision.loader import load_vision
@@ -63,7 +68,20 @@ class TextModel:
         folder = Path(folder)
         tokenizer = Tokenizer.from_folder(folder)
         chat_template = ChatTemplate.from_folder(folder, template=template)
-        model = load_causal_lm(folder, device=device, dtype=dtype, gpu_layers=gpu_layers)
+        if tensor_parallel is not None and int(tensor_parallel) > 1:
+            if gpu_split is not None:
+                raise InvalidOption("tensor_parallel and gpu_split are two ways to use "
+                                    "several devices: choose one")
+            from exl3cli.engine.generation.tp_launch import load_tensor_parallel
+
+            model = load_tensor_parallel(folder, int(tensor_parallel), device=device, dtype=dtype)
+            return cls(model, tokenizer, chat_template, folder)
+        if gpu_split is not None:
+            from exl3cli.engine.models.layer_split import load_layer_split
+
+            model = load_layer_split(folder, split=gpu_split, dtype=dtype)
+        else:
+            model = load_causal_lm(folder, device=device, dtype=dtype, gpu_layers=gpu_layers)
         return cls(model, tokenizer, chat_template, folder,
                    vision=load_vision(folder, model, tokenizer))
 

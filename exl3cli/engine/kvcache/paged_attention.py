@@ -232,7 +232,56 @@ class PagedBatch:
         """Hidden states [1, N, E] -> each sequence's last new token, [1, num_seqs, E]."""
         return hidden[:, self.last_index]
 
+    # ---- the same step over another pool (tensor parallel ranks, layer-split stages) ---
+
+    def describe(self) -> dict:
+        """What another pool with the same page layout needs to run this step: each
+        sequence's pages, cached length and new-token count, and the rows
+        `select_last` keeps (plain data: it crosses processes)."""
+        size = self.pool.page_size
+        rows = [(list(table.pages[: -(-(start + count) // size)]), start, count)
+                for table, start, count in zip(self.tables, self.starts, self.counts,
+                                               strict=True)]
+        index = torch.arange(self.total, device=self.pool.device).view(1, self.total, 1)
+        return {"kind": "paged", "rows": rows,
+                "select": self.select_last(index).reshape(-1).tolist()}
+
+    def mirror(self, pool: PagePool) -> PagedBatch:
+        """This step over `pool` (same pages, other storage: another rank's KV heads
+        or another device's layers)."""
+        return mirrored_batch(pool, self.describe())
+
     def advance(self, counts: Sequence[int] | None = None) -> None:
         """Commit the new tokens into the page tables (the model calls this)."""
         for table, tokens in zip(self.tables, self.new_tokens, strict=True):
             table.commit(tokens)
+
+
+class MirrorTable:
+    """A page table seen from another pool: the pages and length the owning table has;
+    nothing is allocated, committed or published here."""
+
+    def __init__(self, pool: PagePool, pages: Sequence[int], length: int):
+        self.pool, self.pages, self.length = pool, list(pages), length
+
+    def slots(self, count: int) -> list[int]:
+        size = self.pool.page_size
+        return [self.pages[p // size] * size + p % size
+                for p in range(self.length, self.length + count)]
+
+    def all_slots(self, length: int) -> list[int]:
+        size = self.pool.page_size
+        return [self.pages[p // size] * size + p % size for p in range(length)]
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Nothing: the owning table commits."""
+
+
+def mirrored_batch(pool: PagePool, description: dict) -> PagedBatch:
+    """`PagedBatch.describe()`'s step rebuilt over `pool` (module docstring of
+    engine/generation/tp_worker.py)."""
+    rows = description["rows"]
+    tables = [MirrorTable(pool, pages, start) for pages, start, _ in rows]
+    batch = PagedBatch(pool, tables, [[0] * count for _, _, count in rows])  # type: ignore[arg-type]
+    batch.last_index = torch.tensor(description["select"], dtype=torch.long, device=pool.device)
+    return batch

@@ -30,6 +30,7 @@ from torch import nn
 from exl3cli.engine.layers.linear import Linear
 from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe_decode import SYNC_FREE_MAX_PAIRS, StackedExperts
+from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.spec.architecture import MoESpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
@@ -108,10 +109,13 @@ class MoEMLP(nn.Module):
         self.shared_gate = shared_gate
         self.last_counts: list[int] = []
         self.stacked: StackedExperts | None = None  # see stack_experts
+        self._absent = [isinstance(e.down, AbsentLinear) for e in experts]
 
     def stack_experts(self) -> bool:
         """Stack the experts' dense weights (a second copy) so that decode-sized calls
         run without host syncs (moe_decode.py); False when some expert has none."""
+        if any(self._absent):  # expert parallelism: some experts live on other ranks
+            return False
         self.stacked = StackedExperts.of(list(self.experts))  # type: ignore[arg-type]
         return self.stacked is not None
 
@@ -140,12 +144,15 @@ class MoEMLP(nn.Module):
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         self.last_counts = counts
         picked = rows.index_select(0, token)
-        outputs = torch.empty_like(picked)
+        # Experts held by other tensor-parallel ranks (AbsentLinear) add nothing here:
+        # their rows stay zero and the ranks' sums are added up after the block.
+        absent = self._absent
+        outputs = torch.zeros_like(picked) if any(absent) else torch.empty_like(picked)
         start = 0
-        for expert, count in zip(self.experts, counts, strict=True):
-            if count:
+        for expert, count, away in zip(self.experts, counts, absent, strict=True):
+            if count and not away:
                 outputs[start : start + count] = expert(picked[start : start + count])
-                start += count
+            start += count
         scaled = outputs * weights.reshape(-1)[order, None].to(outputs.dtype)
         return torch.zeros_like(rows).index_add_(0, token, scaled)
 

@@ -14,6 +14,7 @@ from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.layers.linear import GEMV_MAX_ROWS, DenseLinear, Linear
 from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.norm import RMSNorm
+from exl3cli.engine.layers.parallel import VocabShard
 from exl3cli.engine.layers.rope import RotaryEmbedding
 from exl3cli.engine.spec.architecture import ArchitectureSpec
 from exl3cli.engine.spec.config import ModelConfig
@@ -203,6 +204,11 @@ class CausalLM(nn.Module):
             if spec.embed_scale else None
         )
         self.final_softcap = config.final_logit_softcapping
+        # Tensor parallel (engine/models/shard.py): this rank's slice of the vocabulary
+        # (embedding rows, head columns), a layers/parallel.VocabShard; None: all of it.
+        self.vocab_shard: VocabShard | None = None
+        # A layer split (layer_split.LayerStages): the layers' devices in turn; None: one.
+        self.stages: Any = None
         # An image-text model's encoded images (vision/image_tokens.ImageTokens): token
         # ids past the vocabulary that embed as image rows; None for text only.
         self.images: Any = None
@@ -247,9 +253,7 @@ class CausalLM(nn.Module):
                 cache = self.images.wrap_step(cache, input_ids)
             step = self._plan_paged_step(cache)
             cache.check_input(input_ids)
-        hidden = self._embed(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, step)
+        hidden = self._run_layers(self._embed(input_ids), step)
         if cache is not None:
             cache.advance()
         if last_logits_only:
@@ -278,10 +282,15 @@ class CausalLM(nn.Module):
         batch, steps = input_ids.shape
         input_ids = input_ids.to(self.device)
         step = self._plan_step(batch, steps, input_ids)
-        hidden = self._embed(input_ids)
+        hidden = self._run_layers(self._embed(input_ids), step)
+        return self.final_norm(hidden).float()
+
+    def _run_layers(self, hidden: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        if self.stages is not None:  # a layer split over devices (layer_split.py)
+            return self.stages.run(self.layers, hidden, step)
         for layer in self.layers:
             hidden = layer(hidden, step)
-        return self.final_norm(hidden).float()
+        return hidden
 
     def _plan_step(self, batch: int, steps: int,
                    input_ids: torch.Tensor | None = None) -> AttentionStep:
@@ -324,16 +333,24 @@ class CausalLM(nn.Module):
         return self._embed_text(input_ids)
 
     def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_weight).to(self._compute_dtype)
+        if self.vocab_shard is not None:
+            hidden = self.vocab_shard.embed(input_ids, self.embed_weight, self._compute_dtype)
+        else:
+            hidden = F.embedding(input_ids, self.embed_weight).to(self._compute_dtype)
         return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         return softcap_logits(logits, self.final_softcap)
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The vocabulary projection. A decode step on CPU with an unpacked float32/bf16
-        head (the tied embedding: no packed copy of the largest matrix) streams the
-        row-major weight through a GEMV kernel, about twice as fast as F.linear there."""
+        """The vocabulary projection (every rank's slice gathered under tensor parallel)."""
+        logits = self._project_local(hidden)
+        return logits if self.vocab_shard is None else self.vocab_shard.gather(logits)
+
+    def _project_local(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This model's head. A decode step on CPU with an unpacked float32/bf16 head
+        (the tied embedding: no packed copy of the largest matrix) streams the row-major
+        weight through a GEMV kernel, about twice as fast as F.linear there."""
         head = self.lm_head
         rows = hidden.reshape(-1, hidden.shape[-1])
         if (rows.shape[0] <= GEMV_MAX_ROWS and hidden.dtype == torch.float32

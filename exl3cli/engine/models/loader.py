@@ -27,6 +27,7 @@ from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP, build_moe_mlp
 from exl3cli.engine.layers.norm import FullWidthQKNorm, LayerNorm, RMSNorm
 from exl3cli.engine.layers.offload import offload_linear
+from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.layers.rope import rope_permutation, rotary_dim
 from exl3cli.engine.models.blocks import ParallelDecoderLayer
 from exl3cli.engine.models.causal_lm import CausalLM, DecoderLayer
@@ -307,9 +308,12 @@ def build_causal_lm(
     linear_mode: str | None = None,
     cpu_weights: str | None = None,
     offload_from: int | None = None,
+    layer_devices: list[torch.device] | None = None,
 ) -> CausalLM:
     """Assemble the shared blocks as `spec` describes, with weights from `reader`;
-    the projections of layers from `offload_from` on run on the CPU (engine/layers/offload.py)."""
+    the projections of layers from `offload_from` on run on the CPU (engine/layers/offload.py).
+    `layer_devices` (a layer split, layer_split.py): decoder layer i's weights on
+    `layer_devices[i]`; embeddings, final norm and head on `device`."""
     names = spec.tensor_names(reader.has)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
     if packing == "exl3" and linear_mode is not None:  # an explicit Exl3Linear mode wins
@@ -318,15 +322,21 @@ def build_causal_lm(
     if packing == "exl3":
         dense_packing = "fp32" if dtype == torch.float32 else None
 
+    place = {"device": device}  # where the layer being built goes
+
     def tensor(name: str) -> torch.Tensor:
-        return reader.get(name, dtype=dtype, device=device).contiguous()
+        return reader.get(name, dtype=dtype, device=place["device"]).contiguous()
+
+    absent = getattr(reader, "absent", None)  # modules another tensor-parallel rank holds
 
     def linear(prefixes: list[str], shapes: list[tuple[int, int]], bias: bool) -> Linear:
         # Each module as stored (dense .weight or EXL3 .trellis), trimmed to its logical
         # (in, out) shape; fused projections concatenate along the output dimension.
+        if absent is not None and all(absent(p) for p in prefixes):
+            return AbsentLinear(shapes[0][0], sum(o for _, o in shapes))
         mode = linear_mode or ("trellis" if packing == "exl3" else None)
         parts = [
-            load_linear(reader, p, i, o, device, dtype, mode=mode, require_bias=bias)
+            load_linear(reader, p, i, o, place["device"], dtype, mode=mode, require_bias=bias)
             for p, (i, o) in zip(prefixes, shapes, strict=True)
         ]
         if packing == "exl3":
@@ -347,9 +357,12 @@ def build_causal_lm(
         ])
 
     first_offloaded = config.num_layers if offload_from is None else offload_from
-    layers = [build_decoder_layer(config, spec, names, i, layer_types[i], tensor,
-                                  linear if i < first_offloaded else offloaded)
-              for i in range(config.num_layers)]
+    layers = []
+    for i in range(config.num_layers):
+        place["device"] = layer_devices[i] if layer_devices is not None else device
+        layers.append(build_decoder_layer(config, spec, names, i, layer_types[i], tensor,
+                                          linear if i < first_offloaded else offloaded))
+    place["device"] = device
     hidden = config.hidden_size
     head_prefix = names.lm_head.removesuffix(".weight")
     quantized_head = reader.has(head_prefix + ".trellis")
