@@ -2,8 +2,8 @@
 full attention, 2-D rotary, merger) and the Gemma 3 SigLIP tower + projector, and the
 Qwen2.5-VL language model with images in the prompt (M-RoPE), each against the CPU
 reference path on the tiny random folders (float32: max abs diff < 1e-3); the tower in
-float16 on CUDA still tracks float32; the generator's greedy answer about an image is
-the CPU's.
+float16 on CUDA still tracks float32; the generator's greedy answers about images are
+the CPU's, decoding through CUDA graphs (M-RoPE offsets per row) or without.
 
 Collected everywhere, run only where a GPU is (pyproject deselects `cuda` by default).
 """
@@ -59,20 +59,32 @@ def test_qwen_logits_with_images_match_the_cpu(qwen):
     assert (got - want).abs().max() < TOLERANCE
 
 
-def test_qwen_greedy_answer_about_an_image_is_the_cpus(qwen):
+@pytest.mark.parametrize("mode", ["graph", "off"])
+def test_qwen_greedy_answers_about_images_are_the_cpus(qwen, mode):
+    """CUDA-graph decode steps (rows with M-RoPE offsets after their images, and a
+    text-only row beside them) and the general paged path both give the CPU's tokens."""
     answers = {}
-    for name in ("cpu", "cuda"):
+    for name, decode in (("cpu", "off"), ("cuda", mode)):
         loaded = qwen[name]
-        generator = Generator(loaded.model, loaded.tokenizer, max_batch=2, num_ctx=512)
-        handle = generator.submit(GenerationJob(_prompt(loaded, IMAGES[:1]),
-                                                {"temperature": 0}, num_predict=8,
-                                                ignore_eos=True))
-        answers[name] = [t for event in handle.iter_events() for t in event.token_ids]
-    assert len(answers["cpu"]) == 8
+        generator = Generator(loaded.model, loaded.tokenizer, max_batch=4, num_ctx=512,
+                              decode_mode=decode)
+        prompts = [_prompt(loaded, IMAGES[:1]), _prompt(loaded, IMAGES),
+                   loaded.tokenizer.encode("The quick brown fox")]
+        handles = [generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=8,
+                                                  ignore_eos=True)) for ids in prompts]
+        generator.run_until_done()
+        answers[name] = [[t for event in h.iter_events() for t in event.token_ids]
+                         for h in handles]
+        if name == "cuda":
+            assert generator.decode.mode == mode
+            assert (generator.decode.graph_count > 0) == (mode == "graph")
+    assert [len(tokens) for tokens in answers["cpu"]] == [8, 8, 8]
     assert answers["cuda"] == answers["cpu"]
 
 
-def test_gemma3_tower_and_projector_match_the_cpu(tmp_path):
+def test_gemma3_tower_projector_and_graph_decode_match_the_cpu(tmp_path):
+    """SigLIP + projector on CUDA; then an answer about the image decoded through CUDA
+    graphs (decode steps embed text only: no device check for image ids to capture)."""
     folder = write_tiny_gemma3_vision(tmp_path / "gemma3")
     cpu = TextModel.load(folder, device="cpu", dtype=torch.float32)
     gpu = TextModel.load(folder, device="cuda", dtype=torch.float32)
@@ -80,3 +92,15 @@ def test_gemma3_tower_and_projector_match_the_cpu(tmp_path):
     want, got = cpu.vision.encode(image), gpu.vision.encode(image)
     assert got.is_cuda and got.shape == want.shape
     assert (got.cpu() - want).abs().max() < TOLERANCE
+    answers = []
+    for loaded, mode in ((cpu, "off"), (gpu, "graph")):
+        text = (f"<start_of_turn>user\n{loaded.vision.placeholder} Describe it.<end_of_turn>\n"
+                "<start_of_turn>model\n")
+        ids = loaded.vision.prompt_ids(text, [image], loaded.tokenizer.encode)
+        generator = Generator(loaded.model, loaded.tokenizer, max_batch=2, num_ctx=512,
+                              decode_mode=mode)
+        handle = generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=8,
+                                                ignore_eos=True))
+        answers.append([t for event in handle.iter_events() for t in event.token_ids])
+        assert generator.decode.mode == mode
+    assert len(answers[0]) == 8 and answers[1] == answers[0]

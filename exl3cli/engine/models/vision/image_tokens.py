@@ -79,8 +79,9 @@ def allowed_keys(start: int, count: int, runs: Iterable[tuple[int, int]],
 class ImageTokens:
     """Image embeddings by token id, for one model (thread-safe)."""
 
-    # The rotary position of every token is its cache position (the fixed-shape decode
-    # steps of decode_step.py rely on it); False where images move positions (M-RoPE).
+    # The rotary position of every token is its cache position; False where images
+    # move positions (M-RoPE): the fixed-shape decode steps of decode_step.py then add
+    # `decode_offset` to each row's cache length.
     cache_positions = True
 
     def __init__(self, vocab_size: int, capacity: int = DEFAULT_CAPACITY):
@@ -187,6 +188,10 @@ class ImageTokens:
     def paged_rope_positions(self, batch: AttentionCache) -> torch.Tensor | None:
         """Rotary positions [3, 1, N] of a paged step's tokens, None: the cache's."""
         return None
+
+    def decode_offset(self, history: Sequence[int]) -> int:
+        """Rotary position minus cache position of a text token after `history`: 0."""
+        return 0
 
     def block_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Image runs of whole sequences (module function `block_ids`)."""
