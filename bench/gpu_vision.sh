@@ -8,12 +8,14 @@
 #
 # Usage (repo root): bash bench/gpu_vision.sh      carry: [".whl"] where .whl/ holds the
 # peer's wheels and its prebuilt extension (*.so.xz) (shared/tools/README.md).
-# STAGES (default "tests ours peer"; the kernel build and the folder always run):
+# STAGES (default "tests ours off peer"; the kernel build and the folder always run):
 #   tests   pytest -m cuda tests/engine/test_vision_cuda.py (CUDA_TESTS: other files)
 #   ours    bench/vision_bench.py -> ours.json
-#   off     the same with EXL3_DECODE_MODE=off (the general paged decode path) -> ours-off.json
+#   off     the same with EXL3_DECODE_MODE=off (the general paged decode path, how
+#           Qwen2.5-VL decoded before its rows carried M-RoPE offsets) -> ours-off.json
 #   peer    bench/peer_vision.py from /tmp with PYTHONPATH=/tmp/peer -> peer.json
-# Dry run on a CPU (the tiny shape, no install, no peer; cuda tests only collected):
+# Dry run on a CPU (the tiny shape, no install, no peer; cuda tests only collected;
+# "ours" decodes in static mode):
 #   DRY=1 CUDA_VISIBLE_DEVICES= bash bench/gpu_vision.sh
 # Small outputs land in $OUT (JSON, table.txt, logs.tgz).
 set -u -o pipefail
@@ -26,12 +28,13 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/status.txt"; }
 : >"$OUT/status.txt"
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=${MAX_JOBS:-16} TOKENIZERS_PARALLELISM=false
-STAGES=${STAGES:-"tests ours peer"}
+STAGES=${STAGES:-"tests ours off peer"}
 DRY=${DRY:-}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 SHAPE=qwen2.5-vl-7b DEVICE=cuda IMAGE=${IMAGE:-1024} GEN=${GEN:-64}
 [ -n "$DRY" ] && SHAPE=qwen2.5-vl-tiny DEVICE=cpu
 M=${MODEL_DIR:-/tmp/exl3-$SHAPE-4.0}
+[ -n "$DRY" ] && OURS_TIMEOUT=${OURS_TIMEOUT:-900}  # a shared CPU is slow
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
   | tee "$OUT/env.txt"
@@ -84,7 +87,8 @@ ours() {  # name, env...
     || { stamp "FAIL: $name"; tail -8 "$OUT/$name.err"; rm -f "$OUT/$name.json"; return 1; }
   stamp "$name done"
 }
-has ours && ours ours
+# Dry: the fixed-shape decode step run eagerly ("static", what the GPU's graphs replay).
+if [ -n "$DRY" ]; then has ours && ours ours EXL3_DECODE_MODE=static; else has ours && ours ours; fi
 has off && ours ours-off EXL3_DECODE_MODE=off
 
 if has peer && [ -z "$DRY" ]; then

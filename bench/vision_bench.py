@@ -8,7 +8,8 @@ Timings (seconds, medians; CUDA-synchronised):
 - load_s: TextModel + vision tower + Generator (its decode graphs captured), once.
 - decode_image_s: PNG bytes -> Pillow RGB image.
 - preprocess_s: image -> patches (resize, normalise, patching) on the CPU.
-- encode_s: patches -> image embeddings (tower + merger) on the device.
+- encode_s: patches -> image embeddings (tower + merger) on the device; encode_loop_s
+  the same with one attention call per window (Qwen2.5-VL's tower before batching).
 - embed_s: image -> embeddings (preprocess + encode), the scope of the peer's
   get_image_embeddings.
 - ttft_s: a chat with one new image (bench/vision_image.py: a different image each
@@ -110,6 +111,14 @@ def run(folder: Path, device: str | None, size: int, gen: int, repeat: int,
     encode_runs, rows = _timed(lambda: vision.vision.embed_image((patches, grid)), dev, repeat)
     embed_runs, _ = _timed(lambda: vision.vision.embed_image(vision.processor(image)), dev,
                            repeat)
+    loop_runs: list[float] = []
+    tower = getattr(vision.vision, "tower", None)
+    if tower is not None and hasattr(tower, "batched_windows"):  # the before: a call a window
+        tower.batched_windows = False
+        try:
+            loop_runs, _ = _timed(lambda: vision.vision.embed_image((patches, grid)), dev, repeat)
+        finally:
+            tower.batched_windows = True
     one_chat(text_model, generator, synthetic_image(size, seed=99), gen)  # warm-up
     chat_runs = [one_chat(text_model, generator, synthetic_image(size, seed=100 + i), gen)
                  for i in range(chats)]
@@ -123,6 +132,7 @@ def run(folder: Path, device: str | None, size: int, gen: int, repeat: int,
         "decode_image_s": median(decode_runs), "preprocess_s": median(prep_runs),
         "encode_s": median(encode_runs), "encode_runs": encode_runs,
         "embed_s": median(embed_runs),
+        "encode_loop_s": median(loop_runs) if loop_runs else None,
         "ttft_s": median(r["ttft_s"] for r in chat_runs),
         "ttft_runs": [r["ttft_s"] for r in chat_runs],
         "prompt_s": median(r["prompt_s"] for r in chat_runs),

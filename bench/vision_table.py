@@ -17,6 +17,7 @@ ROWS = [
     ("decode PNG", "decode_image_s", 1000, "ms"),
     ("preprocess (resize, normalise, patches)", "preprocess_s", 1000, "ms"),
     ("vision encode (tower + merger)", "encode_s", 1000, "ms"),
+    ("  the same, one attention call per window", "encode_loop_s", 1000, "ms"),
     ("image -> embeddings (preprocess + encode)", "embed_s", 1000, "ms"),
     ("TTFT (new image + question -> 1st token)", "ttft_s", 1000, "ms"),
     ("  of which before the prompt is submitted", "prompt_s", 1000, "ms"),
