@@ -148,8 +148,26 @@ def _tower_tasks(vision: dict[str, Any]) -> list[_Task]:
                     dense("visual.merger.mlp.2", merge * hidden, vision["out_hidden_size"])]
 
 
-def _text_tasks(config: dict[str, Any], bits: float, head_bits: int, codebook: str
-                ) -> list[_Task]:
+def _randn_rows(rows: int, cols: int, gen: torch.Generator, workers: int) -> torch.Tensor:
+    """A standard normal bfloat16 [rows, cols], filled in row blocks by `workers` threads
+    (the embedding: the largest tensor, else the writer's critical path)."""
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    step = -(-rows // workers)
+
+    def fill(index: int) -> None:
+        block = torch.Generator().manual_seed(seed + index)
+        begin = index * step
+        end = min(rows, begin + step)
+        out[begin:end] = torch.randn(end - begin, cols, generator=block)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(fill, range(-(-rows // step))))
+    return out
+
+
+def _text_tasks(config: dict[str, Any], bits: float, head_bits: int, codebook: str,
+                workers: int) -> list[_Task]:
     """The language model: bf16 embedding and norms, random trellis linears (Qwen2's
     q, k, v with zero biases), a quantized head."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
@@ -166,8 +184,8 @@ def _text_tasks(config: dict[str, Any], bits: float, head_bits: int, codebook: s
             return tensors
         return ("exl3", name, make)
 
-    tasks: list[_Task] = [("tensor", "model.embed_tokens.weight", lambda gen: torch.randn(
-        vocab, hidden, generator=gen).to(torch.bfloat16))]
+    tasks: list[_Task] = [("tensor", "model.embed_tokens.weight",
+                           lambda gen: _randn_rows(vocab, hidden, gen, workers))]
     for name, in_features, out_features in linear_shapes(config):
         layer = int(name.split(".")[2])
         if name.endswith("q_proj"):
@@ -219,9 +237,10 @@ def write_synthetic_vision_model(
     if num_layers is not None:
         config["num_hidden_layers"] = config["max_window_layers"] = int(num_layers)
     writer = Exl3FolderWriter(out_dir, config, shard_bytes)
-    tasks = (_text_tasks(config, bits, head_bits, codebook)
+    workers = workers or min(16, os.cpu_count() or 1)
+    tasks = (_text_tasks(config, bits, head_bits, codebook, workers)
              + _tower_tasks(config["vision_config"]))
-    for (kind, name, _), value in _made(tasks, seed, workers or min(16, os.cpu_count() or 1)):
+    for (kind, name, _), value in _made(tasks, seed, workers):
         if kind == "tensor":
             writer.add_tensor(name, value)
         elif kind == "dense":

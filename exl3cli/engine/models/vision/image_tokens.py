@@ -165,9 +165,23 @@ class ImageTokens:
             located = [self._locate(value) for value in wanted]
             if any(place is None for place in located):
                 raise InvalidOption("an image token's embeddings are no longer held")
-            rows = torch.stack([self._rows[first][row] for first, row in located])  # type: ignore[misc]
+            rows = torch.cat(self._slices(located))  # type: ignore[arg-type]
         hidden[image] = rows.to(hidden.device, hidden.dtype)
         return hidden
+
+    def _slices(self, located: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The held rows at (first id, row) places, one slice per run of consecutive
+        rows of one image (an image's 1,000+ tokens: one slice, not a row each)."""
+        out = []
+        begin = 0
+        for end in range(1, len(located) + 1):
+            if end < len(located) and located[end] == (located[end - 1][0],
+                                                       located[end - 1][1] + 1):
+                continue
+            first, row = located[begin]
+            out.append(self._rows[first][row : row + end - begin])
+            begin = end
+        return out
 
     def image_at(self, value: int) -> tuple[int, int, int, tuple[int, int] | None] | None:
         """(first id, row, token count, grid) of any image id handed out (held or
