@@ -107,11 +107,8 @@ def run(folder: Path, size: int, gen: int, repeat: int, chats: int) -> dict[str,
     patches, resized, grid = prepared
     embed_runs, embedding = _timed(
         lambda: vision.get_image_embeddings(tokenizer, image, text_alias=ALIAS), repeat)
-    one_chat(vision, tokenizer, generator, synthetic_image(size, seed=99), gen)  # warm-up
-    chat_runs = [one_chat(vision, tokenizer, generator, synthetic_image(size, seed=100 + i), gen)
-                 for i in range(chats)]
     median = statistics.median
-    return {
+    result: dict[str, Any] = {
         "impl": "exllamav3", "model": str(folder), "device": "cuda:0",
         "gpu": torch.cuda.get_device_name(0),
         "image": {"size": size, "grid_patches": [int(grid[1]), int(grid[2])],
@@ -121,14 +118,26 @@ def run(folder: Path, size: int, gen: int, repeat: int, chats: int) -> dict[str,
         "decode_image_s": median(decode_runs), "preprocess_s": median(prep_runs),
         "embed_s": median(embed_runs), "embed_runs": embed_runs,
         "encode_s": median(embed_runs) - median(prep_runs),
-        "ttft_s": median(r["ttft_s"] for r in chat_runs),
-        "ttft_runs": [r["ttft_s"] for r in chat_runs],
-        "prompt_s": median(r["prompt_s"] for r in chat_runs),
-        "prompt_tokens": chat_runs[0]["prompt_tokens"],
-        "decode_tok_s": median(r["decode_tok_s"] for r in chat_runs),
-        "gen_tokens": chat_runs[0]["gen_tokens"],
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
+    try:  # the encode figures stand even if the chat part fails
+        one_chat(vision, tokenizer, generator, synthetic_image(size, seed=99), gen)  # warm-up
+        chat_runs = [one_chat(vision, tokenizer, generator, synthetic_image(size, seed=100 + i),
+                              gen) for i in range(chats)]
+        result.update({
+            "ttft_s": median(r["ttft_s"] for r in chat_runs),
+            "ttft_runs": [r["ttft_s"] for r in chat_runs],
+            "prompt_s": median(r["prompt_s"] for r in chat_runs),
+            "prompt_tokens": chat_runs[0]["prompt_tokens"],
+            "decode_tok_s": median(r["decode_tok_s"] for r in chat_runs),
+            "gen_tokens": chat_runs[0]["gen_tokens"],
+        })
+    except Exception as error:  # reported in the JSON and the table
+        import traceback
+
+        traceback.print_exc()
+        result["chat_error"] = f"{type(error).__name__}: {error}"
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

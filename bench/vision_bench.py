@@ -119,12 +119,10 @@ def run(folder: Path, device: str | None, size: int, gen: int, repeat: int,
             loop_runs, _ = _timed(lambda: vision.vision.embed_image((patches, grid)), dev, repeat)
         finally:
             tower.batched_windows = True
-    one_chat(text_model, generator, synthetic_image(size, seed=99), gen)  # warm-up
-    chat_runs = [one_chat(text_model, generator, synthetic_image(size, seed=100 + i), gen)
-                 for i in range(chats)]
     median = statistics.median
-    return {
-        "impl": "exl3", "exl3cli": str(Path(exl3cli.__file__).parent), "model": str(folder), "device": str(dev), "dtype": str(model.dtype),
+    result: dict[str, Any] = {
+        "impl": "exl3", "exl3cli": str(Path(exl3cli.__file__).parent), "model": str(folder),
+        "device": str(dev), "dtype": str(model.dtype),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "image": {"size": size, "grid_patches": list(grid[1:]), "patches": int(patches.shape[0]),
                   "tokens": int(rows.shape[0]), "png_bytes": len(data)},
@@ -133,15 +131,29 @@ def run(folder: Path, device: str | None, size: int, gen: int, repeat: int,
         "encode_s": median(encode_runs), "encode_runs": encode_runs,
         "embed_s": median(embed_runs),
         "encode_loop_s": median(loop_runs) if loop_runs else None,
-        "ttft_s": median(r["ttft_s"] for r in chat_runs),
-        "ttft_runs": [r["ttft_s"] for r in chat_runs],
-        "prompt_s": median(r["prompt_s"] for r in chat_runs),
-        "prompt_tokens": chat_runs[0]["prompt_tokens"],
-        "decode_tok_s": median(r["decode_tok_s"] for r in chat_runs),
-        "gen_tokens": chat_runs[0]["gen_tokens"], "decode_mode": generator.decode.mode,
-        "peak_gib": (torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
-                     else None),
     }
+    try:  # the encode figures stand even if the chat part fails
+        one_chat(text_model, generator, synthetic_image(size, seed=99), gen)  # warm-up
+        chat_runs = [one_chat(text_model, generator, synthetic_image(size, seed=100 + i), gen)
+                     for i in range(chats)]
+        result.update({
+            "ttft_s": median(r["ttft_s"] for r in chat_runs),
+            "ttft_runs": [r["ttft_s"] for r in chat_runs],
+            "prompt_s": median(r["prompt_s"] for r in chat_runs),
+            "prompt_tokens": chat_runs[0]["prompt_tokens"],
+            "decode_tok_s": median(r["decode_tok_s"] for r in chat_runs),
+            "gen_tokens": chat_runs[0]["gen_tokens"],
+        })
+    except Exception as error:  # reported in the JSON and the table
+        import traceback
+
+        traceback.print_exc()
+        result["chat_error"] = f"{type(error).__name__}: {error}"
+    result["decode_mode"] = generator.decode.mode
+    result["graphs"] = generator.decode.graph_count
+    result["peak_gib"] = (torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
+                          else None)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

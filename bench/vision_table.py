@@ -63,6 +63,9 @@ def table(out: Path) -> str:
             ratio = f"{main[key] / peer[key]:.2f}x"
         lines.append(f"| {label}{f' ({unit})' if unit else ''} | " + " | ".join(cells)
                      + f" | {_cell(peer, key, scale)} | {ratio} |")
+    for name, row in [*ours.items(), ("peer", peer)]:
+        if row and row.get("chat_error"):
+            lines.append(f"{name}: chat failed: {row['chat_error']}")
     modes = ", ".join(f"{n}: {r.get('decode_mode')}" for n, r in ours.items() if r)
     if modes:
         lines.append(f"decode mode: {modes}")
