@@ -9,7 +9,8 @@
 # Usage (repo root): bash bench/gpu_vision.sh      carry: [".whl"] where .whl/ holds the
 # peer's wheels and its prebuilt extension (*.so.xz) (shared/tools/README.md).
 # STAGES (default "tests ours off peer"; the kernel build and the folder always run):
-#   tests   pytest -m cuda tests/engine/test_vision_cuda.py (CUDA_TESTS: other files)
+#   tests   pytest -m cuda tests/engine/test_vision_cuda.py tests/engine/test_generator_cuda.py
+#           (CUDA_TESTS: other files)
 #   ours    bench/vision_bench.py -> ours.json
 #   off     the same with EXL3_DECODE_MODE=off (the general paged decode path, how
 #           Qwen2.5-VL decoded before its rows carried M-RoPE offsets) -> ours-off.json
@@ -65,12 +66,13 @@ print('BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.t
 fi
 
 if has tests; then
-  TESTS=${CUDA_TESTS:-tests/engine/test_vision_cuda.py}
+  # The vision paths, and the text generator's graph decode (its step buffer changed).
+  TESTS=${CUDA_TESTS:-tests/engine/test_vision_cuda.py tests/engine/test_generator_cuda.py}
   if [ -n "$DRY" ]; then  # no GPU: only check that they collect
     timeout 120 python3 -m pytest -q --collect-only -m cuda -p no:randomly $TESTS \
       >"$OUT/tests-cuda.log" 2>&1
   else
-    timeout 240 python3 -m pytest -q -m cuda -p no:randomly $TESTS >"$OUT/tests-cuda.log" 2>&1
+    timeout 300 python3 -m pytest -q -m cuda -p no:randomly $TESTS >"$OUT/tests-cuda.log" 2>&1
   fi
   stamp "cuda tests${DRY:+ (dry: collected)}: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12

@@ -66,7 +66,8 @@ def table(out: Path) -> str:
     for name, row in [*ours.items(), ("peer", peer)]:
         if row and row.get("chat_error"):
             lines.append(f"{name}: chat failed: {row['chat_error']}")
-    modes = ", ".join(f"{n}: {r.get('decode_mode')}" for n, r in ours.items() if r)
+    modes = ", ".join(f"{n}: {r.get('decode_mode')} ({r.get('graphs', 0)} graphs)"
+                      for n, r in ours.items() if r)
     if modes:
         lines.append(f"decode mode: {modes}")
     status = out / "status.txt"
