@@ -10,8 +10,8 @@
     jobs = [llm.submit(p, max_tokens=8) for p in ["One", "Two", "Three"]]
     answers = [job.text() for job in jobs]  # the three ran as one batch
 
-Image-text models (Gemma 3) take images as file paths or bytes, in a prompt or in chat
-messages (a text-only model refuses them with InvalidOption):
+Image-text models (Gemma 3, Qwen2.5-VL) take images as file paths or bytes, in a prompt or
+in chat messages (a text-only model refuses them with InvalidOption):
 
     llm.generate("What is in this picture?", images=["cat.png"], max_tokens=32)
     llm.chat([{"role": "user", "content": "Describe it.", "images": [png_bytes]}])

@@ -141,7 +141,12 @@ def test_paged_chunks_and_decode_match_transformers(loaded, reference, split):
 def _greedy_reference(reference, loaded, ids, images, count):
     ids = list(ids)
     for _ in range(count):
-        ids.append(int(_reference_logits(reference, loaded, ids, images)[0, -1].argmax()))
+        if images:
+            logits = _reference_logits(reference, loaded, ids, images)
+        else:
+            with torch.no_grad():
+                logits = reference(input_ids=torch.tensor([ids])).logits
+        ids.append(int(logits[0, -1].argmax()))
     return ids[-count:]
 
 
@@ -152,17 +157,35 @@ def _run(generator, prompt, count):
     return tokens, handle.final
 
 
-def test_generator_answers_are_transformers_greedy(loaded, reference):
-    prompts = [(_prompt(loaded, IMAGES[:2]), IMAGES[:2]), (_prompt(loaded, IMAGES[2:]), IMAGES[2:])]
-    generator = Generator(loaded.model, loaded.tokenizer, max_batch=2, num_ctx=512,
-                          max_prefill_tokens=16)
-    assert not generator.decode.enabled  # fixed-shape steps rotate by cache lengths
+@pytest.mark.parametrize("mode", ["off", "static"])
+def test_generator_answers_are_transformers_greedy(loaded, reference, mode):
+    """Decoding through the general paged steps ("off", the CPU default) and through the
+    fixed-shape steps CUDA graphs replay ("static": the same step code, run eagerly),
+    whose rows carry rotary offsets after images; a text-only job shares the batch."""
+    prompts = [(_prompt(loaded, IMAGES[:2]), IMAGES[:2]), (_prompt(loaded, IMAGES[2:]), IMAGES[2:]),
+               (loaded.tokenizer.encode("The quick brown fox"), [])]
+    generator = Generator(loaded.model, loaded.tokenizer, max_batch=3, num_ctx=512,
+                          max_prefill_tokens=16, decode_mode=mode)
+    assert generator.decode.mode == mode
+    fixed_steps = []
+    run = generator.decode.run
+    generator.decode.run = lambda rows, ids=None: fixed_steps.append(len(rows)) or run(rows, ids)
     handles = [generator.submit(GenerationJob(ids, options={"temperature": 0}, num_predict=5,
                                               ignore_eos=True)) for ids, _ in prompts]
     generator.run_until_done()
+    assert (3 in fixed_steps) == (mode == "static")  # all three rows in one fixed step
     for handle, (ids, images) in zip(handles, prompts, strict=True):
         tokens = [t for event in handle.iter_events() for t in event.token_ids]
         assert tokens == _greedy_reference(reference, loaded, ids, images, 5)
+
+
+def test_decode_offset_is_the_shift_of_the_images_before(loaded):
+    ids = _prompt(loaded, IMAGES[:2])
+    held = loaded.model.images
+    grids = [loaded.vision.token_grid(b) for b in IMAGES[:2]]  # (2, 2) and (3, 7)
+    assert held.decode_offset(ids) == sum(max(r, c) - r * c for r, c in grids) == -2 - 14
+    assert int(held.positions(ids, [5])[0, 0]) == len(ids) + held.decode_offset(ids)
+    assert held.decode_offset(ids[:5]) == 0
 
 
 def test_follow_up_turn_reuses_the_image_pages(loaded):

@@ -1,6 +1,7 @@
 """Qwen2.5-VL's vision tower and patch merger against transformers' `model.visual` on
 the processor's pixel_values of real images (fp32): window attention with windows cut
-short at the grid's edges, a full-attention block, several images in one call."""
+short at the grid's edges (batched in one call, or one call each), a full-attention
+block, several images in one call."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from exl3cli.engine.models.vision.image_processor import decode_image
 from exl3cli.engine.models.vision.patch_processor import PatchImageProcessor
 from exl3cli.engine.models.vision.qwen2_5_vl_tower import (
     QwenVisionConfig,
+    Segments,
     load_qwen_vision_tower,
+    segment_attention,
     window_order,
 )
 from exl3cli.engine.models.weights import WeightReader
@@ -79,3 +82,32 @@ def test_window_order_equals_transformers():
     index, cumulative = get_vision_window_index(torch.tensor(grids), 2, 56, 14)
     assert torch.equal(order, index)
     assert lengths == torch.diff(cumulative).tolist()
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_batched_windows_equal_one_call_per_window(towers, count):
+    """Windows padded to one batched call (padding keys masked) give the per-window
+    calls' features: windows cut short at the edges, several images at once."""
+    ours, _ = towers
+    pixels, grids = _pixels(IMAGES[:count] if count > 1 else IMAGES[1:2])
+    batched = ours(pixels, grids)
+    try:
+        ours.batched_windows = False
+        looped = ours(pixels, grids)
+    finally:
+        ours.batched_windows = True
+    assert (batched - looped).abs().max() < 1e-5
+
+
+def test_segments_gather_pad_and_keep_in_order():
+    segments = Segments.batched([3, 1, 2], torch.device("cpu"))
+    assert segments.index.tolist() == [[0, 1, 2], [3, 3, 3], [4, 5, 5]]
+    assert segments.mask[:, 0, 0].tolist() == [[True] * 3, [True, False, False],
+                                               [True, True, False]]
+    assert torch.arange(9)[segments.keep].tolist() == [0, 1, 2, 3, 6, 7]
+    even = Segments.batched([2, 2], torch.device("cpu"))
+    assert even.mask is None and even.keep is None
+    x = torch.randn(6, 2, 4)
+    got = segment_attention(x, x, x, Segments.batched([3, 1, 2], torch.device("cpu")))
+    want = segment_attention(x, x, x, Segments([3, 1, 2]))
+    assert (got - want).abs().max() < 1e-6

@@ -3,12 +3,18 @@
 A step that only decodes (one new token for each of n jobs) runs through a
 `FixedDecodeStep`: the batch is padded to a bucket of B rows and every row's page
 table to P pages, and all the step reads from the host (token ids, cached lengths,
-page tables) sits in one device buffer filled by a single copy. Everything derived
-from it (positions, the slot each new key goes to, the slots attention reads) is
-computed on the device inside the step, so one captured graph serves every step
-of that (B, P) bucket: a job joining, leaving or growing a page changes the data in
-the buffer, never the graph. Padding rows write to the pool's scratch page and
-attend to that one slot.
+rotary offsets, page tables) sits in one device buffer filled by a single copy.
+Everything derived from it (positions, the slot each new key goes to, the slots
+attention reads) is computed on the device inside the step, so one captured graph
+serves every step of that (B, P) bucket: a job joining, leaving or growing a page
+changes the data in the buffer, never the graph. Padding rows write to the pool's
+scratch page and attend to that one slot.
+
+A token's rotary position is its cache position plus its row's offset: 0, except after
+images that move positions (Qwen2.5-VL's M-RoPE, vision/mrope.py: a text token after
+an image sits max(rows, columns) - rows * columns positions before its cache index).
+The offset of a row is the model's `images.decode_offset(tokens so far)`, computed once
+per page table (decode only appends text, which keeps it).
 
 `DecodeRunner.run(rows)` feeds rows [(PageTable, token)] and returns logits [n, V]
 (float32; a graph's output buffer, valid until the next run); the caller commits the
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +72,10 @@ class FixedDecodeStep:
     `load(rows)` writes the host data; `prepare()` (called by the model inside the
     step) derives the device tensors every layer shares."""
 
+    # Its tokens were sampled from the vocabulary: never an image id (CausalLM.forward
+    # then embeds them as text without checking on the device).
+    text_only = True
+
     def __init__(self, pool: PagePool, batch: int, pages: int):
         if pool.scratch_page is None:
             raise ValueError("a fixed-shape decode step needs a pool with a scratch page")
@@ -73,39 +84,42 @@ class FixedDecodeStep:
         self.pages = pages
         self.span = pages * pool.page_size
         device = pool.device
-        self.buffer = torch.zeros(batch, 2 + pages, dtype=torch.long, device=device)
+        self.buffer = torch.zeros(batch, 3 + pages, dtype=torch.long, device=device)
         # Two pinned staging buffers, used in turn: while the GPU runs behind the host
         # (a step launched ahead), the copy out of one may not have run yet when the
         # next step is loaded. Each waits for its own last copy before it is rewritten.
         cuda = device.type == "cuda"
-        self._host = [torch.zeros(batch, 2 + pages, dtype=torch.long, pin_memory=cuda)
+        self._host = [torch.zeros(batch, 3 + pages, dtype=torch.long, pin_memory=cuda)
                       for _ in range(2)]
         self._copied: list[Any] = [None, None]
         self._turn = 0
         self.ids = self.buffer[:, 0]
-        self.lengths = self.buffer[:, 1]  # tokens already cached = the new token's position
-        self.page_table = self.buffer[:, 2:]
+        self.lengths = self.buffer[:, 1]  # tokens already cached = the new token's slot
+        self.rope_offsets = self.buffer[:, 2]  # rotary position - cache position
+        self.page_table = self.buffer[:, 3:]
         self.write_slots: torch.Tensor | None = None
         self.read_slots: torch.Tensor | None = None
         self.kv_lengths: torch.Tensor | None = None
         self.rows = 0
 
     def load(self, rows: Sequence[tuple[PageTable, int | None]],
-             ids: torch.Tensor | None = None) -> None:
-        """Host data of this step: each row's token, length and pages (padding rows:
-        the scratch page, length 0). Allocates the page a row's new token needs. With
-        `ids` (a device tensor [n], e.g. the tokens the step before sampled) the tokens
-        come from there and those in `rows` are ignored."""
+             ids: torch.Tensor | None = None, offsets: Sequence[int] | None = None) -> None:
+        """Host data of this step: each row's token, length, rotary offset (`offsets`,
+        default 0) and pages (padding rows: the scratch page, length 0). Allocates the
+        page a row's new token needs. With `ids` (a device tensor [n], e.g. the tokens
+        the step before sampled) the tokens come from there and those in `rows` are
+        ignored."""
         if not 0 < len(rows) <= self.batch:
             raise ValueError(f"{len(rows)} rows for a step of {self.batch}")
         scratch = self.pool.scratch_page
-        data = [[0, 0] + [scratch] * self.pages for _ in range(self.batch)]
-        for row, (table, token) in zip(data, rows, strict=False):
+        data = [[0, 0, 0] + [scratch] * self.pages for _ in range(self.batch)]
+        for i, (row, (table, token)) in enumerate(zip(data, rows, strict=False)):
             table.slots(1)  # the page of the new position exists from here on
             if len(table.pages) > self.pages:
                 raise ValueError(f"a row holds {len(table.pages)} pages, step has {self.pages}")
             row[0], row[1] = int(token or 0), table.length
-            row[2 : 2 + len(table.pages)] = table.pages
+            row[2] = int(offsets[i]) if offsets is not None else 0
+            row[3 : 3 + len(table.pages)] = table.pages
         turn = self._turn
         self._turn ^= 1
         if self._copied[turn] is not None:
@@ -130,7 +144,8 @@ class FixedDecodeStep:
     # ---- what CausalLM.forward and the layers call --------------------------------------
 
     def prepare(self) -> tuple[torch.Tensor, int]:
-        """Device-side derived tensors; (positions [1, B], span) for the rotary tables."""
+        """Device-side derived tensors; (rotary positions [1, B], span) for the rotary
+        tables: cache lengths plus the rows' offsets (never above the lengths)."""
         size = self.pool.page_size
         lengths = self.lengths
         page = self.page_table.gather(1, torch.div(lengths, size, rounding_mode="floor")[:, None])
@@ -138,7 +153,7 @@ class FixedDecodeStep:
         offsets = torch.arange(size, device=lengths.device)
         self.read_slots = (self.page_table[:, :, None] * size + offsets).reshape(self.batch, -1)
         self.kv_lengths = lengths + 1
-        return lengths[None, :], self.span
+        return (lengths + self.rope_offsets)[None, :], self.span
 
     def check_input(self, input_ids: torch.Tensor) -> None:
         if tuple(input_ids.shape) != (1, self.batch):
@@ -206,6 +221,8 @@ class DecodeRunner:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle: Any = None
         self._rope_version = self._version() if mode == "graph" else None
+        # Each page table's rotary offset (module docstring), kept while the table lives.
+        self._offsets: weakref.WeakKeyDictionary[PageTable, int] = weakref.WeakKeyDictionary()
 
     @property
     def enabled(self) -> bool:
@@ -266,12 +283,25 @@ class DecodeRunner:
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = FixedDecodeStep(self.pool, *key)
-        step.load(rows, ids)
+        step.load(rows, ids, self._row_offsets(rows))
         if self.mode == "graph":
             logits = self._replay(key, step)
         else:
             logits = self._forward(step)
         return logits[: len(rows)]
+
+    def _row_offsets(self, rows: Sequence[tuple[PageTable, int | None]]) -> list[int] | None:
+        """Each row's rotary offset; None when the model's positions are its cache's."""
+        images = getattr(self.model, "images", None)
+        if images is None or images.cache_positions:
+            return None
+        out = []
+        for table, _ in rows:
+            offset = self._offsets.get(table)
+            if offset is None:
+                offset = self._offsets[table] = images.decode_offset(table.tokens[: table.length])
+            out.append(offset)
+        return out
 
     def _forward(self, step: FixedDecodeStep) -> torch.Tensor:
         logits = self.model.forward(step.ids[None, :], step, last_logits_only=True)

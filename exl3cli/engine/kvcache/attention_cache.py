@@ -22,7 +22,10 @@ import torch
 class AttentionCache(Protocol):
     """What a forward step calls on its cache, in order: `prepare` once (positions for
     the rotary tables), `check_input` once, `attend` in every attention layer, then
-    `advance` and (for last-token logits) `select_last`."""
+    `advance` and (for last-token logits) `select_last`. Optional attributes:
+    `text_only` (True: the step's ids are all in the vocabulary, no image rows to read;
+    decode_step.FixedDecodeStep) and `rope_offsets` (the step's `prepare` positions
+    already follow the images: no M-RoPE positions of its own)."""
 
     def prepare(self) -> tuple[torch.Tensor, int]:
         """(positions [1, N] of the step's N new tokens, span): `span` is the most key

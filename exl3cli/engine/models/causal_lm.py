@@ -253,7 +253,11 @@ class CausalLM(nn.Module):
                 cache = self.images.wrap_step(cache, input_ids)
             step = self._plan_paged_step(cache)
             cache.check_input(input_ids)
-        hidden = self._run_layers(self._embed(input_ids), step)
+        # A step of sampled tokens only (`text_only`: decode steps) reads no image rows,
+        # and so never asks the device whether it holds any (no sync inside a CUDA graph).
+        text_only = cache is not None and getattr(cache, "text_only", False)
+        hidden = self._embed_text(input_ids) if text_only else self._embed(input_ids)
+        hidden = self._run_layers(hidden, step)
         if cache is not None:
             cache.advance()
         if last_logits_only:
@@ -267,8 +271,6 @@ class CausalLM(nn.Module):
         cannot run them (dynamic NTK rope rebuilds its table as the sequence grows)."""
         if self.rotary.dynamic or (self.local_rotary is not None and self.local_rotary.dynamic):
             return False
-        if self.images is not None and not self.images.cache_positions:
-            return False  # M-RoPE: image prompts move positions off the cache lengths
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self.rotary.lookup(zero, max_seq_len)
         if self.local_rotary is not None:

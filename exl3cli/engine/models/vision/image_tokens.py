@@ -79,8 +79,9 @@ def allowed_keys(start: int, count: int, runs: Iterable[tuple[int, int]],
 class ImageTokens:
     """Image embeddings by token id, for one model (thread-safe)."""
 
-    # The rotary position of every token is its cache position (the fixed-shape decode
-    # steps of decode_step.py rely on it); False where images move positions (M-RoPE).
+    # The rotary position of every token is its cache position; False where images
+    # move positions (M-RoPE): the fixed-shape decode steps of decode_step.py then add
+    # `decode_offset` to each row's cache length.
     cache_positions = True
 
     def __init__(self, vocab_size: int, capacity: int = DEFAULT_CAPACITY):
@@ -164,9 +165,23 @@ class ImageTokens:
             located = [self._locate(value) for value in wanted]
             if any(place is None for place in located):
                 raise InvalidOption("an image token's embeddings are no longer held")
-            rows = torch.stack([self._rows[first][row] for first, row in located])  # type: ignore[misc]
+            rows = torch.cat(self._slices(located))  # type: ignore[arg-type]
         hidden[image] = rows.to(hidden.device, hidden.dtype)
         return hidden
+
+    def _slices(self, located: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The held rows at (first id, row) places, one slice per run of consecutive
+        rows of one image (an image's 1,000+ tokens: one slice, not a row each)."""
+        out = []
+        begin = 0
+        for end in range(1, len(located) + 1):
+            if end < len(located) and located[end] == (located[end - 1][0],
+                                                       located[end - 1][1] + 1):
+                continue
+            first, row = located[begin]
+            out.append(self._rows[first][row : row + end - begin])
+            begin = end
+        return out
 
     def image_at(self, value: int) -> tuple[int, int, int, tuple[int, int] | None] | None:
         """(first id, row, token count, grid) of any image id handed out (held or
@@ -187,6 +202,10 @@ class ImageTokens:
     def paged_rope_positions(self, batch: AttentionCache) -> torch.Tensor | None:
         """Rotary positions [3, 1, N] of a paged step's tokens, None: the cache's."""
         return None
+
+    def decode_offset(self, history: Sequence[int]) -> int:
+        """Rotary position minus cache position of a text token after `history`: 0."""
+        return 0
 
     def block_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Image runs of whole sequences (module function `block_ids`)."""

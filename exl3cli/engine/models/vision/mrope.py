@@ -13,8 +13,9 @@ are plain 1-D positions continuing from there.
 
 Attention over image tokens stays causal (Qwen2.5-VL is trained so), and the paged
 steps carry these positions (`paged_rope_positions`) while the cache keeps its own
-order; the fixed-shape decode steps, whose positions are the cache lengths, are not used
-(`cache_positions` False).
+order. The fixed-shape decode steps (generation/decode_step.py, CUDA graphs) feed text
+tokens only: each row's positions are its cache length plus `decode_offset`, the sum of
+the shifts of the images before it, which the step carries on the device.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ class MRopeImageTokens(ImageTokens):
 
     def paged_rope_positions(self, batch: Any) -> torch.Tensor | None:
         """[3, 1, N] for a paged step (PagedBatch: each row's page table holds the tokens
-        before its new ones); None when no row's sequence holds an image."""
+        before its new ones); None when no row's sequence holds an image, or for a
+        fixed-shape decode step (its own positions carry the rows' `rope_offsets`)."""
         tables = getattr(batch, "tables", None)
+        if tables is None and getattr(batch, "rope_offsets", None) is not None:
+            return None
         if tables is None:
             raise ValueError("M-RoPE positions need the step's page tables (a PagedBatch)")
         parts: list[torch.Tensor | None] = []
@@ -66,6 +70,12 @@ class MRopeImageTokens(ImageTokens):
                   else part for part, start, tokens in zip(parts, batch.starts,
                                                           batch.new_tokens, strict=True)]
         return torch.cat(filled, dim=1)[:, None].to(batch.positions.device)
+
+    def decode_offset(self, history: Sequence[int]) -> int:
+        """Rotary position minus cache position of a text token after `history`: the
+        shifts max(rows, columns) - rows * columns of the images in it (never above 0)."""
+        sequence = np.fromiter(history, dtype=np.int64, count=len(history))
+        return sum(max(rows, cols) - rows * cols for _, _, rows, cols in self._images(sequence))
 
     def positions(self, history: Sequence[int], new: Sequence[int]) -> torch.Tensor | None:
         """[3, len(new)] positions of `new` following the tokens `history`; None when

@@ -7,7 +7,9 @@ quarter of each head's frequencies each) and SwiGLU with biases. Attention runs 
 windows of `window_size` pixels (`window_tokens` merged tokens a side) except in the
 `fullatt_block_indexes` blocks, which see a whole frame. The tokens are reordered
 window by window (whole 2 x 2 merge blocks move together) before the blocks and put back
-after the merger (RMSNorm, then an MLP over each merge block's 4 patches side by side,
+after the merger. The windows of a block are attended in one batched call (`Segments`:
+windows padded to the longest, padding keys masked; a 1024 x 1024 image has about 100
+windows), or one call per window (`batched_windows = False`, the plain reference) (RMSNorm, then an MLP over each merge block's 4 patches side by side,
 to the language model's width): [sum of t * h * w / 4, out_hidden_size], image by image,
 each image's tokens row-major over its merged grid.
 """
@@ -135,6 +137,51 @@ def patch_positions(grids: Sequence[Grid], merge: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Consecutive runs of a sequence that attend only within themselves (windows, or
+    whole frames), laid out for one batched attention call: `index` [S, L] gathers
+    each run padded to the longest L (a padding slot repeats the run's last row),
+    `mask` [S, 1, 1, L] (None: no padding) hides padding keys, `keep` [S * L] selects
+    the real rows back, in sequence order."""
+
+    lengths: list[int]
+    index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+    @classmethod
+    def batched(cls, lengths: list[int], device: torch.device) -> Segments:
+        if len(lengths) < 2:
+            return cls(lengths)
+        sizes = torch.tensor(lengths)
+        starts = torch.cumsum(sizes, 0) - sizes
+        slots = torch.arange(int(sizes.max()))
+        valid = slots[None, :] < sizes[:, None]
+        index = starts[:, None] + torch.minimum(slots[None, :], sizes[:, None] - 1)
+        padded = not bool(valid.all())
+        return cls(lengths, index.to(device),
+                   valid[:, None, None, :].to(device) if padded else None,
+                   valid.flatten().to(device) if padded else None)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      segments: Segments) -> torch.Tensor:
+    """q, k, v [N, heads, head_dim] -> [N, heads, head_dim], each segment attending
+    within itself (bidirectional)."""
+    if len(segments.lengths) == 1 or segments.index is None:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim]
+        parts = [F.scaled_dot_product_attention(*pieces) for pieces in
+                 zip(q.split(segments.lengths, 1), k.split(segments.lengths, 1),
+                     v.split(segments.lengths, 1), strict=True)]
+        return torch.cat(parts, dim=1).transpose(0, 1)
+    index = segments.index
+    q, k, v = (t[index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, head_dim]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask)
+    out = out.transpose(1, 2).flatten(0, 1)  # [S * L, heads, head_dim]
+    return out if segments.keep is None else out[segments.keep]
+
+
 class QwenVisionBlock(nn.Module):
     """x + attention(norm1(x)) within each segment, then x + SwiGLU(norm2(x))."""
 
@@ -148,17 +195,13 @@ class QwenVisionBlock(nn.Module):
         self.qkv, self.proj, self.gate, self.up, self.down = qkv, proj, gate, up, down
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: list[int]) -> torch.Tensor:
+                segments: Segments) -> torch.Tensor:
         steps, hidden = x.shape
         qkv = self.qkv(_rms_norm(x, self.norm1)).view(steps, 3, self.heads, hidden // self.heads)
         q, k, v = qkv.unbind(1)  # [N, heads, head_dim]
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim]
-        parts = [F.scaled_dot_product_attention(*pieces) for pieces in
-                 zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1),
-                     strict=True)]
-        attended = torch.cat(parts, dim=1).transpose(0, 1).reshape(steps, hidden)
+        attended = segment_attention(q, k, v, segments).reshape(steps, hidden)
         x = x + self.proj(attended)
         normed = _rms_norm(x, self.norm2)
         return x + self.down(self.act(self.gate(normed)) * self.up(normed))
@@ -177,6 +220,7 @@ class QwenVisionTower(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.register_buffer("merger_norm", merger_norm, persistent=False)
         self.merger_in, self.merger_out = merger_in, merger_out
+        self.batched_windows = True  # False: one attention call per window (Segments)
         quarter = config.head_dim // 2
         self.inv_freq = 1.0 / config.rope_theta ** (
             torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
@@ -199,8 +243,12 @@ class QwenVisionTower(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)[:, None].to(device)  # [N, 1, head_dim]
         cos, sin = angles.cos(), angles.sin()
         frames = [h * w for t, h, w in grids for _ in range(t)]
+        # Frames (a few, of any sizes) one call each; windows (many, nearly all one size)
+        # in one batched call.
+        full = Segments(frames)
+        windowed = Segments.batched(windows, device) if self.batched_windows else Segments(windows)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames if i in config.full_attention_blocks else windows)
+            x = block(x, cos, sin, full if i in config.full_attention_blocks else windowed)
         merged = _rms_norm(x, self.merger_norm).view(-1, unit * x.shape[-1])
         merged = self.merger_out(F.gelu(self.merger_in(merged)))
         return merged[torch.argsort(order).to(device)]
