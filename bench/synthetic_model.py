@@ -1,11 +1,15 @@
 """Write a synthetic EXL3 model folder of a real architecture's shape (random trellis).
 
     python bench/synthetic_model.py llama3-8b -b 4.0 --head-bits 6 --out DIR
+    python bench/synthetic_model.py qwen3-30b-a3b -b 4.0 --head-bits 6 --out DIR
     python bench/synthetic_model.py tiny -b 3.5 --out DIR --tokenizer-from HF_FOLDER
 
-Shapes: llama3-8b (= llama3.1-8b), llama3.2-1b, smollm2-135m, tiny. The folder holds
-random trellis words with random signs, so it loads in any EXL3 reader; the text it
-generates is noise: it is for speed and memory measurements, not quality.
+Shapes: llama3-8b (= llama3.1-8b), llama3.2-1b, smollm2-135m, tiny, and the mixtures of
+experts qwen3-30b-a3b, mixtral-8x7b (tiny-qwen3-moe, tiny-mixtral at test sizes). The
+folder holds random trellis words with random signs, so it loads in any EXL3 reader
+(ExLlamaV3 too); the text it generates is noise: it is for speed and memory
+measurements, not quality. The words are drawn on the GPU when there is one
+(--device), and shards are written by --workers threads.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="override the layer count")
     parser.add_argument("--shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 2**30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None,
+                        help="where random words are drawn (default: cuda when present)")
+    parser.add_argument("--workers", type=int, default=4, help="shard-writing threads")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     folder = write_synthetic_model(
         args.out, args.shape, bits=args.bits, head_bits=args.head_bits,
         codebook=args.codebook, tokenizer_from=args.tokenizer_from, seed=args.seed,
         shard_bytes=int(args.shard_gb * 2**30), num_layers=args.layers,
+        device=args.device, workers=args.workers,
     )
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     print(f"wrote {folder} ({args.shape}, {args.bits} bpw, head {args.head_bits}, "
