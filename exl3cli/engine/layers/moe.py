@@ -15,7 +15,9 @@ Public API:
 - ``MoEMLP(router, experts, shared=None, shared_gate=None)``: ``forward(x[..., H])``;
   ``last_counts`` holds the tokens each expert received in the latest grouped call;
   ``stack_experts()`` turns on the sync-free path for decode-sized calls
-  (moe_decode.py).
+  (moe_decode.py). EXL3 experts on CUDA run calls of up to 64 rows on the MoE decode
+  kernels (``exl3cli/ops/moe_kernels.py``: sync-free, graph-capturable), longer ones
+  grouped.
 - ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
   block as a family's MoESpec describes it (the loader and the converter use it).
 """
@@ -29,10 +31,15 @@ from torch import nn
 
 from exl3cli.engine.layers.linear import Linear
 from exl3cli.engine.layers.mlp import GatedMLP
-from exl3cli.engine.layers.moe_decode import SYNC_FREE_MAX_PAIRS, StackedExperts
+from exl3cli.engine.layers.moe_decode import (
+    SYNC_FREE_MAX_PAIRS,
+    StackedExperts,
+    exl3_expert_tables,
+)
 from exl3cli.engine.spec.architecture import MoESpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
+from exl3cli.ops import moe_kernels
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
@@ -108,6 +115,7 @@ class MoEMLP(nn.Module):
         self.shared_gate = shared_gate
         self.last_counts: list[int] = []
         self.stacked: StackedExperts | None = None  # see stack_experts
+        self._tables: moe_kernels.ExpertTables | None | bool = False  # False: not built yet
 
     def stack_experts(self) -> bool:
         """Stack the experts' dense weights (a second copy) so that decode-sized calls
@@ -119,7 +127,10 @@ class MoEMLP(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         weights, chosen = self.router(rows)
-        if self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
+        tables = self.kernel_tables(rows)
+        if tables is not None:
+            out = moe_kernels.moe_experts(rows, weights, chosen, tables)
+        elif self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
             out = self.stacked(rows, weights, chosen)
         else:
             out = self._routed(rows, weights, chosen)
@@ -129,6 +140,18 @@ class MoEMLP(nn.Module):
                 shared = shared * torch.sigmoid(self.shared_gate(rows))
             out = out + shared
         return out.view(shape)
+
+    def kernel_tables(self, rows: torch.Tensor) -> moe_kernels.ExpertTables | None:
+        """The MoE decode kernels' tables when they run these rows (CUDA, <= 64 rows,
+        EXL3 experts they support), else None (built on the first CUDA call)."""
+        if not rows.is_cuda:
+            return None
+        if self._tables is False:
+            self._tables = exl3_expert_tables(list(self.experts))  # type: ignore[arg-type]
+        tables = self._tables
+        if tables is None or not moe_kernels.runs_on_kernels(rows, tables):  # type: ignore[arg-type]
+            return None
+        return tables  # type: ignore[return-value]
 
     def _routed(self, rows: torch.Tensor, weights: torch.Tensor,
                 chosen: torch.Tensor) -> torch.Tensor:
