@@ -176,3 +176,20 @@ def test_the_generator_replays_graphs_of_moe_models(tmp_path, shape, monkeypatch
     again, generator = _generate(folder, "graph")
     assert generator.decode.mode == "static"
     assert [len(a) for a in again] == [len(w) for w in want]
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_fused_moe_layers_match_the_unfused_layers(tmp_path, shape, monkeypatch):
+    """engine/layers/fused_layer.py with an MoE MLP (and Qwen3's q/k norms) against
+    DecoderLayer's unfused kernels and the grouped dispatch, float32 logits."""
+    folder = write_synthetic_model(tmp_path, shape, bits=4.0, seed=6)
+    ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    fused = load_causal_lm(folder, device="cuda", dtype=torch.float32)
+    got = fused(ids)
+    assert all(layer._fused is not None for layer in fused.layers)
+    monkeypatch.setenv("EXL3_FUSED_LAYER", "0")
+    monkeypatch.setenv("EXL3_MOE_KERNEL", "0")
+    plain = load_causal_lm(folder, device="cuda", dtype=torch.float32)
+    want = plain(ids)
+    assert all(layer._fused is None for layer in plain.layers)
+    _close(got, want, 1e-2)

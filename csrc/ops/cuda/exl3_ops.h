@@ -160,7 +160,8 @@ bool launch_moe_in(int dtype, const void* x, int64_t row_stride, int x_cols, int
 // partial[j][s, q, n] = sum over the s-th run of tile rows of xh[j][q, k] * Ŵ_e[k, n] with
 // e = slot_expert[q] and Ŵ_e the trellis at trellis[j][e] (a device array of pointers,
 // (kb, nb[j], 16*K) int16 each). Up to 2 parts (gate, up) of the same kb, K and codebook.
-// max_rows bounds the rows of one expert (the batch rows, <= 64).
+// max_rows bounds the rows of one expert (the batch rows, <= 64): one launch per class of
+// experts by rows (1-8, 9-32, 33-64) that max_rows reaches (moe_gemm_impl.cuh).
 constexpr int kMoeMaxParts = 2;
 struct MoeGemmPart {
   const int64_t* trellis;  // (experts,) device pointers

@@ -4,7 +4,12 @@
 // trellis comes from a device array of per-expert pointers, its rows are the expert's
 // slots (contiguous in xh and partial: the pairs sorted by expert), so only the chosen
 // experts' weights are read, once per step whatever the number of rows that chose them.
-// Blocks of an expert slot beyond the active count return at once.
+// Blocks of an expert slot beyond the active count return at once. The row-group count
+// NG (registers: 48-64 for 1 group, ~170 for 8) is chosen per expert, not per launch:
+// one launch per class of experts (1-8, 9-32, 33-64 rows; only the classes max_rows can
+// reach), each block returning when its expert is of another class. Most experts of a
+// decode batch get 1-8 rows (Qwen3-30B-A3B at 64 jobs: 4 on average), and they run at
+// the occupancy of the one-group kernel.
 #pragma once
 
 #include "exl3_moe.cuh"
@@ -16,7 +21,8 @@ namespace gemm {
 template <int K2, int CB, int NG>
 __global__ void __launch_bounds__(kWarps * 32)
     moe_gemm_kernel(const __grid_constant__ MoeGemmParts parts, const int* __restrict__ plan,
-                    int pairs, int slots, int kb_total, int kb_per_split) {
+                    int pairs, int slots, int kb_total, int kb_per_split, int min_rows,
+                    int max_rows) {
   const int a = blockIdx.z / parts.count;
   const MoeGemmPart& mine = parts.part[blockIdx.z - a * parts.count];
   const int nb_total = mine.nb;
@@ -33,6 +39,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int expert = __ldg(pv.act_expert + a);
   const int offset = __ldg(pv.act_offset + a);
   const int rows = __ldg(pv.act_rows + a);
+  if (rows < min_rows || rows > max_rows) return;  // another launch's class
   const uint32_t* trellis = reinterpret_cast<const uint32_t*>(__ldg(mine.trellis + expert));
   const __half* xh = static_cast<const __half*>(mine.xh) + (size_t)offset * kb_total * 16;
   const int split = blockIdx.y;
@@ -54,15 +61,14 @@ void run_moe_gemm(const MoeGemmParts& parts, const int* plan, int pairs, int slo
   const int groups = (nb_max + kTN - 1) / kTN;
   const int kb_per_split = (kb + splits - 1) / splits;
   dim3 grid((groups + kWarps - 1) / kWarps, splits, slots * parts.count);
-  if (max_rows <= 8)
-    launch(moe_gemm_kernel<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, plan,
-           pairs, slots, kb, kb_per_split);
-  else if (max_rows <= 32)
+  launch(moe_gemm_kernel<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, plan,
+         pairs, slots, kb, kb_per_split, 1, 8);
+  if (max_rows > 8)
     launch(moe_gemm_kernel<K2, CB, 4>, grid, dim3(kWarps * 32), smem, stream, parts, plan,
-           pairs, slots, kb, kb_per_split);
-  else
+           pairs, slots, kb, kb_per_split, 9, 32);
+  if (max_rows > 32)
     launch(moe_gemm_kernel<K2, CB, 8>, grid, dim3(kWarps * 32), smem, stream, parts, plan,
-           pairs, slots, kb, kb_per_split);
+           pairs, slots, kb, kb_per_split, 33, 64);
 }
 
 }  // namespace gemm

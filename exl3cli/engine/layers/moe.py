@@ -141,13 +141,18 @@ class MoEMLP(nn.Module):
             out = out + shared
         return out.view(shape)
 
+    def on_kernels(self) -> bool:
+        """Whether decode-sized CUDA calls run the MoE decode kernels (EXL3 experts in
+        trellis mode on CUDA that they support; the tables are built here once)."""
+        if self._tables is False:
+            self._tables = exl3_expert_tables(list(self.experts))  # type: ignore[arg-type]
+        return self._tables is not None
+
     def kernel_tables(self, rows: torch.Tensor) -> moe_kernels.ExpertTables | None:
         """The MoE decode kernels' tables when they run these rows (CUDA, <= 64 rows,
         EXL3 experts they support), else None (built on the first CUDA call)."""
-        if not rows.is_cuda:
+        if not rows.is_cuda or not self.on_kernels():
             return None
-        if self._tables is False:
-            self._tables = exl3_expert_tables(list(self.experts))  # type: ignore[arg-type]
         tables = self._tables
         if tables is None or not moe_kernels.runs_on_kernels(rows, tables):  # type: ignore[arg-type]
             return None
