@@ -29,6 +29,9 @@ Public API:
 - ``moe_experts(x[R, H], weights[R, k] float32, chosen[R, k] int64, tables, out=None)
   -> [R, H]`` in x's dtype: the CUDA kernels for R <= 64 on CUDA, else the twin;
   ``runs_on_kernels(x, tables)`` says which.
+- ``moe_experts_routed(x, logits[R, E], top_k, normalize, scale, tables, out=None)
+  -> (out, weights, chosen)``: the router's softmax / top-k / renormalisation fused into
+  the routing kernel (E <= 256; one launch instead of seven), then the same steps.
 """
 
 from __future__ import annotations
@@ -133,6 +136,48 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
         result = reference_moe_experts(x, weights, chosen, tables)
         return result if out is None else out.copy_(result)
     rows, top_k = chosen.shape
+    plan = _new_plan(rows * top_k, tables, x.device)
+    ext.moe_route(chosen.contiguous(), tables.num_experts, plan)
+    return _run(ext, x, weights.float().contiguous(), top_k, plan, tables, out)
+
+
+def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, top_k: int, normalize: bool,
+                       scale: float, tables: ExpertTables, out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's softmax top-k over `logits` [R, E] (renormalised when `normalize`,
+    times `scale`: engine/layers/moe.py's Router with scoring "softmax", no score bias,
+    one group) fused into the routing kernel, then the experts: (out [R, H], weights
+    [R, k] float32, chosen [R, k] int64). Ties go to the lower expert."""
+    ext = _use_kernels(x, tables)
+    if ext is None or logits.shape[1] > ROUTER_MAX_EXPERTS or logits.dtype not in _DTYPES:
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, top_k, dim=-1)
+        if normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights * scale
+        return moe_experts(x, weights, chosen, tables, out), weights, chosen
+    rows = x.shape[0]
+    plan = _new_plan(rows * top_k, tables, x.device)
+    weights = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
+    chosen = torch.empty(rows, top_k, dtype=torch.int64, device=x.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    ext.moe_route_logits(logits, top_k, normalize, float(scale), weights, chosen, plan)
+    return _run(ext, x, weights, top_k, plan, tables, out), weights, chosen
+
+
+ROUTER_MAX_EXPERTS = 256  # csrc/ops/cuda/moe_decode.cu kRouterMax
+
+
+def _new_plan(pairs: int, tables: ExpertTables, device: torch.device) -> torch.Tensor:
+    slots = min(tables.num_experts, pairs)
+    return torch.empty(1 + 3 * pairs + 3 * slots, dtype=torch.int32, device=device)
+
+
+def _run(ext: Any, x: torch.Tensor, weights: torch.Tensor, top_k: int, plan: torch.Tensor,
+         tables: ExpertTables, out: torch.Tensor | None) -> torch.Tensor:
+    """The launches after the routing plan (module docstring)."""
+    rows = x.shape[0]
     pairs = rows * top_k
     slots = min(tables.num_experts, pairs)
     device = x.device
@@ -140,8 +185,6 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
     kb_h, nb_i, kb_i, nb_h = gate_t.shape[0], gate_t.shape[1], down_t.shape[0], down_t.shape[1]
     pad_h, pad_i = 16 * kb_h, 16 * nb_i
     cb = kernels._codebook_id(tables.codebook, tables.k2)
-    plan = torch.empty(1 + 3 * pairs + 3 * slots, dtype=torch.int32, device=device)
-    ext.moe_route(chosen.contiguous(), tables.num_experts, plan)
     if x.stride(-1) != 1:
         x = x.contiguous()
     xg = torch.empty(pairs, pad_h, dtype=torch.float16, device=device)
@@ -162,7 +205,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                  slots)
     if out is None:
         out = torch.empty(rows, tables.hidden, dtype=x.dtype, device=device)
-    ext.moe_out(pd, tables.svh[2], weights.float().contiguous(), plan, top_k, out)
+    ext.moe_out(pd, tables.svh[2], weights, plan, top_k, out)
     return out
 
 

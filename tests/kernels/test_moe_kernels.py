@@ -90,7 +90,16 @@ def test_kernels_match_the_per_expert_path(spec, rows, dtype):
     assert out[:, hidden:].isnan().all()  # nothing written past the hidden columns
     _close(got, want, 3e-2)
     _close(got, twin, 2e-2)
-    assert block(x.view(rows, 1, hidden)).shape == (rows, 1, hidden)  # forward takes it too
+    # The router fused into the routing kernel: the same choice, weights and result.
+    _poison_allocator()
+    routed, w2, c2 = moe_kernels.moe_experts_routed(x, block.router.gate(x), spec[4], True,
+                                                    1.0, tables)
+    torch.cuda.synchronize()
+    order, order2 = chosen.sort(dim=-1), c2.sort(dim=-1)
+    assert torch.equal(order.values, order2.values)
+    assert (weights.gather(1, order.indices) - w2.gather(1, order2.indices)).abs().max() < 1e-5
+    _close(routed, got, 1e-2)
+    _close(block(x.view(rows, 1, hidden)).view(rows, hidden), got, 1e-2)  # MoEMLP.forward
 
 
 def test_the_plan_sorts_pairs_by_expert():

@@ -150,6 +150,14 @@ inline int moe_plan_words(int pairs, int slots) { return 1 + 3 * pairs + 3 * slo
 bool launch_moe_route(const int64_t* chosen, int pairs, int experts, int* plan,
                       cudaStream_t stream);
 
+// The router's softmax top-k (engine/layers/moe.py Router, scoring "softmax", no score
+// bias or groups) fused with moe_route: logits (rows, experts <= 256) in dtype with row
+// stride -> weights (rows, top_k) float32 (renormalised when `normalize`, times scale),
+// chosen (rows, top_k) int64 and the plan. Ties go to the lower expert.
+bool launch_moe_route_logits(int dtype, const void* logits, int64_t logit_stride, int rows,
+                             int top_k, int experts, bool normalize, float scale,
+                             float* weights, int64_t* chosen, int* plan, cudaStream_t stream);
+
 // For each slot q (pair p = slot_pair[q], row p / top_k, expert e = slot_expert[q]) and
 // part j: out[j][q, :] = float16(H128(x[row, :] * pre[j][e, :])) over `width` columns
 // (x columns >= x_cols read as 0); pre[j]: (experts, width) float32.

@@ -42,6 +42,31 @@ void moe_route(const at::Tensor& chosen, int64_t experts, at::Tensor& plan) {
                "exl3 moe route");
 }
 
+void moe_route_logits(const at::Tensor& logits, int64_t top_k, bool normalize, double scale,
+                      at::Tensor& weights, at::Tensor& chosen, at::Tensor& plan) {
+  check_cuda(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1,
+              "logits must be (rows, experts), unit column stride");
+  const int64_t rows = logits.size(0), experts = logits.size(1), pairs = rows * top_k;
+  check_contiguous(weights, "weights");
+  check_contiguous(chosen, "chosen");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+              "weights must be contiguous float32 (rows, top_k)");
+  TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.numel() == pairs,
+              "chosen must be contiguous int64 (rows, top_k)");
+  plan_pairs(plan, pairs);
+  TORCH_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)std::min(experts, pairs)),
+              "plan must hold 1 + 3 * pairs + 3 * min(experts, pairs) int32");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  check_launch(exl3::launch_moe_route_logits(dtype_code(logits), logits.data_ptr(),
+                                             logits.stride(0), (int)rows, (int)top_k,
+                                             (int)experts, normalize, (float)scale,
+                                             weights.data_ptr<float>(),
+                                             chosen.data_ptr<int64_t>(), plan.data_ptr<int>(),
+                                             stream_of(logits)),
+               "exl3 moe route (logits)");
+}
+
 void moe_in(const at::Tensor& x, const at::Tensor& plan, int64_t top_k,
             const std::vector<at::Tensor>& pres, const std::vector<at::Tensor>& outs) {
   check_cuda(x, "x");
@@ -169,6 +194,10 @@ void moe_out(const at::Tensor& partial, const at::Tensor& post, const at::Tensor
 void define_moe_ops(pybind11::module_& m) {
   m.def("moe_route", &moe_route, "top-k expert ids (rows, k) int64 -> the routing plan",
         py::arg("chosen"), py::arg("experts"), py::arg("plan"));
+  m.def("moe_route_logits", &moe_route_logits,
+        "router softmax + top-k (+ renormalise, scale) fused with moe_route",
+        py::arg("logits"), py::arg("top_k"), py::arg("normalize"), py::arg("scale"),
+        py::arg("weights"), py::arg("chosen"), py::arg("plan"));
   m.def("moe_in", &moe_in, "x * suh[e] + input Hadamard per (slot, part)", py::arg("x"),
         py::arg("plan"), py::arg("top_k"), py::arg("pres"), py::arg("outs"));
   m.def("moe_gemm", &moe_gemm, "indexed expert GEMM over the plan's active experts",

@@ -48,29 +48,12 @@ __device__ int block_inclusive_scan(int v, int* scratch) {
   return warp > 0 ? v + scratch[warp - 1] : v;
 }
 
-// One block of kRouteThreads threads; shared: counts[experts], cursor[experts], ids[pairs].
-__global__ void __launch_bounds__(kRouteThreads)
-    moe_route_kernel(const int64_t* __restrict__ chosen, int pairs, int experts, int* plan) {
-  pdl_trigger();
-  pdl_wait();
-  extern __shared__ int sm[];
-  __shared__ int scratch[32];
-  int* counts = sm;
-  int* cursor = sm + experts;
-  int* ids = cursor + experts;
-  const int slots = min(experts, pairs);
-  const MoePlan pv = moe_plan(plan, pairs, slots);
-  for (int e = threadIdx.x; e < experts; e += kRouteThreads) counts[e] = 0;
-  __syncthreads();
-  for (int p = threadIdx.x; p < pairs; p += kRouteThreads) {
-    const int64_t e = chosen[p];
-    const int id = e < 0 ? 0 : (e >= experts ? experts - 1 : (int)e);
-    ids[p] = id;
-    atomicAdd(&counts[id], 1);
-  }
-  __syncthreads();
-  // Expert e = threadIdx.x: start of its slots (low 16 bits) and its index among the
-  // active experts (high 16 bits) in one scan; pairs <= 65535.
+// The plan from the pairs' expert ids (ids[p] in shared memory, counts[e] of them
+// counted): a packed scan gives expert e = threadIdx.x its first slot (low 16 bits) and
+// its index among the active experts (high 16 bits); pairs <= 65535. Then each pair takes
+// the next slot of its expert (a shared cursor). Every thread of the block calls it.
+__device__ void place_pairs(int* counts, int* cursor, const int* ids, int pairs, int experts,
+                            const MoePlan& pv, int* scratch) {
   const int e = threadIdx.x;
   const int c = e < experts ? counts[e] : 0;
   const int v = c | ((c > 0 ? 1 : 0) << 16);
@@ -94,6 +77,130 @@ __global__ void __launch_bounds__(kRouteThreads)
     pv.pair_slot[p] = q;
     pv.slot_expert[q] = id;
   }
+}
+
+// One block of kRouteThreads threads; shared: counts[experts], cursor[experts], ids[pairs].
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_kernel(const int64_t* __restrict__ chosen, int pairs, int experts, int* plan) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ int sm[];
+  __shared__ int scratch[32];
+  int* counts = sm;
+  int* cursor = sm + experts;
+  int* ids = cursor + experts;
+  const MoePlan pv = moe_plan(plan, pairs, min(experts, pairs));
+  for (int e = threadIdx.x; e < experts; e += kRouteThreads) counts[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += kRouteThreads) {
+    const int64_t e = chosen[p];
+    const int id = e < 0 ? 0 : (e >= experts ? experts - 1 : (int)e);
+    ids[p] = id;
+    atomicAdd(&counts[id], 1);
+  }
+  __syncthreads();
+  place_pairs(counts, cursor, ids, pairs, experts, pv, scratch);
+}
+
+// The router's softmax, top-k and renormalisation (engine/layers/moe.py Router, scoring
+// "softmax" without score bias or groups) fused with the routing: one warp per row reads
+// its logits (experts <= kRouterMax), p = softmax (float32), the top_k largest (ties: the
+// lower expert), w = p / sum of the chosen (normalize) times scale; writes weights
+// (rows, top_k) float32 and chosen (rows, top_k) int64, then the plan as moe_route.
+constexpr int kRouterMax = 256;
+constexpr int kRouterPerLane = kRouterMax / 32;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_logits_kernel(const T* __restrict__ logits, int64_t logit_stride, int rows,
+                            int top_k, int experts, bool normalize, float scale,
+                            float* __restrict__ weights, int64_t* __restrict__ chosen,
+                            int* plan) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ int sm[];
+  __shared__ int scratch[32];
+  const int pairs = rows * top_k;
+  int* counts = sm;
+  int* cursor = sm + experts;
+  int* ids = cursor + experts;
+  const MoePlan pv = moe_plan(plan, pairs, min(experts, pairs));
+  for (int e = threadIdx.x; e < experts; e += kRouteThreads) counts[e] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int row = warp; row < rows; row += kRouteThreads / 32) {
+    const T* lr = logits + row * logit_stride;
+    float p[kRouterPerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kRouterPerLane; j++) {
+      const int e = lane + 32 * j;
+      p[j] = e < experts ? to_f32(lr[e]) : -INFINITY;
+      m = fmaxf(m, p[j]);
+    }
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kRouterPerLane; j++) {
+      p[j] = lane + 32 * j < experts ? expf(p[j] - m) : 0.0f;
+      s += p[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < kRouterPerLane; j++)
+      p[j] = lane + 32 * j < experts ? p[j] / s : -1.0f;  // -1: not an expert, or taken
+    float mine_w = 0.0f;
+    int mine_e = 0;
+    for (int t = 0; t < top_k; t++) {
+      float best = -1.0f;
+      int bi = 0x7fffffff;
+#pragma unroll
+      for (int j = 0; j < kRouterPerLane; j++)
+        if (p[j] > best) {  // ascending j: the lowest expert of this lane wins ties
+          best = p[j];
+          bi = lane + 32 * j;
+        }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) {
+          best = ob;
+          bi = oi;
+        }
+      }
+      if ((bi & 31) == lane) {
+#pragma unroll
+        for (int j = 0; j < kRouterPerLane; j++)
+          if (lane + 32 * j == bi) p[j] = -1.0f;
+      }
+      if (lane == t) {
+        mine_w = best;
+        mine_e = bi;
+      }
+    }
+    const float total = warp_sum(lane < top_k ? mine_w : 0.0f);
+    if (lane < top_k) {
+      const int pair = row * top_k + lane;
+      weights[pair] = (normalize ? mine_w / total : mine_w) * scale;
+      chosen[pair] = mine_e;
+      ids[pair] = mine_e;
+      atomicAdd(&counts[mine_e], 1);
+    }
+  }
+  __syncthreads();
+  place_pairs(counts, cursor, ids, pairs, experts, pv, scratch);
 }
 
 struct MoeIn {
@@ -229,6 +336,15 @@ __global__ void __launch_bounds__(kWarps * 32)
 unsigned warp_blocks(int64_t warps) { return (unsigned)((warps + kWarps - 1) / kWarps); }
 
 template <typename T>
+void run_route_logits(const void* logits, int64_t logit_stride, int rows, int top_k,
+                      int experts, bool normalize, float scale, float* weights,
+                      int64_t* chosen, int* plan, size_t smem, cudaStream_t stream) {
+  launch(moe_route_logits_kernel<T>, dim3(1), dim3(kRouteThreads), smem, stream,
+         static_cast<const T*>(logits), logit_stride, rows, top_k, experts, normalize, scale,
+         weights, chosen, plan);
+}
+
+template <typename T>
 void run_in(const void* x, int64_t row_stride, int x_cols, int width, int top_k,
             const int* plan, int pairs, const MoeIn& parts, int nparts, cudaStream_t stream) {
   launch(moe_in_kernel<T>, dim3(warp_blocks(width / 128), nparts, pairs), dim3(kWarps * 32), 0,
@@ -272,6 +388,20 @@ bool launch_moe_route(const int64_t* chosen, int pairs, int experts, int* plan,
     case DT_FLOAT: CALL(float); return true;                       \
     default: return false;                                         \
   }
+
+bool launch_moe_route_logits(int dtype, const void* logits, int64_t logit_stride, int rows,
+                             int top_k, int experts, bool normalize, float scale,
+                             float* weights, int64_t* chosen, int* plan, cudaStream_t stream) {
+  const int pairs = rows * top_k;
+  if (rows < 1 || top_k < 1 || top_k > 32 || top_k > experts || experts > kRouterMax ||
+      pairs > 65535)
+    return false;
+  const size_t smem = (size_t)(2 * experts + pairs) * sizeof(int);
+  if (smem > 48 * 1024) return false;
+#define EXL3_MOE_ROUTE(T) run_route_logits<T>(logits, logit_stride, rows, top_k, experts, normalize, scale, weights, chosen, plan, smem, stream)
+  EXL3_MOE_DTYPES(EXL3_MOE_ROUTE)
+#undef EXL3_MOE_ROUTE
+}
 
 bool launch_moe_in(int dtype, const void* x, int64_t row_stride, int x_cols, int width,
                    int top_k, const int* plan, int pairs, int nparts,

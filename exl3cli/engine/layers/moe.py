@@ -72,6 +72,13 @@ class Router(nn.Module):
     def num_experts(self) -> int:
         return self.gate.out_features
 
+    @property
+    def plain_softmax(self) -> bool:
+        """Softmax scores, top-k, optional renormalisation and scale, nothing else: what
+        the MoE routing kernel computes itself (ops/moe_kernels.moe_experts_routed)."""
+        return (self.scoring == "softmax" and self.score_bias is None and self.n_group == 1
+                and self.num_experts <= moe_kernels.ROUTER_MAX_EXPERTS)
+
     def forward(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(rows).float()
         if self.scoring == "topk_softmax":
@@ -126,20 +133,28 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        weights, chosen = self.router(rows)
         tables = self.kernel_tables(rows)
+        if tables is not None and self.router.plain_softmax:
+            router = self.router
+            out, _, _ = moe_kernels.moe_experts_routed(
+                rows, router.gate(rows), router.top_k, router.normalize, router.scale, tables)
+            return self._add_shared(rows, out).view(shape)
+        weights, chosen = self.router(rows)
         if tables is not None:
             out = moe_kernels.moe_experts(rows, weights, chosen, tables)
         elif self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
             out = self.stacked(rows, weights, chosen)
         else:
             out = self._routed(rows, weights, chosen)
+        return self._add_shared(rows, out).view(shape)
+
+    def _add_shared(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             shared = self.shared(rows)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(rows))
             out = out + shared
-        return out.view(shape)
+        return out
 
     def on_kernels(self) -> bool:
         """Whether decode-sized CUDA calls run the MoE decode kernels (EXL3 experts in
