@@ -221,13 +221,16 @@ def _splits(tables: ExpertTables, pairs: int, slots: int, projection: int, kb: i
 
 
 def _project(x: torch.Tensor, tables: ExpertTables, index: int, expert: int,
-             dtype: torch.dtype) -> torch.Tensor:
+             dtype: torch.dtype, decoded: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
     """Projection `index` (gate, up, down) of `expert` on a padded float32 row, rounded
-    to `dtype` (float32 result): H(H(x * suh) in float16 @ Ŵ) * svh."""
+    to `dtype` (float32 result): H(H(x * suh) in float16 @ Ŵ) * svh (Ŵ decoded once per
+    call into `decoded`)."""
     xh = block_hadamard(x * tables.suh[index][expert], dim=-1).half().float()
-    decoded = decode_tiles(tables.trellises[index][expert], tables.k2 / 2,
-                           tables.codebook).float()
-    y = block_hadamard(xh @ decoded, dim=-1) * tables.svh[index][expert]
+    key = (index, expert)
+    if key not in decoded:
+        decoded[key] = decode_tiles(tables.trellises[index][expert], tables.k2 / 2,
+                                    tables.codebook).float()
+    y = block_hadamard(xh @ decoded[key], dim=-1) * tables.svh[index][expert]
     return y.to(dtype).float()
 
 
@@ -241,13 +244,14 @@ def reference_moe_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.
     ids = chosen.reshape(-1).tolist()
     w = weights.reshape(-1).float().to(dtype).float()
     out = torch.zeros(rows, pad_h, dtype=torch.float32, device=x.device)
+    decoded: dict[tuple[int, int], torch.Tensor] = {}
     for pair, e in enumerate(ids):
-        g = _project(xs[pair // top_k], tables, 0, e, dtype)
-        u = _project(xs[pair // top_k], tables, 1, e, dtype)
+        g = _project(xs[pair // top_k], tables, 0, e, dtype, decoded)
+        u = _project(xs[pair // top_k], tables, 1, e, dtype, decoded)
         act = (F.silu(g.to(dtype)) if _ACTIVATIONS[tables.activation] == 0
                else F.gelu(g.to(dtype), approximate="tanh")).float()
         a = (act.to(dtype).float() * u).to(dtype).float()
         a[tables.inter :] = 0  # padding columns of gate/up
-        y = _project(a, tables, 2, e, dtype)
+        y = _project(a, tables, 2, e, dtype, decoded)
         out[pair // top_k] += (y * w[pair]).to(dtype).float()
     return out[:, : tables.hidden].to(dtype)
