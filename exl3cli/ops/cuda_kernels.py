@@ -32,7 +32,7 @@ from exl3cli.ops.build import CSRC, LazyExtension, build_extension
 
 _SOURCES = ("bindings.cpp", "layer_bindings.cpp", "moe_bindings.cpp", "decode.cu",
             "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
-            "layer_fused.cu", "moe_decode.cu", "moe_gemm_mul1.cu", "moe_gemm_mcg.cu",
+            "layer_fused.cu", "qk_norm_rope.cu", "moe_decode.cu", "moe_gemm_mul1.cu", "moe_gemm_mcg.cu",
             "moe_gemm_3inst.cu")
 # csrc/ mirrors the package: ops/cuda (these kernels), ops/cpu, codec (the format's
 # decode and Hadamard, included by the kernels).

@@ -136,6 +136,14 @@ bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int spli
                          const float* pre, void* out, int rows, const LowRank& lora,
                          void* product, int64_t product_stride, cudaStream_t stream);
 
+// qk_norm_rope (qk_norm_rope.cu): in place on x (rows, heads * head_dim; row stride, unit
+// column stride), per head h: RMSNorm with weight[h, :] (float32, (heads, head_dim)) as
+// engine/layers/norm.py computes it for a 2-D weight, then, with cos/sin (rows, head_dim)
+// in dtype, rotate-half rotary as ops/reference.py's apply_rotary. head_dim 64, 128, 256.
+bool launch_qk_norm_rope(int dtype, void* x, int64_t row_stride, int heads, int head_dim,
+                         int rows, const float* weight, float eps, const void* cos,
+                         const void* sin, cudaStream_t stream);
+
 // Mixture-of-experts decode (moe_decode.cu, moe_gemm_*.cu): the chosen experts of up to
 // 64 rows without any host synchronisation (fixed shapes; the top-k ids never leave the
 // device), reading only the chosen experts' weights. P = rows * top_k (token, expert)

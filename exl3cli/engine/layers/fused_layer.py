@@ -16,8 +16,9 @@ with the kernels of ``exl3cli.ops.layer_kernels`` (their PyTorch twins on CPU, w
 how the CPU tests check this module against ``DecoderLayer``). Every rounding to the
 activation dtype happens where the unfused path rounds.
 
-Layers with q/k norms (Qwen3) norm q and k after the q/k/v output kernel and rotate them
-in PyTorch (the output kernel would rotate before the norm). A mixture-of-experts MLP
+Layers with q/k norms (Qwen3) norm and rotate q and k after the q/k/v output kernel (it
+would rotate before the norm): one more launch for per-head RMSNorm weights
+(``layer_kernels.qk_norm_rope``), the module and PyTorch's rotary for other norms. A mixture-of-experts MLP
 whose EXL3 experts run on the MoE decode kernels (``exl3cli/ops/moe_kernels.py``:
 Mixtral, Qwen3-MoE) takes the place of the last five launches: the norm, the router and
 ``MoEMLP`` (seven kernels), then the residual add.
@@ -157,8 +158,13 @@ class FusedDecodeLayer:
         for width in qkv.widths:
             self.rope_cols.append(max(0, min(width, rotating - start)))
             start += width
-        # q/k norms come before the rotation: then it is PyTorch's, after the norm.
+        # q/k norms come before the rotation: then it is qk_norm_rope's (or PyTorch's).
         self.fused_rope = attention.rope and dim in (64, 128) and attention.qk_norm is None
+        norm = attention.qk_norm
+        self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
+        if (type(norm) is RMSNorm and not norm.unit_offset
+                and tuple(norm.weight.shape) == (heads + kv_heads, dim)):
+            self.qk_weight = norm.weight.float().contiguous()
 
     @staticmethod
     def of(layer: nn.Module, force: bool = False) -> FusedDecodeLayer | None:
@@ -258,9 +264,16 @@ class FusedDecodeLayer:
                                    head_dim=dim if cos is not None else 0, lora=lora)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
         qk = qkv4[:, :, : heads + kv_heads]
-        if attention.qk_norm is not None:
+        if self.qk_weight is not None:
+            rotate = attention.rope
+            qk = layer_kernels.qk_norm_rope(
+                qk.reshape(rows, heads + kv_heads, dim), self.qk_weight,
+                attention.qk_norm.eps, cos4.reshape(rows, dim) if rotate else None,
+                sin4.reshape(rows, dim) if rotate else None,
+            ).view(batch, steps, heads + kv_heads, dim)
+        elif attention.qk_norm is not None:
             qk = attention.qk_norm(qk)
-        if attention.rope and not self.fused_rope:
+        if attention.rope and not self.fused_rope and self.qk_weight is None:
             qk = apply_rotary(qk, cos4, sin4)
         return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1)
 
