@@ -1,7 +1,10 @@
 """The table of bench/gpu_generator.sh: our generator against ExLlamaV3's at each job
 count, from the JSON files that script leaves in its output folder.
 
-    python bench/generator_table.py OUT_FOLDER
+    python bench/generator_table.py OUT_FOLDER [MODELS]
+
+MODELS: the comma-separated model tags of the JSON/log names (default 8b,1b;
+bench/gpu_moe.sh passes qwen3,mixtral).
 """
 
 from __future__ import annotations
@@ -39,19 +42,24 @@ def peer(folder: Path, model: str, kv: int) -> dict[int, float]:
     return {jobs: statistics.median(values) for jobs, values in runs.items()}
 
 
-def main(folder: Path) -> None:
+def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
     fmt = lambda v: f"{v:8.1f}" if v else "       -"  # noqa: E731
     ratio = lambda a, b: f"{a / b:5.2f}x" if a and b else "    -"  # noqa: E731
-    print(f"{'model':<6}{'jobs':>5} | {'ours fp16':>9}{'ours q4':>9}{'q4/fp16':>8} | "
+    print(f"{'model':<8}{'jobs':>5} | {'ours fp16':>9}{'ours q4':>9}{'q4/fp16':>8} | "
           f"{'peer fp16':>9}{'peer q4':>9} | {'fp16 vs peer':>12}{'q4 vs peer':>11}")
-    for model in ("8b", "1b"):
+    for model in models:
         mine, theirs, theirs4 = ours(folder, model), peer(folder, model, 16), peer(folder, model, 4)
         for jobs in sorted({j for _, j in mine} | set(theirs)):
             a, b = mine.get(("fp16", jobs)), mine.get(("q4", jobs))
             c, d = theirs.get(jobs), theirs4.get(jobs)
-            print(f"{model:<6}{jobs:>5} | {fmt(a)} {fmt(b)} {ratio(b, a):>7} | {fmt(c)} "
+            print(f"{model:<8}{jobs:>5} | {fmt(a)} {fmt(b)} {ratio(b, a):>7} | {fmt(c)} "
                   f"{fmt(d)} | {ratio(a, c):>12}{ratio(b, d):>11}")
-    for model in ("8b", "1b"):
+    for model in models:
+        rows = (_json(folder / f"ours-{model}.json") or {}).get("rows", [])
+        if rows:
+            print(f"{model} decode modes: " + ", ".join(
+                f"{r['kv']}/{r['jobs']}: {r.get('decode_mode')} ({r.get('graphs')} graphs)"
+                for r in rows))
         halves = ours(folder, f"{model}-halves").get(("fp16", 64))
         if halves:
             print(f"{model} 64 jobs, fp16, EXL3_GEMM_WIDE=halves: {halves:.1f} tok/s")
@@ -87,4 +95,4 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("8b", "1b"))

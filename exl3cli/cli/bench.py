@@ -51,7 +51,8 @@ import click
                    "take), comma-separated.")
 @click.option("--synthetic", metavar="SHAPE", default=None,
               help="Speed mode: write a synthetic EXL3 model of this shape (llama3-8b, "
-                   "llama3.2-1b, smollm2-135m, tiny) to a temporary folder first.")
+                   "llama3.2-1b, smollm2-135m, tiny, qwen3-30b-a3b, mixtral-8x7b) to a "
+                   "temporary folder first.")
 @click.option("-b", "--bits", default=4.0, show_default=True, type=float,
               help="With --synthetic: bits per weight.")
 @click.option("--head-bits", default=6, show_default=True, type=int,

@@ -11,7 +11,7 @@ Public API:
 - ``read_exl3_linear(reader, prefix) -> dict[suffix, Tensor] | None``: the stored
   tensors of module ``prefix`` when it is trellis-quantized, else None (``reader`` is a
   ``WeightReader`` or anything with ``has(name)`` and ``get(name)``).
-- ``Exl3FolderWriter(out_dir, config: dict, shard_bytes=4 GiB)``:
+- ``Exl3FolderWriter(out_dir, config: dict, shard_bytes=4 GiB, workers=0)``:
   ``.add_linear(name, trellis, suh, svh, codebook, bias=None)`` (``name`` is the module,
   e.g. ``"model.layers.0.mlp.up_proj"``), ``.add_dense_linear(name, weight, bias=None)``
   (a 16-bit layer: ``.weight`` float16 in HF orientation (out, in)),
@@ -21,6 +21,8 @@ Public API:
   ``.close(quantization_config: dict) -> Path``. Shards are cut at module boundaries;
   one shard is ``model.safetensors``, several are ``model-0000i-of-0000N.safetensors``
   with ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
+  ``workers`` > 0 writes full shards on that many threads while the next ones fill
+  (``close`` waits for them; a failed write raises there).
   ``close`` writes config.json (with ``quantization_config``, ``tie_word_embeddings:
   false``) and the ``quantization_config.json`` sidecar (``tensor_storage`` per module).
 - ``make_quantization_config(bits, head_bits, codebook, ...) -> dict``.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +197,7 @@ class Exl3FolderWriter:
     """
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any],
-                 shard_bytes: int = DEFAULT_SHARD_BYTES):
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, workers: int = 0):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.config = dict(config)
@@ -206,6 +209,8 @@ class Exl3FolderWriter:
         self._storage: dict[str, dict[str, Any]] = {}  # sidecar tensor_storage
         self._total_bytes = 0
         self._closed = False
+        self._pool = ThreadPoolExecutor(workers) if workers > 0 else None
+        self._writes: list[Future[None]] = []
 
     def add_linear(self, name: str, trellis: torch.Tensor, suh: torch.Tensor,
                    svh: torch.Tensor, codebook: str = "mul1",
@@ -268,7 +273,11 @@ class Exl3FolderWriter:
             if pointer in seen:
                 self._pending[key] = value.clone()
             seen.add(pointer)
-        save_file(self._pending, str(path), metadata={"format": "pt"})
+        if self._pool is not None:
+            self._writes.append(self._pool.submit(save_file, self._pending, str(path),
+                                                  {"format": "pt"}))
+        else:
+            save_file(self._pending, str(path), metadata={"format": "pt"})
         for key in self._pending:
             self._weight_map[key] = number
         self._shards.append(path)
@@ -278,6 +287,10 @@ class Exl3FolderWriter:
         """Write the last shard, rename shards, write index, config.json and sidecar."""
         if self._pending or not self._shards:
             self._flush()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            for write in self._writes:
+                write.result()  # re-raises a failed shard write
         count = len(self._shards)
         names = [SINGLE_FILE] if count == 1 else [
             f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)

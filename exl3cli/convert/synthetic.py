@@ -7,15 +7,17 @@ Public API:
   trellis encoder, no Hessian. For tests and quick conversions; the quantizer in
   ``exl3cli/convert`` does the Hessian-aware version.
 - ``random_exl3_linear(in_features, out_features, k_bits, codebook="mul1",
-  generator=None) -> dict[suffix, Tensor]``: random trellis words, random signs,
-  scales that keep activations at unit RMS.
-- ``SHAPES``: name -> config.json dict of real architectures (public facts):
-  ``llama3-8b`` (Llama 3.1 8B), ``llama3.2-1b``, ``smollm2-135m`` (hidden 576: stored
-  padded to 640), ``tiny``.
+  generator=None, device=None) -> dict[suffix, Tensor]``: random trellis words (drawn
+  on ``device``, e.g. a GPU, when given), random signs, scales that keep activations
+  at unit RMS.
+- ``SHAPES``, ``linear_shapes``: see ``synthetic_shapes.py`` (dense Llama shapes and
+  the Qwen3-30B-A3B / Mixtral-8x7B mixtures of experts).
 - ``write_synthetic_model(out_dir, shape="tiny", bits=4.0, head_bits=6,
-  codebook="mul1", tokenizer_from=None, seed=0, shard_bytes=..., num_layers=None)
-  -> Path``: an EXL3
-  folder loadable by any EXL3 reader. Fractional ``bits`` mixes floor/ceil per layer.
+  codebook="mul1", tokenizer_from=None, seed=0, shard_bytes=..., num_layers=None,
+  device=None, workers=4) -> Path``: an EXL3 folder loadable by any EXL3 reader
+  (ExLlamaV3 too: MoE routers stored as 16-bit linears). Fractional ``bits`` mixes
+  floor/ceil per layer. Random words come from ``device`` (default: the GPU when there
+  is one) and shards are written by ``workers`` threads while the next ones fill.
 - ``write_byte_tokenizer(folder, vocab_size)``: a minimal byte-level tokenizer (256
   byte tokens + ``<|begin_of_text|>``, ``<|end_of_text|>``).
 """
@@ -38,7 +40,11 @@ from exl3cli.codec.format import (
     write_exl3_linear,
 )
 from exl3cli.codec.hadamard import block_hadamard
+from exl3cli.convert.synthetic_shapes import SHAPES, layer_modules, linear_shapes
 from exl3cli.ops.viterbi import encode_tiles
+
+__all__ = ["SHAPES", "copy_tokenizer", "linear_shapes", "quantize_linear_plain",
+           "random_exl3_linear", "write_byte_tokenizer", "write_synthetic_model"]
 
 # Global scale of the rotated weight relative to its RMS; the codec's Gaussian sweeps
 # (NOTES.md) found the best MSE a little above 1 for K >= 3.
@@ -91,82 +97,25 @@ def random_exl3_linear(
     k_bits: float,
     codebook: str = "mul1",
     generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Random trellis words and signs; y = x W keeps roughly the RMS of x."""
+    """Random trellis words and signs; y = x W keeps roughly the RMS of x. With
+    ``device`` (e.g. "cuda") the words are drawn there (a different stream of numbers
+    than the CPU generator's) and copied back."""
     gen = generator or torch.Generator().manual_seed(0)
     pin, pout = padded_size(in_features), padded_size(out_features)
     words = int(16 * k_bits)
-    trellis = torch.randint(-(2**15), 2**15, (pin // 16, pout // 16, words),
-                            generator=gen, dtype=torch.int32).to(torch.int16)
+    shape = (pin // 16, pout // 16, words)
+    if device is None or torch.device(device).type == "cpu":
+        trellis = torch.randint(-(2**15), 2**15, shape, generator=gen,
+                                dtype=torch.int32).to(torch.int16)
+    else:
+        trellis = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16,
+                                device=device).cpu()
     suh = _random_signs(pin, gen)
     svh = _random_signs(pout, gen) / math.sqrt(in_features)
     tensors = write_exl3_linear("x", trellis, suh, svh, codebook)
     return {name.removeprefix("x."): value for name, value in tensors.items()}
-
-
-def _llama_config(**fields: Any) -> dict[str, Any]:
-    base = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "attention_bias": False,
-        "mlp_bias": False, "initializer_range": 0.02, "pretraining_tp": 1,
-        "use_cache": True,
-    }
-    base.update(fields)
-    return base
-
-
-_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-8b": _llama_config(  # Meta-Llama-3.1-8B
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        rope_theta=500000.0, rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
-        max_position_embeddings=131072, bos_token_id=128000,
-        eos_token_id=[128001, 128008, 128009], tie_word_embeddings=False,
-    ),
-    "llama3.2-1b": _llama_config(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-        rope_theta=500000.0, rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
-        max_position_embeddings=131072, bos_token_id=128000,
-        eos_token_id=[128001, 128008, 128009], tie_word_embeddings=True,
-    ),
-    "smollm2-135m": _llama_config(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-        rope_theta=100000.0, max_position_embeddings=8192, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=True,
-    ),
-    "tiny": _llama_config(  # hidden and intermediate not multiples of 128 on purpose
-        hidden_size=192, intermediate_size=320, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=320,
-        rope_theta=10000.0, max_position_embeddings=2048, bos_token_id=256,
-        eos_token_id=257, tie_word_embeddings=False,
-    ),
-}
-SHAPES["llama3.1-8b"] = SHAPES["llama3-8b"]
-
-
-def linear_shapes(config: dict[str, Any]) -> list[tuple[str, int, int]]:
-    """(module name, in_features, out_features) of every linear of a Llama-shaped config."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    shapes = []
-    for i in range(config["num_hidden_layers"]):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        shapes += [
-            (f"{attn}.q_proj", hidden, heads * head_dim),
-            (f"{attn}.k_proj", hidden, kv * head_dim),
-            (f"{attn}.v_proj", hidden, kv * head_dim),
-            (f"{attn}.o_proj", heads * head_dim, hidden),
-            (f"{mlp}.gate_proj", hidden, inter),
-            (f"{mlp}.up_proj", hidden, inter),
-            (f"{mlp}.down_proj", inter, hidden),
-        ]
-    return shapes
 
 
 def _layer_bits(bits: float, index: int, count: int) -> int:
@@ -174,6 +123,12 @@ def _layer_bits(bits: float, index: int, count: int) -> int:
     low = math.floor(bits)
     promoted = round((bits - low) * count)
     return low + (1 if index < promoted else 0)
+
+
+def _random_device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def write_synthetic_model(
@@ -186,6 +141,8 @@ def write_synthetic_model(
     seed: int = 0,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     num_layers: int | None = None,
+    device: torch.device | str | None = None,
+    workers: int = 4,
 ) -> Path:
     """Write an EXL3 folder of architecture ``shape`` with random quantized weights.
 
@@ -198,25 +155,32 @@ def write_synthetic_model(
     if num_layers is not None:
         config["num_hidden_layers"] = int(num_layers)
     gen = torch.Generator().manual_seed(seed)
-    writer = Exl3FolderWriter(out_dir, config, shard_bytes)
+    where = _random_device(device)
+    if where.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    writer = Exl3FolderWriter(out_dir, config, shard_bytes, workers=workers)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     dtype = getattr(torch, config["torch_dtype"])
-    embed = torch.randn(vocab, hidden, generator=gen).to(dtype)
+    if where.type == "cuda":
+        embed = torch.randn(vocab, hidden, device=where).to(dtype).cpu()
+    else:
+        embed = torch.randn(vocab, hidden, generator=gen).to(dtype)
     writer.add_tensor("model.embed_tokens.weight", embed)
-    ones = torch.ones(hidden, dtype=dtype)
     layers = config["num_hidden_layers"]
-    for name, in_features, out_features in linear_shapes(config):
-        layer = int(name.split(".")[2])
-        if name.endswith("q_proj"):
-            writer.add_tensor(f"model.layers.{layer}.input_layernorm.weight", ones)
-        if name.endswith("gate_proj"):
-            writer.add_tensor(f"model.layers.{layer}.post_attention_layernorm.weight", ones)
+    for layer in range(layers):
         k = _layer_bits(bits, layer, layers)
-        writer.add_linear_tensors(name, random_exl3_linear(in_features, out_features, k,
-                                                           codebook, gen))
-    writer.add_tensor("model.norm.weight", ones)
+        for module in layer_modules(config, layer):
+            if module.kind == "norm":
+                writer.add_tensor(module.name, torch.ones(module.in_features, dtype=dtype))
+            elif module.kind == "dense":  # a router: logits of roughly unit scale
+                weight = torch.randn(module.out_features, module.in_features, generator=gen)
+                writer.add_dense_linear(module.name, weight / math.sqrt(module.in_features))
+            else:
+                writer.add_linear_tensors(module.name, random_exl3_linear(
+                    module.in_features, module.out_features, k, codebook, gen, where))
+    writer.add_tensor("model.norm.weight", torch.ones(hidden, dtype=dtype))
     writer.add_linear_tensors("lm_head", random_exl3_linear(hidden, vocab, head_bits,
-                                                            codebook, gen))
+                                                            codebook, gen, where))
     out = writer.close(make_quantization_config(bits, head_bits, codebook, synthetic=True))
     _write_generation_config(out, config)
     if tokenizer_from is not None:

@@ -36,6 +36,10 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
   pre)`` with ``g``/``u`` the gate/up outputs as ``hadamard_out`` makes them (``lora``
   covers [gate | up]; act "silu" or "gelu_tanh"); ``product`` (rows, inter) in
   ``dtype`` receives ``act(g) * u`` (the down projection's LoRA input).
+- ``qk_norm_rope(qk[rows, heads, head_dim], weight[heads, head_dim], eps, cos=None,
+  sin=None) -> qk``: per-head RMSNorm (``engine/layers/norm.py``'s rounding for a 2-D
+  weight) then rotate-half rotary with ``cos``/``sin`` (rows, head_dim); in place on
+  CUDA (one launch, ``csrc/ops/cuda/qk_norm_rope.cu``), a new tensor from the twin.
 """
 
 from __future__ import annotations
@@ -232,3 +236,23 @@ def glu_hadamard(gate: torch.Tensor, up: torch.Tensor, post_gate: torch.Tensor |
         product.copy_(au)
     padded = F.pad(au.float(), (0, width - inter))
     return block_hadamard(padded * pre[:width].float(), dim=-1).half()
+
+
+def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """See the module docstring."""
+    rows, heads, dim = qk.shape
+    flat = qk.view(rows, heads * dim) if qk.stride(2) == 1 and qk.stride(1) == dim else None
+    ext = _ext(qk)
+    if (ext is not None and hasattr(ext, "qk_norm_rope") and flat is not None
+            and qk.dtype in _DTYPES and dim in (64, 128, 256)):
+        ext.qk_norm_rope(flat, heads, dim, weight.float().contiguous(), eps,
+                         None if cos is None else cos.contiguous(),
+                         None if sin is None else sin.contiguous())
+        return qk
+    normed = F.rms_norm(qk.float(), (dim,), None, eps).to(qk.dtype)
+    normed = normed * weight.to(qk.dtype)
+    if cos is None or sin is None:
+        return normed
+    return apply_rotary(normed, cos.view(rows, 1, dim), sin.view(rows, 1, dim))

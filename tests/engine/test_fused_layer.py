@@ -91,3 +91,29 @@ def test_a_replaced_projection_makes_the_layer_decide_again(folders):
     assert layer._fused_plan() is plan
     layer.attention.o = torch.nn.Identity()  # what an adapter wrapper does to the module
     assert layer._fused_plan() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_k_norms_are_applied_before_the_rotation(folders, dtype):
+    """Qwen3's per-head q/k RMSNorm: the fused layer norms after its q/k/v output kernel
+    and rotates in PyTorch (the kernel's own rotation would come before the norm)."""
+    from exl3cli.engine.layers.norm import RMSNorm
+
+    model = load_causal_lm(folders["test-hd128"], device="cpu", dtype=dtype,
+                           linear_mode="trellis")
+    x, step = _layer_io(model, batch=2, steps=3, seed=4)
+    layer = model.layers[0]
+    attention = layer.attention
+    gen = torch.Generator().manual_seed(9)
+    weight = 1 + 0.5 * torch.randn(attention.num_heads + attention.num_kv_heads,
+                                   attention.head_dim, generator=gen)
+    attention.qk_norm = RMSNorm(weight.to(dtype), 1e-6)
+    plan = FusedDecodeLayer.of(layer, force=True)
+    assert plan is not None and not plan.fused_rope
+    want = layer(x, step)
+    got = plan.forward(x, step)
+    scale = want.float().abs().max().item()
+    diff = (got.float() - want.float()).abs().max().item()
+    assert diff <= (2e-3 if dtype == torch.float32 else 3e-2) * scale, diff
+    attention.qk_norm = None  # the norm really changes the output: the test can fail
+    assert (layer(x, step).float() - want.float()).abs().max().item() > 10 * diff

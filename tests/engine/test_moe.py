@@ -282,6 +282,37 @@ def test_the_sync_free_path_is_captured_by_a_cuda_graph():
     assert (out - expected).abs().max() > 0  # the replay computed the new rows
 
 
+@pytest.mark.parametrize("top_k, width", [(2, 24), (3, 130)])  # 130: padded to 256
+def test_the_moe_kernels_twin_matches_the_grouped_dispatch(top_k, width):
+    """exl3cli/ops/moe_kernels.py's PyTorch twin (the CUDA kernels' steps and roundings)
+    on CPU EXL3 experts in trellis mode, against MoEMLP's grouped dispatch."""
+    from exl3cli.convert.synthetic import random_exl3_linear
+    from exl3cli.ops import moe_kernels
+
+    gen = torch.Generator().manual_seed(7)
+
+    def exl3(i: int, o: int) -> Exl3Linear:
+        return Exl3Linear(random_exl3_linear(i, o, 4, "mul1", gen), i, o, mode="trellis")
+
+    experts = [GatedMLP(FusedLinear([exl3(HIDDEN, width), exl3(HIDDEN, width)]),
+                        exl3(width, HIDDEN), "silu") for _ in range(EXPERTS)]
+    block = MoEMLP(Router(_dense(EXPERTS, HIDDEN, gen), top_k), experts)
+    tables = moe_kernels.ExpertTables.build(
+        [e.gate_up.parts[0] for e in experts], [e.gate_up.parts[1] for e in experts],
+        [e.down for e in experts], "silu", HIDDEN)
+    assert tables is not None and not moe_kernels.runs_on_kernels(torch.zeros(1, HIDDEN), tables)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    weights, chosen = block.router(x)
+    want = block._routed(x, weights, chosen)
+    got = moe_kernels.moe_experts(x, weights, chosen, tables)
+    assert (got - want).abs().max() < 1e-2 * want.abs().max()  # xh rounded to float16
+    bias = [e.down for e in experts]
+    bias[0].bias = torch.zeros(HIDDEN)
+    assert moe_kernels.ExpertTables.build(  # biases: not for the kernels
+        [e.gate_up.parts[0] for e in experts], [e.gate_up.parts[1] for e in experts],
+        bias, "silu", HIDDEN) is None
+
+
 def test_mxfp4_gpt_oss_experts_are_refused_in_one_line(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -160,3 +160,26 @@ def test_fused_layers_give_the_unfused_logits_on_the_gpu(folder, dtype):
     plain = model(ids).float()
     assert (fused - plain).abs().max().item() <= 3e-2 * plain.abs().max().item()
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.85
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_qk_norm_rope_in_place_matches_its_twin(dtype, dim, rope, rows):
+    """Qwen3's per-head q/k norm + rotary on the q and k heads of a q|k|v row block: the
+    kernel writes in place, v heads (past the q/k columns) untouched."""
+    gen = _gen(rows + dim)
+    heads, kv = 6, 2
+    qkv = (torch.randn(rows, heads + 2 * kv, dim, generator=gen) * 2).to(dtype)
+    weight = torch.rand(heads + kv, dim, generator=gen) + 0.5
+    cos = torch.randn(rows, dim, generator=gen).to(dtype) if rope else None
+    sin = torch.randn(rows, dim, generator=gen).to(dtype) if rope else None
+    want = layer_kernels.qk_norm_rope(qkv[:, : heads + kv], weight.to(dtype), 1e-6, cos, sin)
+    device = qkv.cuda()
+    got = layer_kernels.qk_norm_rope(device[:, : heads + kv], weight.to(dtype).cuda(), 1e-6,
+                                     None if cos is None else cos.cuda(),
+                                     None if sin is None else sin.cuda())
+    assert got.data_ptr() == device.data_ptr()  # in place
+    _close(device[:, : heads + kv], want, 1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert torch.equal(device[:, heads + kv :].cpu(), qkv[:, heads + kv :])

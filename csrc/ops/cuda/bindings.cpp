@@ -215,6 +215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("xhs"), py::arg("trellises"), py::arg("k2"), py::arg("codebook"),
         py::arg("partials"));
   exl3_bind::define_layer_ops(m);  // layer_bindings.cpp
+  exl3_bind::define_moe_ops(m);    // moe_bindings.cpp
   m.def("hadamard", &hadamard,
         "out = H128(sum_s x[s] * pre) * post + bias, per 128 columns over width",
         py::arg("x"), py::arg("pre"), py::arg("post"), py::arg("bias"), py::arg("out"),

@@ -44,5 +44,7 @@ inline void check_contiguous(const at::Tensor& t, const char* name) {
 
 // The fused decode-layer ops (layer_bindings.cpp).
 void define_layer_ops(pybind11::module_& m);
+// The mixture-of-experts decode ops (moe_bindings.cpp).
+void define_moe_ops(pybind11::module_& m);
 
 }  // namespace exl3_bind

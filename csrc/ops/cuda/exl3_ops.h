@@ -146,4 +146,81 @@ bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int spli
                          const float* pre, void* out, int rows, const LowRank& lora,
                          void* product, int64_t product_stride, cudaStream_t stream);
 
+// qk_norm_rope (qk_norm_rope.cu): in place on x (rows, heads * head_dim; row stride, unit
+// column stride), per head h: RMSNorm with weight[h, :] (float32, (heads, head_dim)) as
+// engine/layers/norm.py computes it for a 2-D weight, then, with cos/sin (rows, head_dim)
+// in dtype, rotate-half rotary as ops/reference.py's apply_rotary. head_dim 64, 128, 256.
+bool launch_qk_norm_rope(int dtype, void* x, int64_t row_stride, int heads, int head_dim,
+                         int rows, const float* weight, float eps, const void* cos,
+                         const void* sin, cudaStream_t stream);
+
+// Mixture-of-experts decode (moe_decode.cu, moe_gemm_*.cu): the chosen experts of up to
+// 64 rows without any host synchronisation (fixed shapes; the top-k ids never leave the
+// device), reading only the chosen experts' weights. P = rows * top_k (token, expert)
+// pairs; A = min(experts, P) expert slots. The plan (int32, moe_plan_words(P, A)) is
+// [active count | slot_pair[P] | pair_slot[P] | slot_expert[P] | act_expert[A] |
+// act_offset[A] | act_rows[A]]: pairs sorted by expert ("slots"; the order within an
+// expert is arbitrary, each row's result does not depend on it), the experts that
+// received pairs, where their slots start and how many there are.
+inline int moe_plan_words(int pairs, int slots) { return 1 + 3 * pairs + 3 * slots; }
+
+// chosen (P) int64 expert ids (clamped to 0..experts-1) -> plan. experts <= 1024.
+bool launch_moe_route(const int64_t* chosen, int pairs, int experts, int* plan,
+                      cudaStream_t stream);
+
+// The router's softmax top-k (engine/layers/moe.py Router, scoring "softmax", no score
+// bias or groups) fused with moe_route: logits (rows, experts <= 256) in dtype with row
+// stride -> weights (rows, top_k) float32 (renormalised when `normalize`, times scale),
+// chosen (rows, top_k) int64 and the plan. Ties go to the lower expert.
+bool launch_moe_route_logits(int dtype, const void* logits, int64_t logit_stride, int rows,
+                             int top_k, int experts, bool normalize, float scale,
+                             float* weights, int64_t* chosen, int* plan, cudaStream_t stream);
+
+// For each slot q (pair p = slot_pair[q], row p / top_k, expert e = slot_expert[q]) and
+// part j: out[j][q, :] = float16(H128(x[row, :] * pre[j][e, :])) over `width` columns
+// (x columns >= x_cols read as 0); pre[j]: (experts, width) float32.
+bool launch_moe_in(int dtype, const void* x, int64_t row_stride, int x_cols, int width,
+                   int top_k, const int* plan, int pairs, int nparts,
+                   const float* const* pre, void* const* out, cudaStream_t stream);
+
+// partial[j][s, q, n] = sum over the s-th run of tile rows of xh[j][q, k] * Ŵ_e[k, n] with
+// e = slot_expert[q] and Ŵ_e the trellis at trellis[j][e] (a device array of pointers,
+// (kb, nb[j], 16*K) int16 each). Up to 2 parts (gate, up) of the same kb, K and codebook.
+// max_rows bounds the rows of one expert (the batch rows, <= 64): one launch per class of
+// experts by rows (1-8, 9-32, 33-64) that max_rows reaches (moe_gemm_impl.cuh).
+constexpr int kMoeMaxParts = 2;
+struct MoeGemmPart {
+  const int64_t* trellis;  // (experts,) device pointers
+  const void* xh;          // (P, 16*kb) float16
+  float* partial;          // (splits, P, 16*nb) float32
+  int nb;
+};
+struct MoeGemmParts {
+  MoeGemmPart part[kMoeMaxParts];
+  int count;
+};
+bool launch_moe_gemm_mul1(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
+                          int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+bool launch_moe_gemm_mcg(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
+                         int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+bool launch_moe_gemm_3inst(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
+                           int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+
+// Per slot q (expert e): g, u = H128(split sums of gate/up) * post_gate/post_up[e] rounded
+// to dtype, a = act(g) * u as glu_hadamard rounds it (0 at columns >= inter, the padding),
+// out[q] = float16(H128(a * pre[e])) (the down projection's rotated input). post_*, pre:
+// (experts, width) float32.
+bool launch_moe_glu(int dtype, const float* gate, const float* up, int splits, int width,
+                    int inter, const float* post_gate, const float* post_up, int act,
+                    const float* pre,
+                    const int* plan, int pairs, void* out, cudaStream_t stream);
+
+// out[r, c] (c < out_cols, row stride out_row_stride, dtype) = sum over j < top_k of
+// round(round(y_q[c]) * round(weights[r*top_k + j])) with q = pair_slot[r*top_k + j],
+// y_q = H128(split sums of partial[:, q]) * post[e_q] (post: (experts, width) float32;
+// weights float32), summed in float32 and rounded once.
+bool launch_moe_out(int dtype, const float* partial, int splits, int width, const float* post,
+                    const float* weights, int top_k, const int* plan, int pairs, int rows,
+                    void* out, int64_t out_row_stride, int out_cols, cudaStream_t stream);
+
 }  // namespace exl3

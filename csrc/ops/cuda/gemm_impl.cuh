@@ -160,6 +160,121 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// One warp's share of a fused GEMM: tile columns nb0..nb0+kTN-1 (of nb_total) over the
+// tile rows kb0..kb1-1, for `rows` rows of xh (row stride 16*kb_total halves); the
+// partial sums go to part[r * 16*nb_total + column] with part = out_base(), asked for
+// after the loop (no live register through it). `ring` is the warp's kStages slots.
+// The indexed expert GEMM of moe_decode.cu runs it; it is gemm_kernel's loop with the
+// output address asked for at the end (gemm_kernel keeps its own copy until an A/B on
+// the device shows the shared version costs nothing: its SASS differs, bench/NOTES-gpu.md).
+// NG: groups of 8 rows handled (1 for rows <= 8, 4 for rows <= 32, 8 for rows <= 64).
+template <int K2, int CB, int NG, typename OutBase>
+__device__ __forceinline__ void gemm_warp(const __half* __restrict__ xh,
+                                          const uint32_t* __restrict__ trellis,
+                                          OutBase out_base, int nb_total, int nb0,
+                                          int rows, int kb_total, int kb0, int kb1,
+                                          uint32_t* ring, int lane) {
+  constexpr int W = TileBits<K2>::kWords;
+  constexpr int kStageWords = kTN * W;
+  const int tn = min(kTN, nb_total - nb0);
+  // Each lane copies 16-byte pieces lane, lane+32, ... of a stage; pointers advance by
+  // one tile row per iteration instead of recomputing 64-bit offsets.
+  constexpr int kIters = (kStageWords / 4 + 31) / 32;
+  const int chunks = tn * W / 4;  // 16-byte pieces per stage (fewer at the right edge)
+  const size_t row_bytes = (size_t)nb_total * W * 4;
+  const char* src_lane = reinterpret_cast<const char*>(trellis + (size_t)nb0 * W) + lane * 16;
+  const uint32_t dst_lane = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
+  const int in_cols = kb_total * 16;
+
+  auto issue = [&](const char* src, int slot) {
+    const uint32_t dst = dst_lane + slot * (kStageWords * 4);
+#pragma unroll
+    for (int i = 0; i < kIters; i++)
+      if (lane + 32 * i < chunks) cp_async16(dst + 512 * i, src + 512 * i);
+  };
+
+  const char* next_src = src_lane + (size_t)kb0 * row_bytes;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; s++) {
+    if (kb0 + s < kb1) issue(next_src, s);
+    next_src += row_bytes;
+    cp_async_commit();
+  }
+
+  pdl_wait();  // the weights are in flight; xh (and the partial buffer) belong to the step
+
+  float acc[NG][kTN][4];
+#pragma unroll
+  for (int g = 0; g < NG; g++)
+#pragma unroll
+    for (int t = 0; t < kTN; t++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[g][t][e] = 0.0f;
+
+  const int gid = lane >> 2;       // B fragment column = row of x within its group of 8
+  const int k2 = 2 * (lane & 3);   // B fragment k offset
+  int slot = 0;
+  for (int kb = kb0; kb < kb1; kb++) {
+    {
+      const int next = kb + kStages - 1;
+      int next_slot = slot + kStages - 1;
+      if (next_slot >= kStages) next_slot -= kStages;
+      if (next < kb1) issue(next_src, next_slot);
+      next_src += row_bytes;
+      cp_async_commit();
+    }
+    uint32_t b[NG][2];
+#pragma unroll
+    for (int g = 0; g < NG; g++) {
+      const int row = g * 8 + gid;
+      if (row < rows) {
+        const uint32_t* xr =
+            reinterpret_cast<const uint32_t*>(xh + (size_t)row * in_cols + kb * 16 + k2);
+        b[g][0] = __ldg(xr);
+        b[g][1] = __ldg(xr + 4);
+      } else {
+        b[g][0] = 0u;
+        b[g][1] = 0u;
+      }
+    }
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const uint32_t* stage = ring + slot * kStageWords;
+#pragma unroll
+    for (int t = 0; t < kTN; t++) {
+      if (t < tn) {
+        uint32_t a[4];
+        decode_lane<K2, CB>(stage + t * W, lane, a);
+#pragma unroll
+        for (int g = 0; g < NG; g++)
+          if (NG == 1 || g * 8 < rows) mma_16816(acc[g][t], a, b[g][0], b[g][1]);
+      }
+    }
+    __syncwarp();  // every lane is done with this slot before it is refilled
+    if (++slot == kStages) slot = 0;
+  }
+
+  const size_t out_cols = (size_t)nb_total * 16;
+  float* __restrict__ part = out_base();
+#pragma unroll
+  for (int t = 0; t < kTN; t++) {
+    if (t >= tn) continue;
+    const size_t col = (size_t)(nb0 + t) * 16 + gid;  // C fragment row = output column
+#pragma unroll
+    for (int g = 0; g < NG; g++) {
+      const int r = g * 8 + k2;  // C fragment columns = rows of x
+      if (r < rows) {
+        part[r * out_cols + col] = acc[g][t][0];
+        part[r * out_cols + col + 8] = acc[g][t][2];
+      }
+      if (r + 1 < rows) {
+        part[(r + 1) * out_cols + col] = acc[g][t][1];
+        part[(r + 1) * out_cols + col + 8] = acc[g][t][3];
+      }
+    }
+  }
+}
+
 template <int K2, int CB>
 void run_gemm(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t stream) {
   const size_t smem = (size_t)kWarps * kStages * kTN * TileBits<K2>::kWords * 4;

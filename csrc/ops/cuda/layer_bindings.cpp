@@ -219,11 +219,44 @@ bool lora_low(const at::Tensor& x, const at::Tensor& a, const at::Tensor& low,
   return ok;
 }
 
+// x: (rows, heads * head_dim) view in the activation dtype, unit column stride (q and k
+// heads of a q|k|v output); weight (heads, head_dim) float32; cos/sin (rows, head_dim).
+void qk_norm_rope(at::Tensor& x, int64_t heads, int64_t head_dim, const at::Tensor& weight,
+                  double eps, const OptTensor& cos, const OptTensor& sin) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == heads * head_dim,
+              "x must be (rows, heads * head_dim) with unit column stride");
+  check_contiguous(weight, "weight");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == heads * head_dim,
+              "weight must be contiguous float32 (heads, head_dim)");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
+  const void* cos_ptr = nullptr;
+  const void* sin_ptr = nullptr;
+  if (cos.has_value()) {
+    check_contiguous(*cos, "cos");
+    check_contiguous(*sin, "sin");
+    TORCH_CHECK(cos->scalar_type() == x.scalar_type() && sin->scalar_type() == x.scalar_type() &&
+                    cos->numel() == x.size(0) * head_dim && sin->numel() == cos->numel(),
+                "cos/sin must be (rows, head_dim) in x's dtype");
+    cos_ptr = cos->data_ptr();
+    sin_ptr = sin->data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_qk_norm_rope(dtype_code(x), x.data_ptr(), x.stride(0), (int)heads,
+                                         (int)head_dim, (int)x.size(0), weight.data_ptr<float>(),
+                                         (float)eps, cos_ptr, sin_ptr, stream),
+               "exl3 qk norm rope");
+}
+
 }  // namespace
 
 void define_layer_ops(pybind11::module_& m) {
   m.def("lora_low", &lora_low, "low = x @ a^T for a decode step's rows (False: not taken)",
         py::arg("x"), py::arg("a"), py::arg("low"), py::arg("partial"), py::arg("ticket"));
+  m.def("qk_norm_rope", &qk_norm_rope, "per-head RMSNorm of q and k, then rotary, in place",
+        py::arg("x"), py::arg("heads"), py::arg("head_dim"), py::arg("weight"), py::arg("eps"),
+        py::arg("cos"), py::arg("sin"));
   m.def("norm_hadamard", &norm_hadamard,
         "outs[p] = f16(H128(rmsnorm(x) * pres[p])) (norm optional)", py::arg("x"),
         py::arg("norm_weight"), py::arg("eps"), py::arg("unit_offset"), py::arg("pres"),

@@ -16,6 +16,13 @@ with the kernels of ``exl3cli.ops.layer_kernels`` (their PyTorch twins on CPU, w
 how the CPU tests check this module against ``DecoderLayer``). Every rounding to the
 activation dtype happens where the unfused path rounds.
 
+Layers with q/k norms (Qwen3) norm and rotate q and k after the q/k/v output kernel (it
+would rotate before the norm): one more launch for per-head RMSNorm weights
+(``layer_kernels.qk_norm_rope``), the module and PyTorch's rotary for other norms. A mixture-of-experts MLP
+whose EXL3 experts run on the MoE decode kernels (``exl3cli/ops/moe_kernels.py``:
+Mixtral, Qwen3-MoE) takes the place of the last five launches: the norm, the router and
+``MoEMLP`` (seven kernels), then the residual add.
+
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
 on this path: the first low-rank matmul ``x_in @ A_all^T`` is one torch matmul per
 input (q|k|v and gate|up share theirs), on the normed input that ``norm_hadamard``
@@ -27,9 +34,10 @@ the rows' slots (a persistent buffer) are read at every forward, never kept.
 
 Public API:
 - ``FusedDecodeLayer.of(layer, force=False) -> FusedDecodeLayer | None``: the plan
-  for a plain pre-norm layer (RMSNorm, no q/k norm or position query scale, no sandwich
-  norms, a gated MLP with SiLU or tanh-GELU, every linear an ``Exl3Linear`` in trellis
-  mode, or such a linear wrapped in an ``AdaptedLinear``), or None.
+  for a plain pre-norm layer (RMSNorm, q/k norms allowed, no position query scale, no
+  sandwich norms, a gated MLP with SiLU or tanh-GELU or an ``MoEMLP`` on the MoE
+  kernels, every linear an ``Exl3Linear`` in trellis mode, or such a linear wrapped in
+  an ``AdaptedLinear``), or None.
   Without ``force`` it also needs CUDA kernels and ``EXL3_FUSED_LAYER`` not "0".
 - ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device) and
   ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
@@ -47,6 +55,7 @@ from exl3cli.engine.layers.adapted_linear import AdaptedLinear
 from exl3cli.engine.layers.attention import Attention, AttentionStep
 from exl3cli.engine.layers.linear import Exl3Linear, FusedLinear, Linear
 from exl3cli.engine.layers.mlp import GatedMLP
+from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_kernels
@@ -125,18 +134,19 @@ def _plain_norm(norm: nn.Module) -> bool:
 class FusedDecodeLayer:
     """See the module docstring."""
 
-    def __init__(self, layer: nn.Module, qkv: _Parts, o: _Parts, gate_up: _Parts,
-                 down: _Parts, activation: str):
+    def __init__(self, layer: nn.Module, qkv: _Parts, o: _Parts, gate_up: _Parts | None,
+                 down: _Parts | None, activation: str):
         self.attention: Attention = layer.attention
         self.norm1 = layer.input_norm
         self.norm2 = layer.post_attention_norm
         self.norm1_weight = self.norm1.weight.float().contiguous()
         self.norm2_weight = self.norm2.weight.float().contiguous()
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.moe: MoEMLP | None = layer.mlp if isinstance(layer.mlp, MoEMLP) else None
         # The adapted projections (their current adapters are read at each forward).
         self.qkv_lora, self.o_lora = _adapted(layer.attention.qkv), _adapted(layer.attention.o)
-        self.gate_up_lora = _adapted(layer.mlp.gate_up)
-        self.down_lora = _adapted(layer.mlp.down)
+        self.gate_up_lora = _adapted(getattr(layer.mlp, "gate_up", None))
+        self.down_lora = _adapted(getattr(layer.mlp, "down", None))
         self.activation = activation
         self.device = qkv.trellises[0].device
         attention = self.attention
@@ -148,33 +158,44 @@ class FusedDecodeLayer:
         for width in qkv.widths:
             self.rope_cols.append(max(0, min(width, rotating - start)))
             start += width
-        self.fused_rope = attention.rope and dim in (64, 128)
+        # q/k norms come before the rotation: then it is qk_norm_rope's (or PyTorch's).
+        self.fused_rope = attention.rope and dim in (64, 128) and attention.qk_norm is None
+        norm = attention.qk_norm
+        self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
+        if (type(norm) is RMSNorm and not norm.unit_offset
+                and tuple(norm.weight.shape) == (heads + kv_heads, dim)):
+            self.qk_weight = norm.weight.float().contiguous()
 
     @staticmethod
     def of(layer: nn.Module, force: bool = False) -> FusedDecodeLayer | None:
         attention, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
-        if type(attention) is not Attention or type(mlp) is not GatedMLP:
+        if type(attention) is not Attention or type(mlp) not in (GatedMLP, MoEMLP):
             return None  # a subclass may compute what Attention.forward does differently
-        if getattr(layer, "attention_out_norm", None) is not None or attention.qk_norm is not None:
+        if getattr(layer, "attention_out_norm", None) is not None:
             return None
         if getattr(attention, "position_query_scale", None) is not None:
             return None  # Ministral 3's per-position query scale lives in Attention.forward
         if not (_plain_norm(layer.input_norm) and _plain_norm(layer.post_attention_norm)):
             return None
-        activation = _ACTIVATIONS.get(mlp.activation)
-        if activation is None:
-            return None
         qkv, o = _Parts.of(_split(attention.qkv)), _Parts.of([_base(attention.o)])
-        gate_up, down = _Parts.of(_split(mlp.gate_up)), _Parts.of([_base(mlp.down)])
-        if qkv is None or o is None or gate_up is None or down is None:
+        if qkv is None or o is None:
             return None
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        if sum(qkv.widths) != (heads + 2 * kv_heads) * dim or len(gate_up.widths) != 2:
+        if sum(qkv.widths) != (heads + 2 * kv_heads) * dim or o.pad_in < heads * dim:
             return None
-        inter = gate_up.widths[0]
-        if (gate_up.widths[1] != inter or down.pad_in != _padded_out(mlp.gate_up)
-                or o.pad_in < heads * dim):
-            return None
+        if isinstance(mlp, MoEMLP):
+            if not mlp.on_kernels():
+                return None
+            gate_up = down = None
+            activation = ""
+        else:
+            activation = _ACTIVATIONS.get(mlp.activation)
+            gate_up, down = _Parts.of(_split(mlp.gate_up)), _Parts.of([_base(mlp.down)])
+            if activation is None or gate_up is None or down is None or len(gate_up.widths) != 2:
+                return None
+            inter = gate_up.widths[0]
+            if gate_up.widths[1] != inter or down.pad_in != _padded_out(mlp.gate_up):
+                return None
         if not force:
             if os.environ.get("EXL3_FUSED_LAYER", "1") == "0":
                 return None
@@ -195,7 +216,10 @@ class FusedDecodeLayer:
         self._project(self.o, layer_kernels.norm_hadamard(
             attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2,
             lora=_low_rank(self.o_lora, attended))
+        if self.moe is not None:
+            return (h + self.moe(self.norm2(h))).view(batch, steps, hidden)
         mlp = self.gate_up
+        assert mlp is not None and self.down is not None
         normed = x2.new_empty(rows, hidden) if self.gate_up_lora is not None else None
         xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
                                              self.norm2.unit_offset, mlp.pres, mlp.pad_in,
@@ -240,7 +264,16 @@ class FusedDecodeLayer:
                                    head_dim=dim if cos is not None else 0, lora=lora)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
         qk = qkv4[:, :, : heads + kv_heads]
-        if attention.rope and not self.fused_rope:
+        if self.qk_weight is not None:
+            rotate = attention.rope
+            qk = layer_kernels.qk_norm_rope(
+                qk.reshape(rows, heads + kv_heads, dim), self.qk_weight,
+                attention.qk_norm.eps, cos4.reshape(rows, dim) if rotate else None,
+                sin4.reshape(rows, dim) if rotate else None,
+            ).view(batch, steps, heads + kv_heads, dim)
+        elif attention.qk_norm is not None:
+            qk = attention.qk_norm(qk)
+        if attention.rope and not self.fused_rope and self.qk_weight is None:
             qk = apply_rotary(qk, cos4, sin4)
         return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1)
 

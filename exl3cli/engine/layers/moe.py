@@ -15,7 +15,9 @@ Public API:
 - ``MoEMLP(router, experts, shared=None, shared_gate=None)``: ``forward(x[..., H])``;
   ``last_counts`` holds the tokens each expert received in the latest grouped call;
   ``stack_experts()`` turns on the sync-free path for decode-sized calls
-  (moe_decode.py).
+  (moe_decode.py). EXL3 experts on CUDA run calls of up to 64 rows on the MoE decode
+  kernels (``exl3cli/ops/moe_kernels.py``: sync-free, graph-capturable), longer ones
+  grouped.
 - ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
   block as a family's MoESpec describes it (the loader and the converter use it).
 """
@@ -29,11 +31,16 @@ from torch import nn
 
 from exl3cli.engine.layers.linear import Linear
 from exl3cli.engine.layers.mlp import GatedMLP
-from exl3cli.engine.layers.moe_decode import SYNC_FREE_MAX_PAIRS, StackedExperts
+from exl3cli.engine.layers.moe_decode import (
+    SYNC_FREE_MAX_PAIRS,
+    StackedExperts,
+    exl3_expert_tables,
+)
 from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.spec.architecture import MoESpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
+from exl3cli.ops import moe_kernels
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
@@ -65,6 +72,13 @@ class Router(nn.Module):
     @property
     def num_experts(self) -> int:
         return self.gate.out_features
+
+    @property
+    def plain_softmax(self) -> bool:
+        """Softmax scores, top-k, optional renormalisation and scale, nothing else: what
+        the MoE routing kernel computes itself (ops/moe_kernels.moe_experts_routed)."""
+        return (self.scoring == "softmax" and self.score_bias is None and self.n_group == 1
+                and self.num_experts <= moe_kernels.ROUTER_MAX_EXPERTS)
 
     def forward(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(rows).float()
@@ -110,6 +124,7 @@ class MoEMLP(nn.Module):
         self.last_counts: list[int] = []
         self.stacked: StackedExperts | None = None  # see stack_experts
         self._absent = [isinstance(e.down, AbsentLinear) for e in experts]
+        self._tables: moe_kernels.ExpertTables | None | bool = False  # False: not built yet
 
     def stack_experts(self) -> bool:
         """Stack the experts' dense weights (a second copy) so that decode-sized calls
@@ -122,17 +137,45 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
+        tables = self.kernel_tables(rows)
+        if tables is not None and self.router.plain_softmax:
+            router = self.router
+            out, _, _ = moe_kernels.moe_experts_routed(
+                rows, router.gate(rows), router.top_k, router.normalize, router.scale, tables)
+            return self._add_shared(rows, out).view(shape)
         weights, chosen = self.router(rows)
-        if self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
+        if tables is not None:
+            out = moe_kernels.moe_experts(rows, weights, chosen, tables)
+        elif self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
             out = self.stacked(rows, weights, chosen)
         else:
             out = self._routed(rows, weights, chosen)
+        return self._add_shared(rows, out).view(shape)
+
+    def _add_shared(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             shared = self.shared(rows)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(rows))
             out = out + shared
-        return out.view(shape)
+        return out
+
+    def on_kernels(self) -> bool:
+        """Whether decode-sized CUDA calls run the MoE decode kernels (EXL3 experts in
+        trellis mode on CUDA that they support; the tables are built here once)."""
+        if self._tables is False:
+            self._tables = exl3_expert_tables(list(self.experts))  # type: ignore[arg-type]
+        return self._tables is not None
+
+    def kernel_tables(self, rows: torch.Tensor) -> moe_kernels.ExpertTables | None:
+        """The MoE decode kernels' tables when they run these rows (CUDA, <= 64 rows,
+        EXL3 experts they support), else None (built on the first CUDA call)."""
+        if not rows.is_cuda or not self.on_kernels():
+            return None
+        tables = self._tables
+        if tables is None or not moe_kernels.runs_on_kernels(rows, tables):  # type: ignore[arg-type]
+            return None
+        return tables  # type: ignore[return-value]
 
     def _routed(self, rows: torch.Tensor, weights: torch.Tensor,
                 chosen: torch.Tensor) -> torch.Tensor:

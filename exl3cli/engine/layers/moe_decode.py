@@ -6,22 +6,34 @@ capture it and every decode step waits on it per layer. Here each (token, expert
 gathers its expert's weights from tensors stacked over the experts and runs one batched
 matmul per projection: shapes depend only on the number of pairs, nothing is read back,
 and only the chosen experts' weights are read. Pure PyTorch over dense weights (dense
-experts, or EXL3 experts dequantized at load); a fused kernel reading the trellis of
-the chosen experts is the CUDA twin to come.
+experts, or EXL3 experts dequantized at load).
+
+EXL3 experts on CUDA take the kernels of ``exl3cli/ops/moe_kernels.py`` instead (the
+same sync-free step reading the chosen experts' trellis, ``exl3_expert_tables``): MoEMLP
+uses them for calls of up to 64 rows (decode steps, so the generator's CUDA graphs
+capture MoE layers too); longer calls (prefill) keep the grouped dispatch.
 
 Public API:
 - ``StackedExperts.of(experts) -> StackedExperts | None`` (None when an expert has no
   dense weight): ``forward(rows[N, H], weights[N, k], chosen[N, k]) -> [N, H]``.
 - ``SYNC_FREE_MAX_PAIRS``: up to this many (token, expert) pairs MoEMLP takes this path
   once its experts are stacked (``MoEMLP.stack_experts()``).
+- ``exl3_expert_tables(experts) -> ExpertTables | None``: the kernels' tables when every
+  expert is a gated MLP of EXL3 linears in trellis mode on CUDA that the kernels run
+  (``EXL3_MOE_KERNEL=0`` turns them off), else None.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from exl3cli.engine.layers.linear import Exl3Linear, FusedLinear
 from exl3cli.engine.layers.mlp import GatedMLP
+from exl3cli.ops import cuda_kernels as kernels
+from exl3cli.ops.moe_kernels import ExpertTables
 
 SYNC_FREE_MAX_PAIRS = 64  # decode batches; prefill keeps the grouped dispatch
 
@@ -69,3 +81,22 @@ class StackedExperts(nn.Module):
             out = out + self.down_bias.index_select(0, pairs)
         out = out * weights.reshape(-1, 1).to(out.dtype)
         return out.view(count, top_k, -1).sum(dim=1).to(rows.dtype)
+
+
+def exl3_expert_tables(experts: list[GatedMLP]) -> ExpertTables | None:
+    """See the module docstring."""
+    if os.environ.get("EXL3_MOE_KERNEL", "1") == "0" or not experts:
+        return None
+    groups: list[list[Exl3Linear]] = [[], [], []]
+    for expert in experts:
+        gate_up = getattr(expert, "gate_up", None)
+        if not isinstance(gate_up, FusedLinear) or len(gate_up.parts) != 2:
+            return None
+        for group, layer in zip(groups, (*gate_up.parts, expert.down), strict=True):
+            if (not isinstance(layer, Exl3Linear) or layer.mode != "trellis"
+                    or not layer.trellis.is_cuda):
+                return None
+            group.append(layer)
+    if len({e.activation for e in experts}) != 1 or not kernels.available():
+        return None
+    return ExpertTables.build(*groups, experts[0].activation, experts[0].down.out_features)

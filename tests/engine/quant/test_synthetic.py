@@ -14,6 +14,7 @@ from exl3cli.convert.synthetic import (
     random_exl3_linear,
     write_synthetic_model,
 )
+from exl3cli.convert.synthetic_shapes import layer_modules
 from exl3cli.engine.layers.linear import Exl3Linear
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.text.tokenizer import Tokenizer
@@ -24,17 +25,39 @@ PUBLISHED_PARAMETERS = {
     "llama3-8b": 8_030_261_248,
     "llama3.2-1b": 1_235_814_400,
     "smollm2-135m": 134_515_008,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 
 @pytest.mark.parametrize("shape", sorted(PUBLISHED_PARAMETERS))
 def test_shapes_have_the_published_parameter_counts(shape):
     config = SHAPES[shape]
-    linears = sum(i * o for _, i, o in linear_shapes(config))
+    layers = [m for i in range(config["num_hidden_layers"]) for m in layer_modules(config, i)]
+    linears = sum(m.in_features * m.out_features for m in layers if m.kind != "norm")
+    norms = sum(m.in_features for m in layers if m.kind == "norm") + config["hidden_size"]
     embed = config["vocab_size"] * config["hidden_size"]
     heads = 1 if config["tie_word_embeddings"] else 2  # the source's own head
-    norms = (2 * config["num_hidden_layers"] + 1) * config["hidden_size"]
     assert linears + heads * embed + norms == PUBLISHED_PARAMETERS[shape]
+    assert sum(i * o for _, i, o in linear_shapes(config)) < linears or "llama" in shape \
+        or "smollm" in shape  # MoE routers are 16-bit linears, not EXL3 ones
+
+
+@pytest.mark.parametrize("shape, router, expert", [
+    ("tiny-qwen3-moe", "model.layers.1.mlp.gate", "model.layers.1.mlp.experts.15.down_proj"),
+    ("tiny-mixtral", "model.layers.1.block_sparse_moe.gate",
+     "model.layers.1.block_sparse_moe.experts.3.w3"),
+])
+def test_moe_folders_store_routers_dense_and_experts_quantized(tmp_path, shape, router, expert):
+    folder = write_synthetic_model(tmp_path, shape, bits=4.0, device="cpu", workers=2,
+                                   shard_bytes=2**16)
+    reader = WeightReader(folder)
+    assert reader.get(router + ".weight").dtype == torch.float16
+    assert not reader.has(router + ".trellis")
+    assert reader.get(expert + ".trellis").shape[-1] == 64  # 4 bits
+    assert len(list(folder.glob("model-*.safetensors"))) > 5  # several shards, all written
+    if "qwen3" in shape:
+        assert reader.get("model.layers.0.self_attn.q_norm.weight").shape == (64,)
 
 
 def test_random_linear_keeps_activation_scale():

@@ -1,0 +1,446 @@
+// Mixture-of-experts decode without host synchronisation (exl3_ops.h, "Mixture-of-experts
+// decode"): the kernels around the indexed expert GEMM (moe_gemm_impl.cuh).
+//   moe_route  top-k ids -> the plan: pairs sorted by expert, the active experts
+//   moe_in     x * suh[e] + input Hadamard, per (slot, gate|up)
+//   moe_glu    split sums + output Hadamard + svh[e] (gate, up), act(g) * u, the down
+//              projection's suh[e] + input Hadamard
+//   moe_out    split sums + output Hadamard + svh[e] of down, times the routing weights,
+//              summed over each row's experts
+// Every value the PyTorch path (engine/layers/moe.py with EXL3 experts) rounds to the
+// activation dtype is rounded here at the same place; the weighted sum is the one
+// exception (float32, one rounding: moe_decode.py's StackedExperts sums the same way).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../../codec/exl3_hadamard.cuh"
+#include "exl3_convert.cuh"
+#include "exl3_launch.cuh"
+#include "exl3_lora.cuh"
+#include "exl3_moe.cuh"
+#include "exl3_ops.h"
+
+namespace exl3 {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kRouteThreads = 1024;
+
+// Inclusive sum over the block (blockDim.x == kRouteThreads); `scratch` >= 32 ints.
+__device__ int block_inclusive_scan(int v, int* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, v, m);
+    if (lane >= m) v += t;
+  }
+  if (lane == 31) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int w = scratch[lane];
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, w, m);
+      if (lane >= m) w += t;
+    }
+    scratch[lane] = w;
+  }
+  __syncthreads();
+  return warp > 0 ? v + scratch[warp - 1] : v;
+}
+
+// The plan from the pairs' expert ids (ids[p] in shared memory, counts[e] of them
+// counted): a packed scan gives expert e = threadIdx.x its first slot (low 16 bits) and
+// its index among the active experts (high 16 bits); pairs <= 65535. Then each pair takes
+// the next slot of its expert (a shared cursor). Every thread of the block calls it.
+__device__ void place_pairs(int* counts, int* cursor, const int* ids, int pairs, int experts,
+                            const MoePlan& pv, int* scratch) {
+  const int e = threadIdx.x;
+  const int c = e < experts ? counts[e] : 0;
+  const int v = c | ((c > 0 ? 1 : 0) << 16);
+  const int incl = block_inclusive_scan(v, scratch);
+  const int excl = incl - v;
+  if (e < experts) {
+    cursor[e] = excl & 0xffff;
+    if (c > 0) {
+      const int a = excl >> 16;
+      pv.act_expert[a] = e;
+      pv.act_offset[a] = excl & 0xffff;
+      pv.act_rows[a] = c;
+    }
+  }
+  if (threadIdx.x == kRouteThreads - 1) pv.active[0] = incl >> 16;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += kRouteThreads) {
+    const int id = ids[p];
+    const int q = atomicAdd(&cursor[id], 1);
+    pv.slot_pair[q] = p;
+    pv.pair_slot[p] = q;
+    pv.slot_expert[q] = id;
+  }
+}
+
+// One block of kRouteThreads threads; shared: counts[experts], cursor[experts], ids[pairs].
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_kernel(const int64_t* __restrict__ chosen, int pairs, int experts, int* plan) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ int sm[];
+  __shared__ int scratch[32];
+  int* counts = sm;
+  int* cursor = sm + experts;
+  int* ids = cursor + experts;
+  const MoePlan pv = moe_plan(plan, pairs, min(experts, pairs));
+  for (int e = threadIdx.x; e < experts; e += kRouteThreads) counts[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += kRouteThreads) {
+    const int64_t e = chosen[p];
+    const int id = e < 0 ? 0 : (e >= experts ? experts - 1 : (int)e);
+    ids[p] = id;
+    atomicAdd(&counts[id], 1);
+  }
+  __syncthreads();
+  place_pairs(counts, cursor, ids, pairs, experts, pv, scratch);
+}
+
+// The router's softmax, top-k and renormalisation (engine/layers/moe.py Router, scoring
+// "softmax" without score bias or groups) fused with the routing: one warp per row reads
+// its logits (experts <= kRouterMax), p = softmax (float32), the top_k largest (ties: the
+// lower expert), w = p / sum of the chosen (normalize) times scale; writes weights
+// (rows, top_k) float32 and chosen (rows, top_k) int64, then the plan as moe_route.
+constexpr int kRouterMax = 256;
+constexpr int kRouterPerLane = kRouterMax / 32;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_logits_kernel(const T* __restrict__ logits, int64_t logit_stride, int rows,
+                            int top_k, int experts, bool normalize, float scale,
+                            float* __restrict__ weights, int64_t* __restrict__ chosen,
+                            int* plan) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ int sm[];
+  __shared__ int scratch[32];
+  const int pairs = rows * top_k;
+  int* counts = sm;
+  int* cursor = sm + experts;
+  int* ids = cursor + experts;
+  const MoePlan pv = moe_plan(plan, pairs, min(experts, pairs));
+  for (int e = threadIdx.x; e < experts; e += kRouteThreads) counts[e] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int row = warp; row < rows; row += kRouteThreads / 32) {
+    const T* lr = logits + row * logit_stride;
+    float p[kRouterPerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kRouterPerLane; j++) {
+      const int e = lane + 32 * j;
+      p[j] = e < experts ? to_f32(lr[e]) : -INFINITY;
+      m = fmaxf(m, p[j]);
+    }
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kRouterPerLane; j++) {
+      p[j] = lane + 32 * j < experts ? expf(p[j] - m) : 0.0f;
+      s += p[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < kRouterPerLane; j++)
+      p[j] = lane + 32 * j < experts ? p[j] / s : -1.0f;  // -1: not an expert, or taken
+    float mine_w = 0.0f;
+    int mine_e = 0;
+    for (int t = 0; t < top_k; t++) {
+      float best = -1.0f;
+      int bi = 0x7fffffff;
+#pragma unroll
+      for (int j = 0; j < kRouterPerLane; j++)
+        if (p[j] > best) {  // ascending j: the lowest expert of this lane wins ties
+          best = p[j];
+          bi = lane + 32 * j;
+        }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) {
+          best = ob;
+          bi = oi;
+        }
+      }
+      if ((bi & 31) == lane) {
+#pragma unroll
+        for (int j = 0; j < kRouterPerLane; j++)
+          if (lane + 32 * j == bi) p[j] = -1.0f;
+      }
+      if (lane == t) {
+        mine_w = best;
+        mine_e = bi;
+      }
+    }
+    const float total = warp_sum(lane < top_k ? mine_w : 0.0f);
+    if (lane < top_k) {
+      const int pair = row * top_k + lane;
+      weights[pair] = (normalize ? mine_w / total : mine_w) * scale;
+      chosen[pair] = mine_e;
+      ids[pair] = mine_e;
+      atomicAdd(&counts[mine_e], 1);
+    }
+  }
+  __syncthreads();
+  place_pairs(counts, cursor, ids, pairs, experts, pv, scratch);
+}
+
+struct MoeIn {
+  const float* pre[kMoeMaxParts];
+  __half* out[kMoeMaxParts];
+};
+
+// grid (blocks of 8 column blocks, parts, slots).
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    moe_in_kernel(const T* __restrict__ x, int64_t row_stride, int x_cols, int width,
+                  int top_k, const int* __restrict__ plan, int pairs,
+                  const __grid_constant__ MoeIn parts) {
+  pdl_trigger();
+  pdl_wait();
+  const int lane = threadIdx.x & 31;
+  const int base = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * 128 + lane * 4;
+  if (base >= width) return;  // whole warps: width is a multiple of 128
+  const int q = blockIdx.z;
+  const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, 0);
+  const int row = pv.slot_pair[q] / top_k;
+  const int e = pv.slot_expert[q];
+  const float* pre = parts.pre[blockIdx.y] + (size_t)e * width;
+  const T* xr = x + row * row_stride;
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const int c = base + i;
+    v[i] = c < x_cols ? to_f32(xr[c]) * pre[c] : 0.0f;
+  }
+  hadamard128_warp(v, lane);
+  __half2* out2 = reinterpret_cast<__half2*>(parts.out[blockIdx.y] + (size_t)q * width + base);
+  out2[0] = __floats2half2_rn(v[0] * kHadamardScale, v[1] * kHadamardScale);
+  out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
+}
+
+// Split sum of partial (splits, pairs, width) for slot q at 4 columns from `col`, then
+// the output Hadamard: the unscaled y of the lane's 4 columns.
+__device__ __forceinline__ void slot_output(const float* __restrict__ partial, int splits,
+                                            int pairs, int width, int q, int col, int lane,
+                                            float (&v)[4]) {
+  const size_t slice = (size_t)pairs * width;
+  const float* p = partial + (size_t)q * width + col;
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int sl = 0; sl < splits; sl++) {
+    const float4 t = __ldg(reinterpret_cast<const float4*>(p + sl * slice));
+    s.x += t.x;
+    s.y += t.y;
+    s.z += t.z;
+    s.w += t.w;
+  }
+  v[0] = s.x;
+  v[1] = s.y;
+  v[2] = s.z;
+  v[3] = s.w;
+  hadamard128_warp(v, lane);
+}
+
+__device__ __forceinline__ float activation(float g, int act) {
+  if (act == 0) return g / (1.0f + expf(-g));
+  const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return 0.5f * g * (1.0f + tanhf(inner));
+}
+
+// grid (warps over slots x column blocks / 8).
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    moe_glu_kernel(const float* __restrict__ gate, const float* __restrict__ up, int splits,
+                   int width, int inter, const float* __restrict__ post_gate,
+                   const float* __restrict__ post_up, int act, const float* __restrict__ pre,
+                   const int* __restrict__ plan, int pairs, __half* __restrict__ out) {
+  pdl_trigger();
+  pdl_wait();
+  const int lane = threadIdx.x & 31;
+  const int blocks_per_row = width / 128;
+  const int id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int q = id / blocks_per_row;
+  if (q >= pairs) return;
+  const int base = (id % blocks_per_row) * 128 + lane * 4;
+  const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, 0);
+  const size_t e = (size_t)pv.slot_expert[q] * width;
+  float g[4], u[4], v[4];
+  slot_output(gate, splits, pairs, width, q, base, lane, g);
+  slot_output(up, splits, pairs, width, q, base, lane, u);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const int c = base + i;
+    const float gv = round_to<T>(g[i] * kHadamardScale * post_gate[e + c]);
+    const float uv = round_to<T>(u[i] * kHadamardScale * post_up[e + c]);
+    v[i] = c < inter ? round_to<T>(round_to<T>(activation(gv, act)) * uv) * pre[e + c] : 0.0f;
+  }
+  hadamard128_warp(v, lane);
+  __half2* out2 = reinterpret_cast<__half2*>(out + (size_t)q * width + base);
+  out2[0] = __floats2half2_rn(v[0] * kHadamardScale, v[1] * kHadamardScale);
+  out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
+}
+
+// grid (warps over rows x column blocks / 8).
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    moe_out_kernel(const float* __restrict__ partial, int splits, int width,
+                   const float* __restrict__ post, const float* __restrict__ weights,
+                   int top_k, const int* __restrict__ plan, int pairs, int rows,
+                   T* __restrict__ out, int64_t out_row_stride, int out_cols) {
+  pdl_trigger();
+  pdl_wait();
+  const int lane = threadIdx.x & 31;
+  const int blocks_per_row = width / 128;
+  const int id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row = id / blocks_per_row;
+  if (row >= rows) return;
+  const int base = (id % blocks_per_row) * 128 + lane * 4;
+  const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, 0);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < top_k; j++) {
+    const int p = row * top_k + j;
+    const int q = pv.pair_slot[p];
+    const size_t e = (size_t)pv.slot_expert[q] * width;
+    const float w = round_to<T>(weights[p]);
+    float y[4];
+    slot_output(partial, splits, pairs, width, q, base, lane, y);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+      acc[i] += round_to<T>(round_to<T>(y[i] * kHadamardScale * post[e + base + i]) * w);
+  }
+  T* o = out + (size_t)row * out_row_stride;
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    if (base + i < out_cols) o[base + i] = from_f32<T>(acc[i]);
+}
+
+unsigned warp_blocks(int64_t warps) { return (unsigned)((warps + kWarps - 1) / kWarps); }
+
+template <typename T>
+void run_route_logits(const void* logits, int64_t logit_stride, int rows, int top_k,
+                      int experts, bool normalize, float scale, float* weights,
+                      int64_t* chosen, int* plan, size_t smem, cudaStream_t stream) {
+  launch(moe_route_logits_kernel<T>, dim3(1), dim3(kRouteThreads), smem, stream,
+         static_cast<const T*>(logits), logit_stride, rows, top_k, experts, normalize, scale,
+         weights, chosen, plan);
+}
+
+template <typename T>
+void run_in(const void* x, int64_t row_stride, int x_cols, int width, int top_k,
+            const int* plan, int pairs, const MoeIn& parts, int nparts, cudaStream_t stream) {
+  launch(moe_in_kernel<T>, dim3(warp_blocks(width / 128), nparts, pairs), dim3(kWarps * 32), 0,
+         stream, static_cast<const T*>(x), row_stride, x_cols, width, top_k, plan, pairs, parts);
+}
+
+template <typename T>
+void run_glu(const float* gate, const float* up, int splits, int width, int inter,
+             const float* post_gate, const float* post_up, int act, const float* pre,
+             const int* plan, int pairs, void* out, cudaStream_t stream) {
+  launch(moe_glu_kernel<T>, dim3(warp_blocks((int64_t)pairs * (width / 128))),
+         dim3(kWarps * 32), 0, stream, gate, up, splits, width, inter, post_gate, post_up, act,
+         pre, plan, pairs, static_cast<__half*>(out));
+}
+
+template <typename T>
+void run_out(const float* partial, int splits, int width, const float* post,
+             const float* weights, int top_k, const int* plan, int pairs, int rows, void* out,
+             int64_t out_row_stride, int out_cols, cudaStream_t stream) {
+  launch(moe_out_kernel<T>, dim3(warp_blocks((int64_t)rows * (width / 128))),
+         dim3(kWarps * 32), 0, stream, partial, splits, width, post, weights, top_k, plan,
+         pairs, rows, static_cast<T*>(out), out_row_stride, out_cols);
+}
+
+}  // namespace
+
+bool launch_moe_route(const int64_t* chosen, int pairs, int experts, int* plan,
+                      cudaStream_t stream) {
+  if (pairs < 1 || pairs > 65535 || experts < 1 || experts > kRouteThreads) return false;
+  const size_t smem = (size_t)(2 * experts + pairs) * sizeof(int);
+  if (smem > 48 * 1024) return false;
+  launch(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, stream, chosen, pairs, experts,
+         plan);
+  return true;
+}
+
+#define EXL3_MOE_DTYPES(CALL)                                      \
+  switch (dtype) {                                                 \
+    case DT_HALF: CALL(__half); return true;                       \
+    case DT_BF16: CALL(__nv_bfloat16); return true;                \
+    case DT_FLOAT: CALL(float); return true;                       \
+    default: return false;                                         \
+  }
+
+bool launch_moe_route_logits(int dtype, const void* logits, int64_t logit_stride, int rows,
+                             int top_k, int experts, bool normalize, float scale,
+                             float* weights, int64_t* chosen, int* plan, cudaStream_t stream) {
+  const int pairs = rows * top_k;
+  if (rows < 1 || top_k < 1 || top_k > 32 || top_k > experts || experts > kRouterMax ||
+      pairs > 65535)
+    return false;
+  const size_t smem = (size_t)(2 * experts + pairs) * sizeof(int);
+  if (smem > 48 * 1024) return false;
+#define EXL3_MOE_ROUTE(T) run_route_logits<T>(logits, logit_stride, rows, top_k, experts, normalize, scale, weights, chosen, plan, smem, stream)
+  EXL3_MOE_DTYPES(EXL3_MOE_ROUTE)
+#undef EXL3_MOE_ROUTE
+}
+
+bool launch_moe_in(int dtype, const void* x, int64_t row_stride, int x_cols, int width,
+                   int top_k, const int* plan, int pairs, int nparts,
+                   const float* const* pre, void* const* out, cudaStream_t stream) {
+  if (width % 128 != 0 || x_cols > width || nparts < 1 || nparts > kMoeMaxParts ||
+      pairs < 1 || pairs > 65535 || top_k < 1)
+    return false;
+  MoeIn parts{};
+  for (int p = 0; p < nparts; p++) {
+    if (pre[p] == nullptr || out[p] == nullptr) return false;
+    parts.pre[p] = pre[p];
+    parts.out[p] = static_cast<__half*>(out[p]);
+  }
+#define EXL3_MOE_IN(T) run_in<T>(x, row_stride, x_cols, width, top_k, plan, pairs, parts, nparts, stream)
+  EXL3_MOE_DTYPES(EXL3_MOE_IN)
+#undef EXL3_MOE_IN
+}
+
+bool launch_moe_glu(int dtype, const float* gate, const float* up, int splits, int width,
+                    int inter, const float* post_gate, const float* post_up, int act,
+                    const float* pre, const int* plan, int pairs, void* out,
+                    cudaStream_t stream) {
+  if (width % 128 != 0 || inter < 1 || inter > width || splits < 1 || (act != 0 && act != 1) ||
+      pairs < 1 || post_gate == nullptr || post_up == nullptr || pre == nullptr)
+    return false;
+#define EXL3_MOE_GLU(T) run_glu<T>(gate, up, splits, width, inter, post_gate, post_up, act, pre, plan, pairs, out, stream)
+  EXL3_MOE_DTYPES(EXL3_MOE_GLU)
+#undef EXL3_MOE_GLU
+}
+
+bool launch_moe_out(int dtype, const float* partial, int splits, int width, const float* post,
+                    const float* weights, int top_k, const int* plan, int pairs, int rows,
+                    void* out, int64_t out_row_stride, int out_cols, cudaStream_t stream) {
+  if (width % 128 != 0 || splits < 1 || out_cols > width || rows < 1 || top_k < 1 ||
+      rows * top_k != pairs || post == nullptr || weights == nullptr)
+    return false;
+#define EXL3_MOE_OUT(T) run_out<T>(partial, splits, width, post, weights, top_k, plan, pairs, rows, out, out_row_stride, out_cols, stream)
+  EXL3_MOE_DTYPES(EXL3_MOE_OUT)
+#undef EXL3_MOE_OUT
+}
+
+}  // namespace exl3
