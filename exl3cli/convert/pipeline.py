@@ -47,6 +47,7 @@ from exl3cli.convert.calibration import (
 from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
+from exl3cli.convert.mla_layer import latent_norm_names, quantize_latent
 from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
@@ -115,9 +116,6 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
-        if self.spec.mla:
-            raise ConversionError(f"{self.config.architecture}: converting multi-head latent "
-                                  "attention is not supported yet (EXL3 folders of it load)")
         if self.spec.norm != "rms" or self.spec.parallel_block:
             raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
                                   "parallel-block families is not supported yet")
@@ -171,7 +169,8 @@ class _Converter:
             self.spec, self.config, i)}
 
     def norm_names(self, i: int) -> list[str]:
-        """Layer `i`'s small tensors written as they are: norms and attention sinks."""
+        """Layer `i`'s small tensors written as they are: norms, attention sinks and a
+        router's choice bias."""
         t = self.names
         names = [] if self.spec.post_norm else [t.input_norm.format(i=i),
                                                  t.post_attention_norm.format(i=i)]
@@ -181,6 +180,11 @@ class _Converter:
             names += [t.q_norm.format(i=i), t.k_norm.format(i=i)]
         if self.spec.attention_sinks:
             names.append(t.sinks.format(i=i))
+        if self.spec.mla:
+            names += latent_norm_names(t, self.config, i)
+        moe = self.spec.moe
+        if moe is not None and moe.score_bias and moe.is_sparse(self.config, i):
+            names.append(moe.score_bias.format(i=i))  # the router's choice bias
         return names
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -205,13 +209,17 @@ class _Converter:
                 # Experts share their group's bits (allocation_plan.py).
                 results, counts = quantize_experts(self, i, hidden, dense, group,
                                                    bits[mods[group][0]], attended)
+            elif group == "qkv" and self.spec.mla:  # in two stages (mla_layer.py)
+                results = quantize_latent(self, i, hidden, dense, bits)
             else:
                 # The MLP's groups replay the attention from o's input (engine_layer.py).
-                x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group,
-                                        attended)
-                results = self.quantize(mods[group], x, [bits[m] for m in mods[group]])
+                layer = engine.build(i, dense, self.tensor)
+                x = engine.linear_input(layer, hidden, group, attended)
+                # MLA's o_proj reads the value heads without their padding.
+                read = layer.attention.o.narrow(x) if group == "o" and self.spec.mla else x
+                results = self.quantize(mods[group], read, [bits[m] for m in mods[group]])
                 attended = x if group == "o" else attended
-                del x
+                del x, read
             for q in results:
                 dense[q.name] = (q.weight, self.bias(q.name))
                 stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
