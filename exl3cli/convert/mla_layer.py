@@ -1,18 +1,20 @@
 """Quantizing multi-head latent attention (DeepSeek-V3): the qkv group in two stages.
 
-An MLA layer's "qkv" group holds projections with three different inputs: q_proj (or
+An MLA layer's "qkv" group holds projections with two different inputs: q_proj (or
 q_a_proj) and kv_a_proj_with_mqa read the normed hidden state; q_b_proj reads the
-normed query latent (q_a_layernorm of q_a_proj's output) and kv_b_proj the normed key/value
-latent (kv_a_layernorm of kv_a_proj_with_mqa's output, its rope part split off). So
-the first stage quantizes the hidden state's readers on its Hessian, and the second
-quantizes q_b_proj and kv_b_proj each on the latent it receives once the first stage
-is quantized (captured with a hook on the engine's LatentQKV, engine/layers/mla.py),
-as o_proj and down_proj see the outputs of the quantized modules before them. The
+normed query latent (q_a_layernorm of q_a_proj's output). So the first stage quantizes
+the hidden state's readers on its Hessian, and the second quantizes q_b_proj on the
+latent it receives once q_a_proj is quantized (captured with a hook on the engine's
+LatentQKV, engine/layers/mla.py), as o_proj and down_proj see the outputs of the
+quantized modules before them. kv_b_proj (the normed key/value latent to per-head keys
+and values) is written at 16 bits, as ExLlamaV3 1.6.5 stores it: it reads that dense
+weight (folding it into queries and outputs), so the folders stay loadable there. The
 group shares one bit width (allocation.py) and the layer's o projection reads the value
 heads without their padding (HeadSlice.narrow).
 
 Public API:
 - ``latent_modules(names, config, i) -> list[str]``: the qkv group of an MLA layer.
+- ``latent_kept_modules(names, i) -> list[str]``: its linears kept at 16 bits (kv_b_proj).
 - ``latent_norm_names(names, config, i) -> list[str]``: its latent norms (kept as they are).
 - ``quantize_latent(conv, i, hidden, dense, bits) -> list[QuantizedLinear]``: ``conv`` is
   the pipeline's converter; ``dense`` (module -> ((in, out) weight, bias)) is updated
@@ -32,11 +34,17 @@ def _has_query_latent(config: ModelConfig) -> bool:
 
 
 def latent_modules(names: TensorNames, config: ModelConfig, i: int) -> list[str]:
-    """[q_a_proj, kv_a_proj_with_mqa, q_b_proj, kv_b_proj], or q_proj for the first two
-    queries' modules when the model has no query latent."""
+    """The quantized ones: [q_a_proj, kv_a_proj_with_mqa, q_b_proj], or [q_proj,
+    kv_a_proj_with_mqa] when the model has no query latent."""
     first = [names.q_a_proj if _has_query_latent(config) else names.q_proj, names.kv_a_proj]
-    second = ([names.q_b_proj] if _has_query_latent(config) else []) + [names.kv_b_proj]
+    second = [names.q_b_proj] if _has_query_latent(config) else []
     return [n.format(i=i) for n in first + second]
+
+
+def latent_kept_modules(names: TensorNames, i: int) -> list[str]:
+    """kv_b_proj, written at 16 bits as ExLlamaV3 stores it (it reads kv_b_proj.weight
+    and folds it into the queries and outputs)."""
+    return [names.kv_b_proj.format(i=i)]
 
 
 def latent_norm_names(names: TensorNames, config: ModelConfig, i: int) -> list[str]:
@@ -55,13 +63,9 @@ def quantize_latent(conv, i: int, hidden: torch.Tensor, dense: dict,
     del x
     for q in results:
         dense[q.name] = (q.weight, conv.bias(q.name))
-    layer = engine.build(i, dense, conv.tensor)
-    latent = layer.attention.qkv
-    readers = {names.kv_b_proj.format(i=i): latent.kv_b}
-    if latent.q_b is not None:
-        readers[names.q_b_proj.format(i=i)] = latent.q_b
-    for module in second:
-        x = engine.module_input(layer, hidden, readers[module])
-        results += conv.quantize([module], x, [bits[module]])
+    if second:  # q_b_proj
+        layer = engine.build(i, dense, conv.tensor)
+        x = engine.module_input(layer, hidden, layer.attention.qkv.q_b)
+        results += conv.quantize(second, x, [bits[m] for m in second])
         del x
     return results

@@ -47,7 +47,7 @@ from exl3cli.convert.calibration import (
 from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
-from exl3cli.convert.mla_layer import latent_norm_names, quantize_latent
+from exl3cli.convert.mla_layer import latent_kept_modules, latent_norm_names, quantize_latent
 from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
@@ -163,10 +163,14 @@ class _Converter:
     def layer_modules(self, i: int) -> dict[str, list[str]]:
         return layer_modules(self.spec, self.names, self.config, i)
 
+    def kept_modules(self, i: int) -> list[str]:
+        """Layer `i`'s linears kept at 16 bits: a router, MLA's kv_b_proj."""
+        kept = kept_dense_modules(self.spec, self.config, i)
+        return kept + (latent_kept_modules(self.names, i) if self.spec.mla else [])
+
     def kept_dense(self, i: int) -> dict[str, tuple]:
-        """Layer `i`'s linears kept at 16 bits (a router), as the source has them."""
-        return {m: (self.weight(m), self.bias(m)) for m in kept_dense_modules(
-            self.spec, self.config, i)}
+        """Layer `i`'s kept linears, as the source has them."""
+        return {m: (self.weight(m), self.bias(m)) for m in self.kept_modules(i)}
 
     def norm_names(self, i: int) -> list[str]:
         """Layer `i`'s small tensors written as they are: norms, attention sinks and a
@@ -387,7 +391,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
                     writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
                 else:
                     writer.add_linear_tensors(m, module_tensors(stored, m))
-        for m in kept_dense_modules(conv.spec, conv.config, i):
+        for m in conv.kept_modules(i):
             bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
             writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
     writer.add_tensor(t.final_norm, conv.reader.get(t.final_norm))

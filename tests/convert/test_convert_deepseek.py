@@ -1,8 +1,8 @@
 """`exl3 convert` of a tiny random DeepSeek-V3 at 4.0 bpw (CPU): multi-head latent
-attention quantized in two stages (q_a / kv_a on the hidden state, then q_b / kv_b on
-the latents they produce; convert/mla_layer.py), a dense first layer, then a sparse one
-whose router keeps its choice bias (e_score_correction_bias) at 16 bits; the folder
-holds the tensors under the names ExLlamaV3 stores them and tracks the original."""
+attention quantized in two stages (q_a / kv_a on the hidden state, then q_b on the
+query latent q_a gives; convert/mla_layer.py) with kv_b_proj at 16 bits, a dense first
+layer, then a sparse one whose router keeps its choice bias (e_score_correction_bias);
+the folder holds the tensors as ExLlamaV3 stores them and tracks the original."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tests.fixtures.tiny_store import write_tiny_chat_model
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,
                       device="cpu")
 ATTN = "model.layers.{i}.self_attn."
-MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,11 @@ def test_latent_attention_and_router_are_written_under_their_names(converted):
     for i in range(2):
         for module in MLA:
             assert reader.has(ATTN.format(i=i) + module + ".trellis"), (i, module)
+        # kv_b_proj dense, as ExLlamaV3 reads it (it folds it into queries and outputs).
+        kv_b = ATTN.format(i=i) + "kv_b_proj"
+        assert not reader.has(kv_b + ".trellis")
+        assert torch.equal(reader.get(kv_b + ".weight").float(),
+                           source.get(kv_b + ".weight").half().float())
         for norm in ("q_a_layernorm.weight", "kv_a_layernorm.weight"):
             name = ATTN.format(i=i) + norm
             assert torch.equal(reader.get(name).float(), source.get(name).half().float())
@@ -67,26 +72,30 @@ def test_the_folder_loads_and_tracks_the_original(converted):
     assert isinstance(quantized.layers[1].mlp, MoEMLP)
     expected = original(ids)
     corr = _corr(quantized(ids), expected)
-    # Measured at 4.0 bpw (attention at 5 bits, the gate/up experts paying): 0.987.
-    assert corr > 0.98, f"{corr:.4f}"
+    # Measured at 4.0 bpw: 0.982. The fixed order's MoE bonus gives attention 6-7 bits
+    # and the experts pay with 3; in this tiny model attention is a large share of the
+    # weights, so the experts pay a lot (in DeepSeek-V3 itself about 0.03 bits).
+    assert corr > 0.975, f"{corr:.4f}"
     assert _corr(original(ids.flip(1)), expected) < 0.9
 
 
 def test_the_second_stage_reads_the_normed_latents(tmp_path):
-    """kv_b_proj and q_b_proj are quantized on what they receive: the RMS-normed latent
-    of kv_a_proj_with_mqa (its rope part split off) and of q_a_proj."""
+    """q_b_proj is quantized on what it receives, the RMS-normed latent of q_a_proj; the
+    engine's hooks read kv_b_proj's input too (kv_a_proj_with_mqa's latent, normed,
+    without its rope part)."""
     src = write_tiny_chat_model(tmp_path / "src", "deepseek_v3", num_hidden_layers=1)
     config = load_family_config(src)
     spec = get_architecture(config.architecture)
     names, reader = spec.tensor_names(WeightReader(src).has), WeightReader(src)
     modules = latent_modules(names, config, 0)
-    assert modules[2:] == [ATTN.format(i=0) + "q_b_proj", ATTN.format(i=0) + "kv_b_proj"]
+    assert modules[2:] == [ATTN.format(i=0) + "q_b_proj"]
     engine = EngineLayerForward(config, spec, names, torch.device("cpu"))
 
     def tensor(name: str) -> torch.Tensor:
         return reader.get(name, dtype=torch.float32)
 
-    dense = {m: (tensor(m + ".weight").T, None) for m in modules + [ATTN.format(i=0) + "o_proj",
+    dense = {m: (tensor(m + ".weight").T, None) for m in modules + [
+             ATTN.format(i=0) + "kv_b_proj", ATTN.format(i=0) + "o_proj",
              "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
              "model.layers.0.mlp.down_proj"]}
     layer = engine.build(0, dense, tensor)
@@ -103,4 +112,4 @@ def test_the_second_stage_reads_the_normed_latents(tmp_path):
     plain = load_family_config(write_tiny_chat_model(tmp_path / "plain", "deepseek_v3",
                                                      q_lora_rank=None, num_hidden_layers=1))
     assert latent_modules(names, plain, 0) == [
-        ATTN.format(i=0) + m for m in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+        ATTN.format(i=0) + m for m in ("q_proj", "kv_a_proj_with_mqa")]
