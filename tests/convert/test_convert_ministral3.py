@@ -60,6 +60,7 @@ def test_the_folder_loads_and_tracks_the_original(converted):
     assert isinstance(quantized.layers[1].attention.o, (Exl3Linear, CpuExl3Linear))
     expected = original(ids)
     corr = _corr(quantized(ids), expected)
+    # Measured at 4.0 bpw: Ministral 3 0.9926, Mistral 3 (image-text) 0.9935.
     assert corr > 0.99, f"{converted['arch']}: correlation {corr:.4f}"
     # The comparison can fail: other text correlates far less.
     assert _corr(original(ids.flip(1)), expected) < 0.9
