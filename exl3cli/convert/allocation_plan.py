@@ -11,7 +11,8 @@
      tensors sharing an input (one LDLQ pass per group, as the fixed order has);
    - "fixed": allocation.py's fixed promotion order over groups (the behaviour before
      measurement), recipe overrides applied on top.
-   Mixtures of experts use the fixed order (with its attention bonus); a recipe that
+   Mixtures of experts use the fixed order (with its attention bonus), and so does
+   multi-head latent attention (its qkv group reads three inputs); a recipe that
    leaves no tensor free needs neither. Every other family is measured (the
    sensitivity pass runs the engine's own layers, as the quantization does).
 
@@ -141,7 +142,7 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
     elif options.bits is None:
         raise ConversionError(f"the recipe leaves {len(free)} tensor(s) without bits (e.g. "
                               f"{free[0]}): give -b BPW for them, or cover them with '*'")
-    elif options.allocation == "fixed" or conv.spec.moe:
+    elif options.allocation == "fixed" or conv.spec.moe or conv.spec.mla:
         bits = {**_fixed_order(conv, shapes, options.bits), **fixed}
         method = "fixed order" + (" and recipe" if fixed else "")
     else:

@@ -25,6 +25,7 @@ Public API:
   ``.build(i, dense, tensor, probes=None) -> DecoderLayer``, ``.step(rows, cols)``,
   ``.run(layer, hidden, attended=None) -> hidden``,
   ``.linear_input(layer, hidden, slot, attended=None) -> Tensor``,
+  ``.module_input(layer, hidden, module, attended=None) -> Tensor`` (any submodule's),
   ``.embed(tokens, weight) -> hidden`` (Gemma's scale applied),
   ``.final_norm(hidden, weight)``, ``.logits(hidden, norm_weight, head_weight)``
   (Gemma 2's final soft-cap applied).
@@ -199,7 +200,11 @@ class EngineLayerForward:
         `attended` as for `run` (not for "qkv" and "o", which come before it)."""
         if attended is not None and slot in ("qkv", "o"):
             raise ValueError(f"the {slot} projection's input comes before the attention")
-        module = slot_module(layer, slot)
+        return self.module_input(layer, hidden, slot_module(layer, slot), attended, slot)
+
+    def module_input(self, layer: DecoderLayer, hidden: torch.Tensor, module: nn.Module,
+                     attended: torch.Tensor | None = None, what: str = "module") -> torch.Tensor:
+        """What `module` (a part of `layer`, e.g. MLA's kv_b projection) receives."""
         seen: list[torch.Tensor] = []
 
         def capture(_module: nn.Module, args: tuple) -> None:
@@ -216,5 +221,5 @@ class EngineLayerForward:
         finally:
             handle.remove()
         if len(seen) != -(-hidden.shape[0] // self.row_chunk):
-            raise RuntimeError(f"the {slot} projection was not reached in every row chunk")
+            raise RuntimeError(f"the {what} projection was not reached in every row chunk")
         return torch.cat(seen)

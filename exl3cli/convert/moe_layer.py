@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from exl3cli.convert.hessian import HessianAccumulator
+from exl3cli.convert.mla_layer import latent_modules
 from exl3cli.engine.spec.architecture import ArchitectureSpec, MoESpec, TensorNames
 from exl3cli.engine.spec.config import ModelConfig
 
@@ -64,9 +65,11 @@ def moe_units(spec: ArchitectureSpec, config: ModelConfig, i: int,
 
 def layer_modules(spec: ArchitectureSpec, names: TensorNames, config: ModelConfig,
                   i: int) -> dict[str, list[str]]:
-    """Every quantized module of layer `i`, by group."""
+    """Every quantized module of layer `i`, by group (multi-head latent attention's
+    qkv group: mla_layer.py)."""
     modules = {
-        "qkv": [names.q_proj.format(i=i), names.k_proj.format(i=i), names.v_proj.format(i=i)],
+        "qkv": (latent_modules(names, config, i) if spec.mla else
+                [names.q_proj.format(i=i), names.k_proj.format(i=i), names.v_proj.format(i=i)]),
         "o": [names.o_proj.format(i=i)],
     }
     if _moe(spec, config, i) is None:

@@ -47,6 +47,7 @@ from exl3cli.convert.calibration import (
 from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
+from exl3cli.convert.mla_layer import latent_kept_modules, latent_norm_names, quantize_latent
 from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
@@ -115,9 +116,6 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
-        if self.spec.mla:
-            raise ConversionError(f"{self.config.architecture}: converting multi-head latent "
-                                  "attention is not supported yet (EXL3 folders of it load)")
         if self.spec.norm != "rms" or self.spec.parallel_block:
             raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
                                   "parallel-block families is not supported yet")
@@ -165,13 +163,18 @@ class _Converter:
     def layer_modules(self, i: int) -> dict[str, list[str]]:
         return layer_modules(self.spec, self.names, self.config, i)
 
+    def kept_modules(self, i: int) -> list[str]:
+        """Layer `i`'s linears kept at 16 bits: a router, MLA's kv_b_proj."""
+        kept = kept_dense_modules(self.spec, self.config, i)
+        return kept + (latent_kept_modules(self.names, i) if self.spec.mla else [])
+
     def kept_dense(self, i: int) -> dict[str, tuple]:
-        """Layer `i`'s linears kept at 16 bits (a router), as the source has them."""
-        return {m: (self.weight(m), self.bias(m)) for m in kept_dense_modules(
-            self.spec, self.config, i)}
+        """Layer `i`'s kept linears, as the source has them."""
+        return {m: (self.weight(m), self.bias(m)) for m in self.kept_modules(i)}
 
     def norm_names(self, i: int) -> list[str]:
-        """Layer `i`'s small tensors written as they are: norms and attention sinks."""
+        """Layer `i`'s small tensors written as they are: norms, attention sinks and a
+        router's choice bias."""
         t = self.names
         names = [] if self.spec.post_norm else [t.input_norm.format(i=i),
                                                  t.post_attention_norm.format(i=i)]
@@ -181,6 +184,11 @@ class _Converter:
             names += [t.q_norm.format(i=i), t.k_norm.format(i=i)]
         if self.spec.attention_sinks:
             names.append(t.sinks.format(i=i))
+        if self.spec.mla:
+            names += latent_norm_names(t, self.config, i)
+        moe = self.spec.moe
+        if moe is not None and moe.score_bias and moe.is_sparse(self.config, i):
+            names.append(moe.score_bias.format(i=i))  # the router's choice bias
         return names
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -205,13 +213,17 @@ class _Converter:
                 # Experts share their group's bits (allocation_plan.py).
                 results, counts = quantize_experts(self, i, hidden, dense, group,
                                                    bits[mods[group][0]], attended)
+            elif group == "qkv" and self.spec.mla:  # in two stages (mla_layer.py)
+                results = quantize_latent(self, i, hidden, dense, bits)
             else:
                 # The MLP's groups replay the attention from o's input (engine_layer.py).
-                x = engine.linear_input(engine.build(i, dense, self.tensor), hidden, group,
-                                        attended)
-                results = self.quantize(mods[group], x, [bits[m] for m in mods[group]])
+                layer = engine.build(i, dense, self.tensor)
+                x = engine.linear_input(layer, hidden, group, attended)
+                # MLA's o_proj reads the value heads without their padding.
+                read = layer.attention.o.narrow(x) if group == "o" and self.spec.mla else x
+                results = self.quantize(mods[group], read, [bits[m] for m in mods[group]])
                 attended = x if group == "o" else attended
-                del x
+                del x, read
             for q in results:
                 dense[q.name] = (q.weight, self.bias(q.name))
                 stored.update({f"{q.name}.{k}": v for k, v in q.tensors.items()})
@@ -379,7 +391,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
                     writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
                 else:
                     writer.add_linear_tensors(m, module_tensors(stored, m))
-        for m in kept_dense_modules(conv.spec, conv.config, i):
+        for m in conv.kept_modules(i):
             bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
             writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
     writer.add_tensor(t.final_norm, conv.reader.get(t.final_norm))

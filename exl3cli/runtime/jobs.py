@@ -6,7 +6,6 @@ TEMPLATE and MESSAGEs the way Ollama does) and shapes the streamed response obje
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any
 
@@ -19,6 +18,7 @@ from exl3cli.runtime.images import (
 )
 from exl3cli.runtime.logprobs import logprob_request
 from exl3cli.runtime.options import now_iso, refuse_unsupported
+from exl3cli.runtime.tool_arguments import render_messages, with_decoded_arguments
 from exl3cli.runtime.tool_calls import ToolCallParser
 
 _THINK_OPEN = "<think>"
@@ -201,7 +201,7 @@ def render_prompt_ids(text_model: Any, messages: list[dict], tools: Any,
                             "thinking switch); leave think unset or false")
     extra = {} if think is None else {"enable_thinking": think}
     messages, images = with_image_placeholders(text_model, messages)
-    text = chat_template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+    text = render_messages(chat_template, messages, tools, **extra)  # tool_arguments.py
     if images:
         return image_prompt_ids(text_model, text, images,
                                 lambda t: encode_prompt(text_model.tokenizer, t, max_tokens))
@@ -240,26 +240,7 @@ def _message_list(value: Any) -> list[dict]:
     for message in value:
         if message.get("role") not in ("system", "user", "assistant", "tool"):
             raise InvalidOption(f"invalid message role: {message.get('role')!r}")
-    return [_with_decoded_arguments(dict(m)) for m in value]
-
-
-def _with_decoded_arguments(message: dict) -> dict:
-    """Tool-call arguments as objects: OpenAI clients send them as JSON text, chat
-    templates expect a mapping (they write `arguments | tojson`)."""
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return message
-    decoded = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                arguments = json.loads(function["arguments"])
-            except ValueError:
-                arguments = function["arguments"]
-            call = {**call, "function": {**function, "arguments": arguments}}
-        decoded.append(call)
-    return {**message, "tool_calls": decoded}
+    return [with_decoded_arguments(dict(m)) for m in value]
 
 
 def _explicit_think(req: dict) -> bool | None:

@@ -151,16 +151,6 @@ def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path):
     assert len(lines) == 1 and "Traceback" not in result.output
     assert lines[0].startswith("Error: unsupported model architecture 'FalconMambaForCausalLM'")
     # The supported list names the families, the new ones included.
-    for family in ("MixtralForCausalLM", "GptOssForCausalLM", "Ministral3ForCausalLM"):
+    for family in ("MixtralForCausalLM", "GptOssForCausalLM", "Ministral3ForCausalLM",
+                   "DeepseekV3ForCausalLM"):
         assert family in lines[0]
-
-
-def test_latent_attention_is_refused_in_one_line(tmp_path):
-    src = write_tiny_chat_model(tmp_path / "src", "deepseek_v3")
-    result = CliRunner().invoke(main, ["convert", str(src), *FAST_ARGS, "--out",
-                                       str(tmp_path / "out"), "--work", str(tmp_path / "w")],
-                                env={"EXL3_MODELS": str(tmp_path / "store")})
-    assert result.exit_code == 1 and not (tmp_path / "out").exists()
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "DeepseekV3ForCausalLM" in lines[0]
-    assert "latent attention" in lines[0]

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from exl3cli.engine.spec.architecture import (
@@ -25,6 +27,13 @@ def test_builtin_specs_come_through_the_plugin_hook():
     assert get_architecture("Qwen2ForCausalLM").qkv_bias
     assert get_architecture("Qwen3ForCausalLM").qk_norm == "rms"
     assert not get_architecture("LlamaForCausalLM").qkv_bias
+
+
+def test_the_readme_lists_every_supported_architecture():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    families = readme.split("Model families", 1)[1].split("\n\n", 1)[0]
+    missing = [name for name in available_architectures() if f"`{name}`" not in families]
+    assert not missing, f"README's family list lacks {missing}"
 
 
 def test_unknown_architecture_has_a_one_line_message():

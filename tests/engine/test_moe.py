@@ -161,16 +161,17 @@ _LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
                     "kv_a_proj_with_mqa", "kv_b_proj")
 
 
-def _quantize_folder(src: Path, out: Path, k_bits: int) -> Path:
+def _quantize_folder(src: Path, out: Path, k_bits: int, dense: tuple[str, ...] = ()) -> Path:
     """Every projection and expert through the real trellis encoder under its own name
     (experts.{e}.gate_proj / w1 ...; gpt-oss's fused experts split as ExLlamaV3 writes
-    them); router, norms, sinks, embeddings kept as they are."""
+    them), but those named in `dense`; router, norms, sinks, embeddings kept as they are."""
     config = load_family_config(src)
     reader = split_fused_experts(WeightReader(src), config, get_architecture(config.architecture))
     writer = Exl3FolderWriter(out, json.loads((src / "config.json").read_text()), 2**40)
     for key in reader.keys():
         module, kind = key.rsplit(".", 1)
-        if module == "lm_head" or module.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES:
+        short = module.rsplit(".", 1)[-1]
+        if module == "lm_head" or (short in _LINEAR_SUFFIXES and short not in dense):
             if kind == "weight":
                 bias = reader.get(module + ".bias") if reader.has(module + ".bias") else None
                 writer.add_linear_tensors(module, quantize_linear_plain(
@@ -214,6 +215,23 @@ def test_exl3_moe_folder_loads_and_tracks_the_original(tmp_path, arch, expert):
     assert isinstance(moe.experts[0].down, Exl3Linear)
     assert isinstance(moe.experts[0].gate_up, FusedLinear)  # gate and up side by side
     assert (trellis(ids) - got).abs().max() < 1e-2
+
+
+def test_exl3_deepseek_folder_as_exllamav3_writes_it_loads(tmp_path):
+    """ExLlamaV3 1.6.5 quantizes q_a / q_b / kv_a / o_proj and keeps kv_b_proj dense (its
+    MLA reads kv_b_proj.weight): such a folder loads and tracks the original."""
+    overrides = {"num_hidden_layers": 1, "vocab_size": 128, "first_k_dense_replace": 0}
+    folder = _quantize_folder(write_tiny_model(tmp_path / "src", "deepseek_v3", **overrides),
+                              tmp_path / "exl3", k_bits=7, dense=("kv_b_proj",))
+    reader = WeightReader(folder)
+    attn = "model.layers.0.self_attn."
+    assert reader.has(attn + "kv_b_proj.weight") and not reader.has(attn + "kv_b_proj.trellis")
+    assert reader.has(attn + "q_b_proj.trellis")
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = tiny_reference_model("deepseek_v3", **overrides)(ids).logits.float()
+    got = load_causal_lm(folder, device="cpu")(ids)
+    assert torch.corrcoef(torch.stack([got.flatten(), expected.flatten()]))[0, 1] > 0.99
 
 
 # --- the sync-free decode path (engine/layers/moe_decode.py) --------------------------------

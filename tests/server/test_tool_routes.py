@@ -8,6 +8,7 @@ structured-output constraint); the answer is then a bare `{"name", "arguments"}`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import ollama
 import openai
@@ -126,3 +127,27 @@ def test_openai_chat_returns_tool_calls(daemon, stream):
     assert calls[0].id.startswith("call_") and calls[0].type == "function"
     assert calls[0].function.name == "get_weather"
     assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+
+
+REAL_TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates" / "real"
+OPENAI_HISTORY = ASK + [
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "content": "sunny"}]
+
+
+@pytest.mark.parametrize("template, shown", [
+    # DeepSeek-V3's published template joins the arguments as text (objects fail there).
+    ("deepseekv3", '```json\n{"city": "Paris"}\n```'),
+    # GLM-4.5's iterates them as an object (text fails there).
+    ("glm4moe", "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>"),
+])
+def test_past_calls_render_through_published_templates(tmp_path, template, shown):
+    folder = tmp_path / template
+    write_tiny_model(folder, "llama", vocab_size=TINY_VOCAB)
+    write_tiny_tokenizer(folder, chat_template=(REAL_TEMPLATES / f"{template}.jinja")
+                         .read_text(encoding="utf-8"))
+    model = TextModel.load(folder)
+    ids = render_prompt_ids(model, _message_list(OPENAI_HISTORY), [WEATHER_TOOL], None, None)
+    text = model.tokenizer.decode(ids)
+    assert shown in text and "sunny" in text

@@ -20,7 +20,7 @@ caching the latent and absorbing kv_b_proj into the query and output would save 
 Public API:
 - ``mla_head_dim(raw) -> int``; ``mla_softmax_scale(raw, head_dim) -> float``.
 - ``LatentQKV(q, q_a, q_norm, q_b, kv_a, kv_norm, kv_b, heads, nope, rope, v_dim,
-  interleaved)``; ``HeadSlice(o, heads, head_dim, v_dim)``.
+  interleaved)``; ``HeadSlice(o, heads, head_dim, v_dim)`` (``.narrow(x)``: o_proj's input).
 """
 
 from __future__ import annotations
@@ -104,7 +104,11 @@ class HeadSlice(nn.Module):
         self.o, self.heads, self.head_dim, self.v_dim = o, heads, head_dim, v_dim
         self.out_features = o.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def narrow(self, x: torch.Tensor) -> torch.Tensor:
+        """The value heads of `x` without their padding: what o_proj reads."""
         lead = x.shape[:-1]
         heads = x.view(*lead, self.heads, self.head_dim)[..., : self.v_dim]
-        return self.o(heads.reshape(*lead, self.heads * self.v_dim))
+        return heads.reshape(*lead, self.heads * self.v_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.narrow(x))
