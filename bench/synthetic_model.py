@@ -3,7 +3,7 @@
     python bench/synthetic_model.py llama3-8b -b 4.0 --head-bits 6 --out DIR
     python bench/synthetic_model.py tiny -b 3.5 --out DIR --tokenizer-from HF_FOLDER
 
-Shapes: llama3-8b (= llama3.1-8b), llama3.2-1b, smollm2-135m, tiny. The folder holds
+Shapes: llama3-8b (= llama3.1-8b), llama3.2-1b, smollm2-135m, qwen2.5-0.5b, tiny. The folder holds
 random trellis words with random signs, so it loads in any EXL3 reader; the text it
 generates is noise: it is for speed and memory measurements, not quality.
 """

@@ -19,6 +19,10 @@ from exl3cli.engine.spec.architecture import ArchitectureSpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import UnsupportedArchitecture
 from exl3cli.ops import cpu_kernels
+from exl3cli.ops.host_memory import trim_host_heap
+
+# A CPU forward of at least this many tokens hands the heap's free pages back after it.
+TRIM_AFTER_TOKENS = 32
 
 
 class DecoderLayer(nn.Module):
@@ -255,7 +259,10 @@ class CausalLM(nn.Module):
         if last_logits_only:
             hidden = cache.select_last(hidden) if cache is not None else hidden[:, -1:]
         hidden = self.final_norm(hidden)
-        return self._softcap(self._project(hidden).float())
+        logits = self._softcap(self._project(hidden).float())
+        if batch * steps >= TRIM_AFTER_TOKENS and self.device.type == "cpu":
+            trim_host_heap()  # the prompt's workspace (ops/host_memory.py)
+        return logits
 
     def prepare_decode(self, max_seq_len: int) -> bool:
         """Build the rotary table for `max_seq_len` positions ahead of fixed-shape decode
