@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# One device call for GPU + CPU offload (issue 15): build the kernels (CUDA and CPU),
+# run the offload tests, write a synthetic Llama-3.1-8B-shaped EXL3 folder (4.0 bpw,
+# head 6 bits), then one process per placement (bench/offload_bench.py): every layer on
+# the GPU (num_gpu 32), half offloaded to the CPU (16), all on the CPU (0), half and all
+# streamed from pinned host memory (EXL3_OFFLOAD=stream), and a forced small budget
+# (EXL3_GPU_MEMORY: fixed part + 3/8 of the layers) that must split instead of failing.
+# The table (bench/offload_table.py) comes last: decode and prefill tok/s, GPU memory,
+# and the greedy text of each placement against the full-GPU one.
+#
+# Usage (repo root): bash bench/gpu_offload.sh          carry: none (no peer here: ExLlamaV3
+# has no CPU offload; the full-GPU row is the baseline)
+# Dry run on a CPU: DRY=1 CUDA_VISIBLE_DEVICES= bash bench/gpu_offload.sh (tiny shape,
+# 4 layers, a forced budget so the planner splits on the CPU device too).
+# STAGES="tests bench" picks stages; PLACEMENTS="full half cpu stream-half stream-all budget".
+set -u -o pipefail
+OUT=${OUT:-/tmp/exl3-offload-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
+export MAX_JOBS=${MAX_JOBS:-16}
+STAGES=${STAGES:-"tests bench"}
+PLACEMENTS=${PLACEMENTS:-"full half cpu stream-half stream-all budget"}
+if [ "${DRY:-0}" = 1 ]; then
+  SHAPE=tiny LAYERS=4 MODEL=/tmp/exl3-offload-tiny
+  export EXL3_GPU_MEMORY=${EXL3_GPU_MEMORY:-1GiB}  # a budget for the CPU device's plan
+  ARGS="--prompt 32 --gen 16 --repeat 1 --greedy 12 --prefill 64"
+else
+  SHAPE=llama3-8b LAYERS=32 MODEL=/tmp/exl3-llama3-8b-4.0
+  ARGS="--prompt 128 --gen 64 --repeat 2 --greedy 32 --prefill 256"
+fi
+HALF=$((LAYERS / 2))
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
+  --format=csv,noheader | tee "$OUT/env.txt"
+nproc | sed 's/^/cpu cores: /'
+. bench/device_install.sh >"$OUT/install.log" 2>&1
+[ -f "$MODEL/config.json" ] || python3 bench/synthetic_model.py "$SHAPE" -b 4.0 --head-bits 6 \
+  --layers "$LAYERS" --out "$MODEL" >"$OUT/synthetic.log" 2>&1 &
+python3 -c "
+import time; t = time.time()
+from exl3cli.ops import cpu_kernels
+print('CPU BUILD', 'ok' if cpu_kernels.available() else 'FAILED', f'{time.time() - t:.1f} s')
+" >"$OUT/build-cpu.log" 2>&1 &
+python3 -c "
+import time, torch; t = time.time()
+if not torch.cuda.is_available():
+    print('CUDA BUILD skipped (no GPU)'); raise SystemExit
+from exl3cli.ops import cuda_kernels as kernels
+ok = kernels.available()
+print('CUDA BUILD', 'ok' if ok else 'FAILED', kernels.unavailable_reason(), f'{time.time() - t:.1f} s')
+" >"$OUT/build.log" 2>&1
+wait
+stamp "$(grep BUILD "$OUT/build.log" || tail -3 "$OUT/build.log") / $(grep BUILD "$OUT/build-cpu.log" \
+  || tail -3 "$OUT/build-cpu.log") / model: $(ls "$MODEL" 2>/dev/null | grep -c safetensors) shards"
+
+if [[ " $STAGES " == *" tests "* ]]; then
+  timeout 240 python3 -m pytest -q -p no:randomly tests/engine/test_streamed.py \
+    tests/engine/test_placement.py >"$OUT/tests-cpu.log" 2>&1
+  stamp "offload tests (CPU): $(tail -1 "$OUT/tests-cpu.log")"
+  collect=$(python3 -c "import torch; print('' if torch.cuda.is_available() else '--collect-only')")
+  timeout 240 python3 -m pytest -q -m cuda -p no:randomly $collect tests/engine/test_streamed_cuda.py \
+    >"$OUT/tests-cuda.log" 2>&1
+  stamp "offload tests (cuda): $(tail -1 "$OUT/tests-cuda.log")"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" "$OUT/tests-cpu.log" | head -12
+fi
+
+place() {  # name, timeout, offload_bench arguments
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 bench/offload_bench.py "$MODEL" $ARGS "$@" \
+    --json "$OUT/offload-$name.json" 2>"$OUT/offload-$name.err" \
+    || { echo "FAIL: $name"; tail -6 "$OUT/offload-$name.err"; }
+  stamp "$name done"
+}
+if [[ " $STAGES " == *" bench "* ]]; then
+  for p in $PLACEMENTS; do
+    case $p in
+      full) place 1-full 90 --num-gpu "$LAYERS" --label "num_gpu $LAYERS (all GPU)" ;;
+      half) place 2-half 120 --num-gpu "$HALF" --label "num_gpu $HALF, CPU offload" ;;
+      cpu) place 3-cpu 150 --num-gpu 0 --label "num_gpu 0 (all CPU)" ;;
+      stream-half) place 4-stream-half 90 --num-gpu "$HALF" \
+        --offload stream --label "num_gpu $HALF, streamed" ;;
+      stream-all) place 5-stream-all 90 --num-gpu 0 --offload stream \
+        --label "num_gpu 0, all streamed" ;;
+      budget) place 6-budget 120 --num-gpu -1 --budget-fraction 0.375 \
+        --label "auto, EXL3_GPU_MEMORY 3/8 of layers" ;;
+    esac
+  done
+fi
+
+python3 bench/offload_table.py "$OUT" | tee "$OUT/table.txt"
+stamp "end"
+tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.err 2>/dev/null) 2>/dev/null
+(cd "$OUT" && rm -f *.log *.err)
