@@ -12,7 +12,8 @@
 # has no CPU offload; the full-GPU row is the baseline)
 # Dry run on a CPU: DRY=1 CUDA_VISIBLE_DEVICES= bash bench/gpu_offload.sh (tiny shape,
 # 4 layers, a forced budget so the planner splits on the CPU device too).
-# STAGES="tests bench" picks stages; PLACEMENTS="full half cpu stream-half stream-all budget".
+# STAGES="tests bench ps" picks stages ("ps": `exl3 serve`, a model with PARAMETER num_gpu
+# HALF loaded by one request, then `exl3 ps`: its PROCESSOR column shows the split); PLACEMENTS="full half cpu stream-half stream-all budget".
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-offload-out}
 mkdir -p "$OUT"
@@ -22,7 +23,7 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=${MAX_JOBS:-16}
-STAGES=${STAGES:-"tests bench"}
+STAGES=${STAGES:-"tests bench ps"}
 PLACEMENTS=${PLACEMENTS:-"full half cpu stream-half stream-all budget"}
 if [ "${DRY:-0}" = 1 ]; then
   SHAPE=tiny LAYERS=4 MODEL=/tmp/exl3-offload-tiny
@@ -90,6 +91,29 @@ if [[ " $STAGES " == *" bench "* ]]; then
         --label "auto, EXL3_GPU_MEMORY 3/8 of layers" ;;
     esac
   done
+fi
+
+if [[ " $STAGES " == *" ps "* ]]; then
+  port=$((11500 + RANDOM % 400))
+  export EXL3_MODELS=/tmp/exl3-offload-store EXL3_HOST=127.0.0.1:$port
+  printf 'FROM %s\nPARAMETER num_gpu %s\n' "$MODEL" "$HALF" >/tmp/Modelfile.offload
+  python3 -m exl3cli create offload-split -f /tmp/Modelfile.offload >"$OUT/create.log" 2>&1 \
+    || { echo "FAIL: create"; tail -3 "$OUT/create.log"; }
+  setsid python3 -m exl3cli serve >"$OUT/serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 60); do
+    python3 -c "import urllib.request as u; u.urlopen('http://$EXL3_HOST/api/version', timeout=2)" \
+      2>/dev/null && break; sleep 1
+  done
+  timeout 120 python3 -c "
+import json, urllib.request as u
+body = json.dumps({'model': 'offload-split', 'prompt': 'Hello', 'stream': False,
+                   'options': {'num_predict': 8, 'temperature': 0}}).encode()
+answer = json.load(u.urlopen(u.Request('http://$EXL3_HOST/api/generate', body), timeout=110))
+print('generate:', answer.get('eval_count'), 'tokens')" 2>&1 | tail -1
+  timeout 30 python3 -m exl3cli ps 2>&1 | tee "$OUT/ps.txt"
+  kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  stamp "ps done"
 fi
 
 python3 bench/offload_table.py "$OUT" | tee "$OUT/table.txt"
