@@ -39,10 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     reference = full[0]
     print(f"reference: {reference['label']} ({reference['decode_tok_s']:.1f} tok/s)")
     header = ("placement", "processor", "resident", "decode tok/s", "x full", "prefill tok/s",
-              "mode", "GPU GiB", "greedy vs full GPU")
+              "mode", "GPU GiB used/plan", "greedy vs full GPU")
     lines = [header]
     for r in rows:
-        gib = f"{r['max_allocated'] / 2**30:.2f}" if "max_allocated" in r else "-"
+        gib = (f"{r['max_allocated'] / 2**30:.2f}/{r['gpu_bytes'] / 2**30:.2f}"
+               if "max_allocated" in r else "-")
         lines.append((r["label"], r["processor"], f"{r['gpu_layers']}/{r['num_layers']}"
                       + (" +stream" if r["streamed"] else ""), f"{r['decode_tok_s']:.1f}",
                       f"{r['decode_tok_s'] / reference['decode_tok_s']:.2f}",

@@ -67,6 +67,18 @@ def test_streamed_layers_are_bit_identical_on_cuda(folder, monkeypatch) -> None:
     assert streamed.streamer.slot_bytes < streamed.streamer.host_bytes
 
 
+def test_the_plan_covers_what_the_device_holds(folder) -> None:
+    """Weights, cache and workspace as planned bound what the allocator hands out for a
+    load and a 300-token prompt (the plan's workspace is sized for 2048)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = _load(folder)
+    model(torch.arange(10, 310, device="cuda")[None])
+    used = torch.cuda.max_memory_allocated() - before
+    assert used <= model.placement.gpu_bytes, (used, model.placement.gpu_bytes)
+
+
 def test_small_budget_offloads_to_the_cpu_instead_of_failing(folder, monkeypatch) -> None:
     whole = _load(folder)
     fixed, layers = _fixed_and_layers(folder)
