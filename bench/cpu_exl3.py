@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,8 +53,33 @@ def held_rss(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float
     return (*rss_mib(), cache)
 
 
+def time_both(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, float, float]:
+    """cpu_decode.time_ours with two clocks: (prompt, generation) tok/s over wall time,
+    then over the process's CPU time (user + system of all its threads: what a shared
+    machine's other jobs do not inflate, bench/NOTES-cpu-exl3.md)."""
+    from exl3cli.engine.kvcache.paged_attention import PagedBatch
+    from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
+
+    config, total = model.config, prompt.shape[1] + new_tokens + 1
+    pool = PagePool(pages_for(total), len(model.layers), config.num_kv_heads,
+                    config.head_dim, model.dtype, model.device)
+    table, ids = PageTable(pool), prompt[0].tolist()
+    table.admit(ids, total)
+    wall, cpu = time.perf_counter(), time.process_time()
+    logits = model(prompt, PagedBatch(pool, [table], [ids]), last_logits_only=True)
+    prompt_wall, prompt_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(new_tokens):
+        token = int(logits[0, -1].argmax())
+        logits = model(torch.tensor([[token]]), PagedBatch(pool, [table], [[token]]),
+                       last_logits_only=True)
+    gen_wall, gen_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    n = prompt.shape[1]
+    return n / prompt_wall, new_tokens / gen_wall, n / prompt_cpu, new_tokens / gen_cpu
+
+
 def one_mode(args: argparse.Namespace) -> None:
-    from cpu_decode import best_of, time_ours
+    from cpu_decode import best_of
 
     from exl3cli.engine.models.loader import load_causal_lm
 
@@ -69,13 +95,15 @@ def one_mode(args: argparse.Namespace) -> None:
                            generator=torch.Generator().manual_seed(0))
     anon2, file2, cache = held_rss(model, prompt, args.new_tokens)
     held = anon2 - anon0 + file2 - file0
-    time_ours(model, prompt[:, :16], 4)  # warm-up
-    prompt_rate, gen_rate = best_of(args.repeats, time_ours, model, prompt, args.new_tokens)
+    time_both(model, prompt[:, :16], 4)  # warm-up
+    prompt_rate, gen_rate, prompt_cpu, gen_cpu = best_of(args.repeats, time_both, model,
+                                                         prompt, args.new_tokens)
     print(f"{args.mode:5s} threads={torch.get_num_threads()} file {size:7.1f} MiB | load "
           f"+{anon1 - anon0:6.1f} anon +{file1 - file0:6.1f} file MiB | cache held "
           f"{cache:5.1f} MiB: +{anon2 - anon0:6.1f} anon +{file2 - file0:6.1f} file MiB = "
           f"{held / (size + cache):.2f}x (file + cache) | prompt "
-          f"{prompt_rate:7.1f} tok/s  generation {gen_rate:6.1f} tok/s", flush=True)
+          f"{prompt_rate:7.1f} tok/s  generation {gen_rate:6.1f} tok/s | per CPU-second: "
+          f"prompt {prompt_cpu:7.1f} generation {gen_cpu:6.1f}", flush=True)
 
 
 def main() -> None:

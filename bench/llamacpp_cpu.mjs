@@ -6,7 +6,8 @@
 //       [threads=1] [prompt_tokens=512] [new_tokens=64] [repeats=3]
 //
 // Prints one line per repeat and the best prompt / generation rate (the same
-// best-of-N as bench/cpu_decode.py), and the process's resident memory after load.
+// best-of-N as bench/cpu_decode.py) over wall time and over the process's CPU time
+// (user + system, all threads), and the process's resident memory after load.
 import { createRequire } from "node:module";
 import { readFileSync } from "node:fs";
 import path from "node:path";
@@ -31,31 +32,37 @@ const model = await llama.loadModel({ modelPath, useMmap: true });
 const [anon1, file1] = rssMiB();
 const text = readFileSync(new URL("../README.md", import.meta.url), "utf8").repeat(4);
 const prompt = Array.from(model.tokenize(text)).slice(0, promptTokens);
-let bestPrompt = 0, bestGen = 0;
+let bestPrompt = 0, bestGen = 0, bestPromptCpu = 0, bestGenCpu = 0;
+const cpuSeconds = (since) => { const u = process.cpuUsage(since); return (u.user + u.system) / 1e6; };
 for (let r = 0; r <= repeats; r++) {  // r = 0: warm-up
   const context = await model.createContext({
     contextSize: promptTokens + newTokens + 16, threads, batchSize: promptTokens,
   });
   const sequence = context.getSequence();
-  let t = performance.now();
+  let t = performance.now(), cpu = process.cpuUsage();
   await sequence.evaluateWithoutGeneratingNewTokens(prompt.slice(0, -1));
   const promptRate = (prompt.length - 1) / ((performance.now() - t) / 1000);
+  const promptCpu = (prompt.length - 1) / cpuSeconds(cpu);
   t = performance.now();
-  let count = 0, first = 0;
+  let count = 0, first = 0, firstCpu = null;
   for await (const _token of sequence.evaluate(prompt.slice(-1), { temperature: 0 })) {
-    if (count === 0) first = performance.now();
+    if (count === 0) { first = performance.now(); firstCpu = process.cpuUsage(); }
     if (++count >= newTokens + 1) break;
   }
   const genRate = newTokens / ((performance.now() - first) / 1000);
+  const genCpu = newTokens / cpuSeconds(firstCpu);
   await context.dispose();
   if (r === 0) continue;
   console.log(`repeat ${r}: prompt ${promptRate.toFixed(1)} tok/s  generation ${genRate.toFixed(1)} tok/s`);
   bestPrompt = Math.max(bestPrompt, promptRate);
   bestGen = Math.max(bestGen, genRate);
+  bestPromptCpu = Math.max(bestPromptCpu, promptCpu);
+  bestGenCpu = Math.max(bestGenCpu, genCpu);
 }
 const [anon2, file2] = rssMiB();
 console.log(`llama.cpp threads=${threads} ${path.basename(modelPath)} | load +${(anon1 - anon0).toFixed(1)} anon ` +
   `+${(file1 - file0).toFixed(1)} file MiB | after run +${(anon2 - anon0).toFixed(1)} anon ` +
   `+${(file2 - file0).toFixed(1)} file MiB | prompt ${bestPrompt.toFixed(1)} tok/s  generation ` +
-  `${bestGen.toFixed(1)} tok/s`);
+  `${bestGen.toFixed(1)} tok/s | per CPU-second: prompt ${bestPromptCpu.toFixed(1)} ` +
+  `generation ${bestGenCpu.toFixed(1)}`);
 await model.dispose();
