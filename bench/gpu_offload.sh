@@ -86,7 +86,7 @@ if [[ " $STAGES " == *" bench "* ]]; then
     case $p in
       full) place 1-full 90 "$ARGS" --num-gpu "$LAYERS" --label "num_gpu $LAYERS (all GPU)" ;;
       half) place 2-half 100 "$CPU_ARGS" --num-gpu "$HALF" --label "num_gpu $HALF, CPU offload" ;;
-      cpu) place 3-cpu 120 "$CPU_ARGS" --num-gpu 0 --label "num_gpu 0 (all CPU)" ;;
+      cpu) place 3-cpu 150 "$CPU_ARGS" --num-gpu 0 --label "num_gpu 0 (all CPU)" ;;
       stream-half) place 4-stream-half 80 "$ARGS" --num-gpu "$HALF" \
         --offload stream --label "num_gpu $HALF, streamed" ;;
       stream-all) place 5-stream-all 80 "$ARGS" --num-gpu 0 --offload stream \
