@@ -5,7 +5,7 @@
     python bench/synthetic_model.py tiny -b 3.5 --out DIR --tokenizer-from HF_FOLDER
     python bench/synthetic_model.py qwen2.5-vl-7b -b 4.0 --head-bits 6 --out DIR
 
-Shapes: llama3-8b (= llama3.1-8b), llama3.2-1b, smollm2-135m, tiny; the mixtures of
+Shapes: llama3-8b (= llama3.1-8b), llama3.2-1b, smollm2-135m, qwen2.5-0.5b, tiny; the mixtures of
 experts qwen3-30b-a3b, mixtral-8x7b (tiny-qwen3-moe, tiny-mixtral at test sizes); image-text
 qwen2.5-vl-7b and qwen2.5-vl-tiny (exl3cli/convert/synthetic_vision.py: the vision
 tower at 16 bits under "visual.", a tokenizer with Qwen's special ids). The folder holds

@@ -3,7 +3,7 @@ and the modules each layer of such a folder holds.
 
 Public API:
 - ``SHAPES``: name -> config.json dict: ``llama3-8b`` (= ``llama3.1-8b``, Llama 3.1 8B),
-  ``llama3.2-1b``, ``smollm2-135m`` (hidden 576: stored padded to 640), ``tiny``,
+  ``llama3.2-1b``, ``smollm2-135m`` (hidden 576: stored padded to 640), ``qwen2.5-0.5b``, ``tiny``,
   ``qwen3-30b-a3b`` (Qwen3-30B-A3B: 128 experts, 8 per token, q/k norms),
   ``mixtral-8x7b`` (Mixtral-8x7B: 8 experts, 2 per token), ``tiny-qwen3-moe`` and
   ``tiny-mixtral`` (the same families at test sizes).
@@ -86,6 +86,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
         rope_theta=100000.0, max_position_embeddings=8192, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=True,
+    ),
+    # Qwen2.5(-Coder)-0.5B's sizes on the Llama architecture (no q/k/v bias: a few KiB,
+    # nothing that moves a speed or memory figure); untied here, as EXL3 stores the head.
+    "qwen2.5-0.5b": _llama_config(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+        rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        bos_token_id=151643, eos_token_id=151645, tie_word_embeddings=False,
     ),
     "tiny": _llama_config(  # hidden and intermediate not multiples of 128 on purpose
         hidden_size=192, intermediate_size=320, num_hidden_layers=2,

@@ -151,3 +151,23 @@ def test_ps_shows_the_split() -> None:
         "48%/52% CPU/GPU"
     loaded.on_gpu = False
     assert loaded.size_vram == 0
+
+
+def test_a_long_cpu_forward_gives_its_workspace_back(tiny, monkeypatch) -> None:
+    """A prompt-sized CPU forward ends with malloc_trim (ops/host_memory.py); a decode
+    step does not pay for it."""
+    import platform
+
+    from exl3cli.engine.models import causal_lm
+    from exl3cli.ops.host_memory import trim_host_heap
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert trim_host_heap() is True
+    calls = []
+    monkeypatch.setattr(causal_lm, "trim_host_heap", lambda: calls.append(1) or True)
+    model = load_causal_lm(tiny, device="cpu", dtype=torch.float32, cpu_weights="exl3",
+                           num_ctx=256)
+    model(torch.arange(causal_lm.TRIM_AFTER_TOKENS)[None] % 200)
+    assert len(calls) == 1
+    model(torch.tensor([[1, 2, 3]]))
+    assert len(calls) == 1

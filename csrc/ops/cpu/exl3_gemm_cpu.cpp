@@ -34,6 +34,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include "exl3_gemm_cpu.h"
 
 #include <algorithm>
 #include <array>

@@ -14,15 +14,35 @@ Public API:
 - ``compressed_linear(parts, dense_packing="fp32") -> Linear``: what the loader builds
   for one (possibly fused) projection in this mode: EXL3 parts as ``CpuExl3Linear``,
   dense parts packed for the float32 GEMV kernel (float32 models).
+- ``Exl3DecodePlan.of(qkv, o, gate_up, down) -> Exl3DecodePlan | None``: a plain layer's
+  decode step in two op calls (ops/cpu_exl3_layer.py) when all four projections are
+  ``CpuExl3Linear`` (or fused ones) of one codebook on the compiled kernels;
+  ``norm_qkv_rope(rows, norm, cos, sin, dim, rot_heads)`` and ``out_mlp(rows, attended,
+  norm)`` as ``DecoderLayer._decode_rows`` calls them. ``EXL3_CPU_LAYER=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import torch
 
-from exl3cli.engine.layers.linear import Exl3Linear, Linear, fuse_linears, pack_for_cpu
+from exl3cli.engine.layers.linear import (
+    Exl3Linear,
+    FusedLinear,
+    Linear,
+    fuse_linears,
+    pack_for_cpu,
+)
 from exl3cli.errors import ModelLoadError
 from exl3cli.ops import cpu_kernels
+from exl3cli.ops.cpu_exl3_layer import (
+    Exl3LayerWeights,
+    Exl3Part,
+    exl3_norm_qkv_rope_cpu,
+    exl3_out_mlp_cpu,
+)
 
 
 class CpuExl3Linear(Linear):
@@ -77,3 +97,39 @@ def compressed_linear(parts: list[Linear], dense_packing: str | None = "fp32") -
             for p in parts]
     fused = fuse_linears(kept)
     return pack_for_cpu(fused, dense_packing) if dense_packing else fused
+
+
+def _parts(linear: Linear) -> tuple[CpuExl3Linear, ...] | None:
+    parts = list(linear.parts) if isinstance(linear, FusedLinear) else [linear]
+    if not all(type(p) is CpuExl3Linear and p._kernel for p in parts):
+        return None
+    return tuple(parts)  # type: ignore[arg-type]
+
+
+class Exl3DecodePlan(NamedTuple):
+    """See the module docstring."""
+
+    weights: Exl3LayerWeights
+
+    @staticmethod
+    def of(qkv: Linear, o: Linear, gate_up: Linear, down: Linear) -> Exl3DecodePlan | None:
+        if os.environ.get("EXL3_CPU_LAYER", "1") == "0":
+            return None
+        found = [_parts(lin) for lin in (qkv, o, gate_up, down)]
+        if any(f is None for f in found):
+            return None
+        books = {p.codebook for f in found for p in f}  # type: ignore[union-attr]
+        if len(books) != 1:
+            return None
+        groups = [tuple(Exl3Part(p.trellis_t, p.suh, p.svh, p.bias, p.k_bits, p.out_features)
+                        for p in f) for f in found]  # type: ignore[union-attr]
+        return Exl3DecodePlan(Exl3LayerWeights(*groups, codebook=books.pop()))
+
+    def norm_qkv_rope(self, rows: torch.Tensor, norm: torch.nn.Module, cos: torch.Tensor,
+                      sin: torch.Tensor, dim: int, rot_heads: int) -> torch.Tensor:
+        return exl3_norm_qkv_rope_cpu(rows, norm.weight, norm.eps, self.weights, cos, sin,
+                                      dim, rot_heads)
+
+    def out_mlp(self, rows: torch.Tensor, attended: torch.Tensor,
+                norm: torch.nn.Module) -> torch.Tensor:
+        return exl3_out_mlp_cpu(rows, attended, norm.weight, norm.eps, self.weights)

@@ -10,6 +10,7 @@ from torch import nn
 
 from exl3cli.engine.kvcache.attention_cache import AttentionCache
 from exl3cli.engine.layers.attention import Attention, AttentionStep
+from exl3cli.engine.layers.cpu_exl3 import Exl3DecodePlan
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.layers.linear import GEMV_MAX_ROWS, DenseLinear, Linear
 from exl3cli.engine.layers.mlp import GatedMLP
@@ -20,6 +21,10 @@ from exl3cli.engine.spec.architecture import ArchitectureSpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import UnsupportedArchitecture
 from exl3cli.ops import cpu_kernels
+from exl3cli.ops.host_memory import trim_host_heap
+
+# A CPU forward of at least this many tokens hands the heap's free pages back after it.
+TRIM_AFTER_TOKENS = 32
 
 
 class DecoderLayer(nn.Module):
@@ -84,22 +89,19 @@ class DecoderLayer(nn.Module):
         attention = self.attention
         batch, steps = step.positions.shape
         dim, heads, kv_heads = attention.head_dim, attention.num_heads, attention.num_kv_heads
-        qkv = cpu_kernels.norm_qkv_rope_cpu(
-            rows, self.input_norm.weight, self.input_norm.eps, plan.qkv,
-            step.cos.reshape(-1, dim), step.sin.reshape(-1, dim), dim, heads + kv_heads,
+        qkv = plan.norm_qkv_rope(
+            rows, self.input_norm, step.cos.reshape(-1, dim), step.sin.reshape(-1, dim), dim,
+            heads + kv_heads,
         ).view(batch, steps, heads + 2 * kv_heads, dim)
         attended = attention.attend(qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :],
                                     step)
-        return cpu_kernels.out_mlp_cpu(
-            rows, attended.reshape(rows.shape[0], -1), plan.o, self.post_attention_norm.weight,
-            self.post_attention_norm.eps, plan.gate_up, plan.down,
-        )
+        return plan.out_mlp(rows, attended.reshape(rows.shape[0], -1), self.post_attention_norm)
 
-    def _decode_plan(self) -> _DecodePlan | None:
-        """The packed weights for `_decode_rows` when this layer is the plain Llama shape
-        on the CPU kernels (float32 norms, no q/k norm, SiLU, packed dense linears; none
-        of Gemma's options: sandwich or 1 + w norms, score scale or soft-cap, own rope
-        for sliding layers)."""
+    def _decode_plan(self) -> _DecodePlan | Exl3DecodePlan | None:
+        """The weights for `_decode_rows` when this layer is the plain Llama shape on the
+        CPU kernels (float32 norms, no q/k norm, SiLU, packed dense linears or EXL3 ones
+        kept compressed; none of Gemma's options: sandwich or 1 + w norms, score scale
+        or soft-cap, own rope for sliding layers)."""
         if self._plan is False:
             self._plan = _DecodePlan.of(self)
         return self._plan  # type: ignore[return-value]
@@ -119,8 +121,17 @@ class _DecodePlan(NamedTuple):
     gate_up: cpu_kernels.GemvWeights
     down: cpu_kernels.GemvWeights
 
+    def norm_qkv_rope(self, rows: torch.Tensor, norm: RMSNorm, cos: torch.Tensor,
+                      sin: torch.Tensor, dim: int, rot_heads: int) -> torch.Tensor:
+        return cpu_kernels.norm_qkv_rope_cpu(rows, norm.weight, norm.eps, self.qkv, cos, sin,
+                                             dim, rot_heads)
+
+    def out_mlp(self, rows: torch.Tensor, attended: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return cpu_kernels.out_mlp_cpu(rows, attended, self.o, norm.weight, norm.eps,
+                                       self.gate_up, self.down)
+
     @staticmethod
-    def of(layer: DecoderLayer) -> _DecodePlan | None:
+    def of(layer: DecoderLayer) -> _DecodePlan | Exl3DecodePlan | None:
         attention, mlp = layer.attention, layer.mlp
         if not isinstance(mlp, GatedMLP):  # a mixture of experts has no single gate_up
             return None
@@ -135,15 +146,15 @@ class _DecodePlan(NamedTuple):
             return None
         if not all(type(n) is RMSNorm and n._fused and not n.unit_offset for n in norms):
             return None
-        packed = [lin.gemv_weights() if isinstance(lin, DenseLinear) else None
-                  for lin in linears]
-        if any(p is None for p in packed):
-            return None
         hidden = layer.input_norm.weight.numel()
         if attention.o.out_features != hidden or mlp.down.out_features != hidden:
             return None
         if attention.head_dim > 512 or not cpu_kernels.available():
             return None
+        packed = [lin.gemv_weights() if isinstance(lin, DenseLinear) else None
+                  for lin in linears]
+        if any(p is None for p in packed):
+            return Exl3DecodePlan.of(*linears)  # EXL3 linears kept compressed, or None
         return _DecodePlan(*packed)
 
 
@@ -263,7 +274,10 @@ class CausalLM(nn.Module):
         if last_logits_only:
             hidden = cache.select_last(hidden) if cache is not None else hidden[:, -1:]
         hidden = self.final_norm(hidden)
-        return self._softcap(self._project(hidden).float())
+        logits = self._softcap(self._project(hidden).float())
+        if batch * steps >= TRIM_AFTER_TOKENS and self.device.type == "cpu":
+            trim_host_heap()  # the prompt's workspace (ops/host_memory.py)
+        return logits
 
     def prepare_decode(self, max_seq_len: int) -> bool:
         """Build the rotary table for `max_seq_len` positions ahead of fixed-shape decode

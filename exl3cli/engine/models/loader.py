@@ -29,6 +29,7 @@ from exl3cli.engine.layers.norm import FullWidthQKNorm, LayerNorm, RMSNorm
 from exl3cli.engine.layers.offload import offload_linear
 from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.layers.rope import rope_permutation, rotary_dim
+from exl3cli.engine.layers.streamed import LayerStreamer
 from exl3cli.engine.models.blocks import ParallelDecoderLayer
 from exl3cli.engine.models.causal_lm import CausalLM, DecoderLayer
 from exl3cli.engine.models.placement import (
@@ -36,6 +37,7 @@ from exl3cli.engine.models.placement import (
     cpu_budget,
     estimate_memory,
     gpu_budget,
+    offload_mode,
     plan_placement,
 )
 from exl3cli.engine.models.weights import WeightReader
@@ -105,6 +107,7 @@ def load_causal_lm(
     cpu_weights: str | None = None,
     gpu_layers: int | None = None,
     num_ctx: int | None = None,
+    offload: str | None = None,
 ) -> CausalLM:
     """Load the model in `folder`; ModelLoadError / UnsupportedArchitecture on failure.
 
@@ -112,9 +115,10 @@ def load_causal_lm(
     `linear_mode` ("dense" or "trellis") forces one way (see engine/layers/linear.py).
     `cpu_weights` ("fp32", "bf16", "int8", "exl3", "off"): see `resolve_cpu_weights`.
     Memory is planned first (engine/models/placement.py): `gpu_layers` (Ollama's num_gpu; None
-    or -1: as many as fit) decoder layers on the device, the rest offloaded to the CPU;
-    a load that cannot fit `num_ctx` tokens of cache refuses. The plan is
-    `model.placement`."""
+    or -1: as many as fit) decoder layers on the device, the rest offloaded: run on the
+    CPU, or with `offload` "stream" (default ``EXL3_OFFLOAD``) streamed to the device
+    from pinned host memory (engine/layers/streamed.py); a load that cannot fit
+    `num_ctx` tokens of cache refuses. The plan is `model.placement`."""
     config = load_family_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
@@ -126,12 +130,15 @@ def load_causal_lm(
             and linear_mode != "trellis":
         expand = {"bf16": 2, "int8": 1}.get(packing or "", torch.finfo(dtype).bits // 8)
     estimate = estimate_memory(folder, config, dtype, num_ctx or DEFAULT_NUM_CTX, expand)
-    placement = plan_placement(estimate, gpu_budget(device), cpu_budget(), gpu_layers)
-    if placement.gpu_layers == 0 and device.type != "cpu":  # num_gpu 0: all on the CPU
-        device = torch.device("cpu")
+    streamed = offload_mode(offload) == "stream"
+    placement = plan_placement(estimate, gpu_budget(device), cpu_budget(), gpu_layers,
+                               streamed=streamed)
+    if placement.gpu_layers == 0 and device.type != "cpu" and not placement.streamed:
+        device = torch.device("cpu")  # num_gpu 0: all on the CPU
         dtype = default_dtype(config, device)
     model = build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
-                            cpu_weights=cpu_weights, offload_from=placement.gpu_layers)
+                            cpu_weights=cpu_weights, offload_from=placement.gpu_layers,
+                            streamed=placement.streamed)
     model.placement = placement
     return model
 
@@ -309,9 +316,11 @@ def build_causal_lm(
     cpu_weights: str | None = None,
     offload_from: int | None = None,
     layer_devices: list[torch.device] | None = None,
+    streamed: bool = False,
 ) -> CausalLM:
     """Assemble the shared blocks as `spec` describes, with weights from `reader`;
-    the projections of layers from `offload_from` on run on the CPU (engine/layers/offload.py).
+    the projections of layers from `offload_from` on run on the CPU (engine/layers/offload.py),
+    or with `streamed` are streamed to `device` (engine/layers/streamed.py).
     `layer_devices` (a layer split, layer_split.py): decoder layer i's weights on
     `layer_devices[i]`; embeddings, final norm and head on `device`."""
     names = spec.tensor_names(reader.has)
@@ -357,12 +366,18 @@ def build_causal_lm(
         ])
 
     first_offloaded = config.num_layers if offload_from is None else offload_from
+    streamer = LayerStreamer(device) if streamed else None
     layers = []
     for i in range(config.num_layers):
         place["device"] = layer_devices[i] if layer_devices is not None else device
+        resident = i < first_offloaded or streamer is not None
         layers.append(build_decoder_layer(config, spec, names, i, layer_types[i], tensor,
-                                          linear if i < first_offloaded else offloaded))
+                                          linear if resident else offloaded))
+        if streamer is not None and i >= first_offloaded:
+            streamer.add(layers[-1], i)  # its trellises to host memory before the next
     place["device"] = device
+    if streamer is not None:
+        streamer.finish(layers)
     hidden = config.hidden_size
     head_prefix = names.lm_head.removesuffix(".weight")
     quantized_head = reader.has(head_prefix + ".trellis")
@@ -388,4 +403,5 @@ def build_causal_lm(
     model = CausalLM(config, spec, embed, layers, final_norm, lm_head,
                      compute_dtype=dtype).eval()
     model.tensor_names = names  # the checkpoint's module names (LoRA adapters: engine/adapters/lora.py)
+    model.streamer = streamer
     return model

@@ -19,9 +19,13 @@ Public API:
 - ``cpu_budget() -> int | None``: ``EXL3_CPU_MEMORY`` when set, else MemAvailable.
 - ``MemoryEstimate`` (layers, other, cache_per_layer, workspace) and
   ``estimate_memory(folder, config, dtype, num_ctx=4096) -> MemoryEstimate``.
-- ``Placement`` (num_layers, gpu_layers, gpu_bytes, cpu_bytes, ``processor``: "100%
-  GPU", "100% CPU" or "48%/52% CPU/GPU") and ``plan_placement(estimate, gpu_budget,
-  cpu_budget, gpu_layers=None) -> Placement``.
+- ``Placement`` (num_layers, gpu_layers, gpu_bytes, cpu_bytes, streamed, ``processor``:
+  "100% GPU", "100% CPU" or "48%/52% CPU/GPU") and ``plan_placement(estimate, gpu_budget,
+  cpu_budget, gpu_layers=None, streamed=False) -> Placement``.
+- ``offload_mode(value=None) -> str``: how offloaded layers run, ``EXL3_OFFLOAD``:
+  "cpu" (the default: their projections on the CPU, engine/layers/offload.py) or
+  "stream" (their weights in pinned host memory, copied to the GPU layer by layer,
+  engine/layers/streamed.py; the GPU then also holds two slots of the largest layer).
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _ELEMENT_BYTES = {**_FLOAT_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+OFFLOAD_MODES = ("cpu", "stream")
+
+
+def offload_mode(value: str | None = None) -> str:
+    """`value`, else ``EXL3_OFFLOAD``, else "cpu"; a clear error for anything else."""
+    mode = (value or os.environ.get("EXL3_OFFLOAD", "") or "cpu").strip().lower()
+    if mode not in OFFLOAD_MODES:
+        raise InvalidOption(f"EXL3_OFFLOAD must be one of {', '.join(OFFLOAD_MODES)}, "
+                            f"got {mode!r}")
+    return mode
 
 
 def parse_bytes(text: str) -> int:
@@ -155,6 +171,7 @@ class Placement:
     gpu_layers: int
     gpu_bytes: int
     cpu_bytes: int
+    streamed: bool = False  # offloaded layers copied to the GPU per forward
 
     @property
     def offloaded(self) -> bool:
@@ -175,39 +192,45 @@ def _gib(n: int) -> str:
 
 
 def plan_placement(estimate: MemoryEstimate, gpu_budget: int | None, cpu_budget: int | None,
-                   gpu_layers: int | None = None) -> Placement:
-    """Where the layers go. No GPU budget, or ``gpu_layers`` 0: everything in host
-    memory (the loader then loads on the CPU). ``gpu_layers`` None or -1: as many
-    layers as fit; else exactly that many (capped at the layer count), refused when
-    they do not fit. Refused too when host memory cannot hold
-    its part. The main device always holds embeddings, head, norms, cache, workspace."""
+                   gpu_layers: int | None = None, streamed: bool = False) -> Placement:
+    """Where the layers go. No GPU budget, or ``gpu_layers`` 0 without `streamed`:
+    everything in host memory (the loader then loads on the CPU). ``gpu_layers`` None
+    or -1: as many layers as fit; else exactly that many (capped at the layer count),
+    refused when they do not fit. Refused too when host memory cannot hold its part.
+    The main device always holds embeddings, head, norms, cache, workspace, and with
+    `streamed` offloaded layers two slots of the largest of them."""
     n = len(estimate.layers)
     if gpu_layers is not None and gpu_layers < -1:
         raise InvalidOption(f"num_gpu must be -1 (automatic) or a layer count, got {gpu_layers}")
     fixed = estimate.other + estimate.cache_per_layer * n + estimate.workspace
-    if gpu_budget is None or gpu_layers == 0:  # CPU only (Ollama's num_gpu 0)
+    if gpu_budget is None or (gpu_layers == 0 and not streamed):  # Ollama's num_gpu 0
         _check_host(estimate.total, cpu_budget, "the model")
         return Placement(n, n if gpu_budget is None else 0, 0, estimate.total)
+
+    def needed(count: int) -> int:  # device bytes with the first `count` layers resident
+        slots = 2 * max(estimate.layers[count:]) if streamed and count < n else 0
+        return fixed + sum(estimate.layers[:count]) + slots
+
     if gpu_layers is None or gpu_layers == -1:
-        if fixed > gpu_budget:
+        count = n
+        while count > 0 and needed(count) > gpu_budget:
+            count -= 1
+        if needed(count) > gpu_budget:
+            what = "two streamed layers, " if streamed else ""
             raise ModelLoadError(
-                f"the model needs at least {_gib(fixed)} on the GPU (embeddings, head, "
-                f"KV cache for the context, workspace), {_gib(gpu_budget)} free: use a "
-                "smaller num_ctx or run it on the CPU")
-        count, used = 0, fixed
-        while count < n and used + estimate.layers[count] <= gpu_budget:
-            used += estimate.layers[count]
-            count += 1
+                f"the model needs at least {_gib(needed(count))} on the GPU (embeddings, "
+                f"head, {what}KV cache for the context, workspace), {_gib(gpu_budget)} "
+                "free: use a smaller num_ctx or run it on the CPU")
     else:
         count = min(gpu_layers, n)
-        used = fixed + sum(estimate.layers[:count])
-        if used > gpu_budget:
+        if needed(count) > gpu_budget:
             raise ModelLoadError(
-                f"num_gpu {gpu_layers} needs {_gib(used)} on the GPU, {_gib(gpu_budget)} "
-                "free: lower num_gpu or leave it unset for an automatic split")
+                f"num_gpu {gpu_layers} needs {_gib(needed(count))} on the GPU, "
+                f"{_gib(gpu_budget)} free: lower num_gpu or leave it unset for an "
+                "automatic split")
     host = sum(estimate.layers[count:])
     _check_host(host, cpu_budget, f"{n - count} offloaded layers")
-    return Placement(n, count, used, host)
+    return Placement(n, count, needed(count), host, streamed=streamed and count < n)
 
 
 def _check_host(needed: int, budget: int | None, what: str) -> None:
