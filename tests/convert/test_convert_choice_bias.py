@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.pipeline import ConvertOptions, _Converter, convert_model
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
-from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.convert_checks import eval_ids
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,
@@ -36,8 +35,7 @@ def test_glm4_moe_converts_and_tracks_the_original(tmp_path):
     source, reader = WeightReader(src), WeightReader(tmp_path / "out")
     bias = BIAS["glm4_moe"].format(i=1)
     assert torch.allclose(reader.get(bias).float(), source.get(bias).float(), atol=1e-3)
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24,
-                             128)[1::3]
+    ids = eval_ids(src)
     original = load_causal_lm(src, device="cpu")
     expected = original(ids)
     got = load_causal_lm(tmp_path / "out", device="cpu")(ids)

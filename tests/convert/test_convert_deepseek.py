@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.engine_layer import EngineLayerForward
 from exl3cli.convert.mla_layer import latent_modules
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
@@ -17,7 +16,7 @@ from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.spec.architecture import get_architecture, load_family_config
-from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.convert_checks import eval_ids, logit_corr
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,
@@ -34,9 +33,6 @@ def converted(tmp_path_factory) -> dict:
     summary = convert_model(src, root / "out", FAST, root / "work", progress=events.append)
     return {"src": src, "out": root / "out", "summary": summary, "events": events}
 
-
-def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
 
 
 def test_latent_attention_and_router_are_written_under_their_names(converted):
@@ -65,18 +61,17 @@ def test_latent_attention_and_router_are_written_under_their_names(converted):
 
 def test_the_folder_loads_and_tracks_the_original(converted):
     src = converted["src"]
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24,
-                             128)[1::3]
+    ids = eval_ids(src)
     original = load_causal_lm(src, device="cpu")
     quantized = load_causal_lm(converted["out"], device="cpu")
     assert isinstance(quantized.layers[1].mlp, MoEMLP)
     expected = original(ids)
-    corr = _corr(quantized(ids), expected)
+    corr = logit_corr(quantized(ids), expected)
     # Measured at 4.0 bpw: 0.982. The fixed order's MoE bonus gives attention 6-7 bits
     # and the experts pay with 3; in this tiny model attention is a large share of the
     # weights, so the experts pay a lot (in DeepSeek-V3 itself about 0.03 bits).
     assert corr > 0.975, f"{corr:.4f}"
-    assert _corr(original(ids.flip(1)), expected) < 0.9
+    assert logit_corr(original(ids.flip(1)), expected) < 0.9
 
 
 def test_the_second_stage_reads_the_normed_latents(tmp_path):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
-from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.errors import ConversionError
+from tests.fixtures.convert_checks import eval_ids
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,
@@ -42,8 +41,7 @@ def test_fused_modules_are_written_split(converted):
 
 def test_logits_correlate_with_original(converted):
     src = converted["src"]
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24, 128)
-    ids = ids[1::3]
+    ids = eval_ids(src)
     expected = load_causal_lm(src, device="cpu")(ids)
     got = load_causal_lm(converted["out"], device="cpu")(ids)
     corr = torch.corrcoef(torch.stack([got.flatten(), expected.flatten()]))[0, 1].item()

@@ -12,13 +12,12 @@ import pytest
 import torch
 import transformers
 
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.vision.gemma3 import exllamav3_name
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.spec.architecture import get_architecture
-from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.convert_checks import eval_ids, logit_corr
 from tests.fixtures.tiny_model import tiny_reference_model
 from tests.fixtures.tiny_store import TINY_VOCAB, write_tiny_chat_model
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
@@ -51,23 +50,19 @@ def converted(request, tmp_path_factory) -> dict:
 
 def _held_out_ids(src: Path) -> torch.Tensor:
     """Text of the calibration distribution (rows the conversion did not see)."""
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24, 128)
-    return ids[1::3]
+    return eval_ids(src)
 
-
-def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
 
 
 def test_logits_correlate_with_original(converted):
     ids = _held_out_ids(converted["src"])
     original = load_causal_lm(converted["src"], device="cpu")
     expected = original(ids)
-    corr = _corr(load_causal_lm(converted["out"], device="cpu")(ids), expected)
+    corr = logit_corr(load_causal_lm(converted["out"], device="cpu")(ids), expected)
     # Measured at 4.0 bpw: 0.9966 (Gemma 2, 6-bit head), 0.9967 (Gemma 3, 16-bit head).
     assert corr > 0.99, f"{converted['arch']}: correlation {corr:.4f}"
     # A different input (so different logits) does not correlate: the check can fail.
-    assert _corr(original(ids.flip(1)), expected) < 0.9
+    assert logit_corr(original(ids.flip(1)), expected) < 0.9
 
 
 def test_output_folder_loads_with_the_gemma_spec(converted):
@@ -134,5 +129,5 @@ def test_image_text_checkpoint_converts_its_text_model(tmp_path):
     expected = load_causal_lm(src, device="cpu")(ids)
     quantized = load_causal_lm(out, device="cpu")
     assert quantized.spec.name == "Gemma3ForConditionalGeneration"
-    corr = _corr(quantized(ids), expected)
+    corr = logit_corr(quantized(ids), expected)
     assert corr > 0.99  # measured 0.9984 (one layer, 16-bit head), f"correlation {corr:.4f}"

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
 from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
-from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.convert_checks import eval_ids
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,
@@ -52,8 +51,7 @@ def test_experts_are_written_one_by_one_under_exllamav3_names(converted):
 
 def test_the_folder_loads_and_tracks_the_original(converted):
     src = converted["src"]
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24,
-                             128)[1::3]
+    ids = eval_ids(src)
     original = load_causal_lm(src, device="cpu")
     quantized = load_causal_lm(converted["out"], device="cpu")
     assert isinstance(quantized.layers[0].mlp, MoEMLP)

@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
 from exl3cli.engine.layers.cpu_exl3 import CpuExl3Linear
 from exl3cli.engine.layers.linear import Exl3Linear
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
-from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.convert_checks import eval_ids, logit_corr
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,
@@ -33,9 +31,6 @@ def converted(request, tmp_path_factory) -> dict:
     convert_model(src, root / "out", FAST, root / "work")
     return {"arch": arch, "src": src, "out": root / "out"}
 
-
-def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
 
 
 def test_text_layers_are_quantized_under_the_checkpoints_names(converted):
@@ -53,14 +48,13 @@ def test_text_layers_are_quantized_under_the_checkpoints_names(converted):
 
 def test_the_folder_loads_and_tracks_the_original(converted):
     src = converted["src"]
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24,
-                             128)[1::3]
+    ids = eval_ids(src)
     original = load_causal_lm(src, device="cpu")
     quantized = load_causal_lm(converted["out"], device="cpu")
     assert isinstance(quantized.layers[1].attention.o, (Exl3Linear, CpuExl3Linear))
     expected = original(ids)
-    corr = _corr(quantized(ids), expected)
+    corr = logit_corr(quantized(ids), expected)
     # Measured at 4.0 bpw: Ministral 3 0.9926, Mistral 3 (image-text) 0.9935.
     assert corr > 0.99, f"{converted['arch']}: correlation {corr:.4f}"
     # The comparison can fail: other text correlates far less.
-    assert _corr(original(ids.flip(1)), expected) < 0.9
+    assert logit_corr(original(ids.flip(1)), expected) < 0.9

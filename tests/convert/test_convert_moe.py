@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.convert.hessian import HessianAccumulator
 from exl3cli.convert.moe_layer import pooled_hessian
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
@@ -15,7 +14,7 @@ from exl3cli.engine.layers.linear import Exl3Linear
 from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
-from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.convert_checks import eval_ids, logit_corr
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_tiles=4,
@@ -48,21 +47,17 @@ def converted(request, tmp_path_factory) -> dict:
 
 
 def _held_out_ids(src) -> torch.Tensor:
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24, 128)
-    return ids[1::3]
+    return eval_ids(src)
 
-
-def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
 
 
 def test_logits_correlate_with_original(converted):
     ids = _held_out_ids(converted["src"])
     original = load_causal_lm(converted["src"], device="cpu")
     expected = original(ids)
-    corr = _corr(load_causal_lm(converted["out"], device="cpu")(ids), expected)
+    corr = logit_corr(load_causal_lm(converted["out"], device="cpu")(ids), expected)
     assert corr > MIN_CORRELATION[converted["arch"]], f"{converted['arch']}: {corr:.4f}"
-    assert _corr(original(ids.flip(1)), expected) < 0.9  # the check can fail
+    assert logit_corr(original(ids.flip(1)), expected) < 0.9  # the check can fail
 
 
 def test_attention_gets_two_more_bits_paid_by_the_experts(converted):

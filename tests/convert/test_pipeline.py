@@ -15,10 +15,9 @@ from click.testing import CliRunner
 from exl3cli.cli import main
 from exl3cli.cli.convert import convert
 from exl3cli.codec.format import read_quantization_config
-from exl3cli.convert.calibration import calibration_tokens, default_calibration_text
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
-from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.convert_checks import eval_ids
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
 # Small calibration keeps the CPU conversion short; the head is quantized too.
@@ -60,8 +59,7 @@ def test_logits_correlate_with_original(converted):
     original = load_causal_lm(src, device="cpu")
     quantized = load_causal_lm(out, device="cpu")
     # Text the model was calibrated on the distribution of (held-out rows).
-    ids = calibration_tokens(Tokenizer.from_folder(src), default_calibration_text(), 24, 128)
-    ids = ids[1::3]
+    ids = eval_ids(src)
     a, b = original(ids).flatten(), quantized(ids).flatten()
     corr = torch.corrcoef(torch.stack([a, b]))[0, 1]
     # 0.9923 at 4.0 bpw on this fixture (hidden 64: every 128-block half padded);
