@@ -18,9 +18,10 @@ from exl3cli.engine.generation.speculative import VerifyingBatch
 from exl3cli.engine.kvcache.attention_cache import AttentionCache
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable
+from exl3cli.engine.models.layer_split import OffsetCache
 from exl3cli.engine.models.vision.image_tokens import BlockAttentionBatch
 
-IMPLEMENTATIONS = (PagedBatch, VerifyingBatch, FixedDecodeStep, BlockAttentionBatch)
+IMPLEMENTATIONS = (PagedBatch, VerifyingBatch, FixedDecodeStep, BlockAttentionBatch, OffsetCache)
 METHODS = ("prepare", "check_input", "attend", "advance", "select_last")
 
 

@@ -87,7 +87,7 @@ def plan_layer_split(estimate: MemoryEstimate, budgets: list[int]) -> list[int]:
     return counts
 
 
-class _OffsetCache:
+class OffsetCache:
     """A stage's mirrored step: layer i of the model is layer i - offset of its pool."""
 
     def __init__(self, inner: Any, offset: int):
@@ -99,8 +99,11 @@ class _OffsetCache:
     def check_input(self, input_ids: torch.Tensor) -> None:
         self.inner.check_input(input_ids)
 
-    def attend(self, layer: int, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.inner.attend(layer - self.offset, *args, **kwargs)
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               window: int | None, *, softcap: float | None = None,
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.attend(layer - self.offset, query, key, value, window,
+                                 softcap=softcap, scale=scale, sinks=sinks)
 
     def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.select_last(hidden)
@@ -162,7 +165,7 @@ class LayerStages:
         if pool is not None:
             mirror = step.cache.mirror(pool)  # type: ignore[union-attr]
             mirror.prepare()  # a fixed-shape step derives its slots here
-            cache = _OffsetCache(mirror, offset)
+            cache = OffsetCache(mirror, offset)
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
