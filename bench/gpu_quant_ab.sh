@@ -54,7 +54,7 @@ TEXT=$STASH/text/test.txt CALIB=$STASH/text/valid.txt
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$NGPU" -gt 0 ] || NGPU=1
-slot=0
+slot=0 specs=()
 next_gpu() { echo $(( slot % NGPU )); }
 pids=()
 # The peer first (its conversions are the longest): install, pad, convert in parallel.
@@ -113,7 +113,7 @@ while sleep 30; do
   [ $running -eq 0 ] && break
   stamp "$running running; $(cat "$OUT"/ours-*.log 2>/dev/null | grep -c ' bpw: ppl') of ours done"
 done
-for spec in "${specs[@]:-}"; do
+for spec in "${specs[@]}"; do
   name=${spec%%=*}
   cp "/tmp/cq-$name/results-$name.json" "$OUT/quality-$name.json" 2>/dev/null \
     || { echo "FAIL: ours $name"; tail -3 "$OUT/ours-$name.log"; }

@@ -94,6 +94,7 @@ class ConvertOptions:
     sensitivity_rows: int = 8
     allocation_unit: str = "tensor"  # or "group": q/k/v and gate/up share their bits
     out_scales: str = "fisher"  # or "rms"
+    fisher_strength: float = 1.0  # quantize_layer.fisher_out_scales' strength
 
 
 Progress = Callable[[LayerReport | str], None]
@@ -147,7 +148,8 @@ class _Converter:
 
     def settings(self, k_bits: int) -> QuantSettings:
         o = self.options
-        return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed)
+        return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed,
+                             o.fisher_strength)
 
     def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int | list[int],
                  hessian: torch.Tensor | None = None) -> list[QuantizedLinear]:

@@ -23,8 +23,9 @@ Public API:
   them). ``out_weights[i]`` (optional, per output channel of tensor ``i``): how much an
   error in that channel costs the model (the Fisher information ``sensitivity.py``
   measures); given, the output scales are ``fisher_out_scales`` instead of the RMS.
-- ``fisher_out_scales(col_rms, fisher) -> Tensor``: the output-channel scales that
-  minimise the expected cost of a codec error spread evenly in the rotated domain.
+- ``fisher_out_scales(col_rms, fisher, strength=1.0) -> Tensor``: the output-channel
+  scales that minimise the expected cost of a codec error spread evenly in the rotated
+  domain (``strength`` < 1: geometrically part-way from the RMS scales to those).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class QuantSettings:
     damping: float = 0.02
     scale_search_tiles: int = 16
     seed: int = 0
+    fisher_strength: float = 1.0  # fisher_out_scales' strength, when out_weights are given
 
 
 @dataclass
@@ -151,7 +153,8 @@ class GroupScales:
 FISHER_FLOOR = 0.02
 
 
-def fisher_out_scales(col_rms: torch.Tensor, fisher: torch.Tensor) -> torch.Tensor:
+def fisher_out_scales(col_rms: torch.Tensor, fisher: torch.Tensor,
+                      strength: float = 1.0) -> torch.Tensor:
     """Output-channel scales ``t_j ∝ (σ_j² / F_j)^¼`` (σ: the column RMS, F: the Fisher
     information of the channel, floored), rescaled to the mean of ``col_rms``.
 
@@ -159,18 +162,21 @@ def fisher_out_scales(col_rms: torch.Tensor, fisher: torch.Tensor) -> torch.Tens
     error energy ``∝ t_j²`` and the whole tensor, quantized at the amplitude its
     rotated values have, ``∝ Σ_j σ_j²/t_j²``: the expected cost ``(Σ F_j t_j²) ·
     (Σ σ_j²/t_j²)`` is least at the ``t`` above (Cauchy-Schwarz). Plain RMS scales are
-    that optimum only when ``F_j ∝ 1/σ_j²``."""
+    that optimum only when ``F_j ∝ 1/σ_j²``. ``strength`` a: ``σ^(1-a) · t^a``, a hedge
+    against a noisy estimate of F."""
     f = fisher.to(col_rms.device, torch.float64).clamp_min(0)
     mean = float(f.mean())
     if not torch.isfinite(f).all() or mean <= 0:
         return col_rms
     sigma = col_rms.to(torch.float64)
     t = (sigma.pow(2) / (f / mean + FISHER_FLOOR)).pow(0.25)
+    t = sigma.pow(1 - strength) * t.pow(strength)
     return (t * (sigma.mean() / t.mean())).to(col_rms.dtype)
 
 
 def group_scales(names: list[str], weights: list[torch.Tensor], seed: int,
-                 out_weights: list[torch.Tensor | None] | None = None) -> GroupScales:
+                 out_weights: list[torch.Tensor | None] | None = None,
+                 strength: float = 1.0) -> GroupScales:
     """Row/column scales and random signs of linears sharing an input (``weights[i]``
     (in, out_i) float32), exactly as ``quantize_group`` draws them; ``out_weights``:
     per tensor, its output channels' Fisher information (or None: RMS scales)."""
@@ -182,7 +188,7 @@ def group_scales(names: list[str], weights: list[torch.Tensor], seed: int,
     # Column (output) scales first, then the row (input) RMS of the column-normalised group.
     col_rms = [_rms(w, dim=0) for w in weights]
     if out_weights is not None:
-        col_rms = [c if f is None else fisher_out_scales(c, f)
+        col_rms = [c if f is None else fisher_out_scales(c, f, strength)
                    for c, f in zip(col_rms, out_weights, strict=True)]
     normalised = torch.cat([w / c for w, c in zip(weights, col_rms, strict=True)], dim=1)
     row_rms = _rms(normalised, dim=1) * _block_fill(in_features, device)
@@ -235,7 +241,7 @@ def quantize_group(
     in_features = weights[0].shape[0]
     in_pad = padded_size(in_features)
     weights = [w.to(torch.float32) for w in weights]
-    scales = group_scales(names, weights, settings.seed, out_weights)
+    scales = group_scales(names, weights, settings.seed, out_weights, settings.fisher_strength)
     suh = scales.suh
 
     cb_rms = _codebook_rms(settings.codebook, device)

@@ -31,7 +31,7 @@ Public API:
   ``conv`` is the pipeline's converter (names, weights, layer modules, options);
   ``costs[module]`` a float, ``fisher[module]`` the float32 CPU vector ``F`` over its
   output channels. ``measure_costs(...)``: ``measure(...).costs``.
-- ``predicted_error(hessian, names, weights, seed, damping, out_weights=None)
+- ``predicted_error(hessian, names, weights, seed, damping, out_weights=None, strength=1)
   -> list[Tensor]``: per tensor, ``tr(D_rot) · side_j²`` for each output column (times
   ``D(K)``: the expected output MSE).
 """
@@ -53,10 +53,11 @@ from exl3cli.convert.quantize_layer import group_scales
 
 def predicted_error(hessian: torch.Tensor, names: list[str], weights: list[torch.Tensor],
                     seed: int, damping: float,
-                    out_weights: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+                    out_weights: list[torch.Tensor | None] | None = None,
+                    strength: float = 1.0) -> list[torch.Tensor]:
     """Per tensor of a group, ``tr(D_rot) · side_j²`` per padded output column."""
     weights = [w.to(torch.float32) for w in weights]
-    scales = group_scales(names, weights, seed, out_weights)
+    scales = group_scales(names, weights, seed, out_weights, strength)
     h = damp_hessian(pad_hessian(hessian.to(weights[0].device, torch.float64),
                                  scales.suh.numel()), damping)
     _, d = block_ldl_feedback(rotate_hessian(h, scales.suh))
@@ -165,7 +166,8 @@ def measure(conv, tokens: torch.Tensor, head_weight: torch.Tensor, seed: int = 0
             out_weights = [fisher[m] for m in modules] if by_fisher else None
             for m, per_col in zip(modules, predicted_error(
                     hessians[i][group], modules, weights, conv.options.seed,
-                    conv.options.damping, out_weights), strict=True):
+                    conv.options.damping, out_weights,
+                    getattr(conv.options, "fisher_strength", 1.0)), strict=True):
                 f = fisher[m]
                 costs[m] = 0.5 * float((per_col[: f.numel()] * f).sum())
         inputs[i] = None
