@@ -62,3 +62,12 @@ def test_fisher_scales_fall_back_to_rms_without_information():
     assert torch.equal(fisher_out_scales(sigma, torch.zeros(64)), sigma)
     flat = fisher_out_scales(sigma, torch.ones(64))  # F constant: t ∝ sqrt(σ), mean σ's
     assert torch.allclose(flat, sigma.sqrt() * sigma.mean() / sigma.sqrt().mean(), rtol=1e-5)
+
+
+def test_fisher_strength_goes_from_rms_to_the_optimum():
+    gen = torch.Generator().manual_seed(1)
+    sigma, fisher = torch.rand(64, generator=gen) + 0.5, torch.rand(64, generator=gen) * 10
+    assert torch.allclose(fisher_out_scales(sigma, fisher, 0.0), sigma, rtol=1e-6)
+    full, half = fisher_out_scales(sigma, fisher), fisher_out_scales(sigma, fisher, 0.5)
+    geo = (sigma * full).sqrt()
+    assert torch.allclose(half, geo * sigma.mean() / geo.mean(), rtol=1e-5)
