@@ -17,12 +17,12 @@
 #   bash bench/gpu_real_models.sh stash      carry: [".real/s/c2"]
 #   bash bench/gpu_quant_ab.sh               carry: [".whl"]
 # VARIANTS: "name=convert_quality.py arguments" separated by ';'. The default is the
-# final default, each change switched off in turn, and a half-strength Fisher hedge:
-#   final   (measured allocation, Fisher output scales)
+# final default, each change switched off in turn, and the Fisher scales at full strength:
+#   final   (measured allocation, Fisher output scales at strength 0.5)
 #   rms     --set out_scales=rms              before/after of the Fisher scales: rms -> final
 #   old     --allocation fixed --set out_scales=rms   the first H200 table's settings;
 #                                             before/after of the measured allocation: old -> rms
-#   half    --set fisher_strength=0.5         output scales half-way (geometrically)
+#   full    --set fisher_strength=1.0         output scales at the optimum for the measured F
 # Conversion seconds come from processes running side by side: compare them with each
 # other (same load), not with the 46 s of the first table. TIMING=1 adds, if time is
 # left, one conversion of "final" and one of "old" at 4.0 bpw alone (clean seconds).
@@ -36,7 +36,7 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( T0 + ${BUDGET:-510} - $(date +%s) )); }
 STASH=${STASH:-/tmp/real-stash} REAL=${REAL:-/tmp/real}
 BITS=${BITS-"4 3 2 5"} PEER_BITS=${PEER_BITS-"4 3 2 5"} WINDOWS=${WINDOWS:-100}
-VARIANTS=${VARIANTS-"final=;rms=--set out_scales=rms;old=--allocation fixed --set out_scales=rms;half=--set fisher_strength=0.5"}
+VARIANTS=${VARIANTS-"final=;rms=--set out_scales=rms;old=--allocation fixed --set out_scales=rms;full=--set fisher_strength=1.0"}
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=16 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
 

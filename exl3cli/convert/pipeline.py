@@ -19,7 +19,9 @@ Public API:
   fixes every tensor; ``allocation`` "measured" (bits per tensor from a sensitivity pass
   and a knapsack: allocation_plan.py) or "fixed" (allocation.py's fixed order);
   ``out_scales`` "fisher" (output-channel scales from the same pass's Fisher
-  information, quantize_layer.fisher_out_scales) or "rms" (the column RMS).
+  information, quantize_layer.fisher_out_scales, at ``fisher_strength`` 0.5: half-way,
+  geometrically, from the RMS to the optimum for the measured F, which lost KL at 4 bpw
+  on the CPU benchmark, bench/NOTES-quant-quality.md) or "rms" (the column RMS).
 - ``convert_model(src, out_dir, options, work_dir, resume=False, progress=None)
   -> ConversionSummary`` (``progress`` receives each ``LayerReport`` and status strings).
 """
@@ -94,7 +96,7 @@ class ConvertOptions:
     sensitivity_rows: int = 8
     allocation_unit: str = "tensor"  # or "group": q/k/v and gate/up share their bits
     out_scales: str = "fisher"  # or "rms"
-    fisher_strength: float = 1.0  # quantize_layer.fisher_out_scales' strength
+    fisher_strength: float = 0.5  # fisher_out_scales: 1 = the optimum for the measured F
 
 
 Progress = Callable[[LayerReport | str], None]
