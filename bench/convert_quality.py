@@ -6,8 +6,8 @@ Usage (GPU machine, SmolLM2):
 SRC: HF folder or GGUF file. Prints one line per bpw (ppl, KL, top-1, conversion time)
 and writes the table as JSON next to --work (results.json, or results-TAG.json).
 A/B of quantizer changes (bench/NOTES-quant-quality.md): ``--allocation fixed`` (the old
-fixed order; default measured), ``--set damping=0.05`` (any ConvertOptions field),
-``--tag NAME``.
+fixed order; default measured), ``--set damping=0.05`` or ``--set out_scales=rms`` (any
+ConvertOptions field), ``--tag NAME``. The JSON is rewritten after every rate.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ def main() -> None:
                      "tag": args.tag, "allocation": args.allocation, "set": args.set})
         print(f"{bits} bpw: ppl {result.perplexity:.4f}  KL {result.kl:.4f}  "
               f"top-1 {result.top1_agreement:.3f}  conversion {seconds:.0f}s", flush=True)
-    name = f"results-{args.tag}.json" if args.tag else "results.json"
-    (work / name).write_text(json.dumps(rows, indent=2))
+        # After every rate: a run cut short by a time limit keeps what it finished.
+        name = f"results-{args.tag}.json" if args.tag else "results.json"
+        (work / name).write_text(json.dumps(rows, indent=2))
 
 
 def _value(text: str):

@@ -38,6 +38,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+# `python bench/...` puts bench/ first on sys.path, not the cwd: without this line the
+# installed (editable) exl3cli is measured, not this checkout's.
+sys.path.insert(0, str(ROOT))
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 CACHE = Path(os.environ.get("EXL3_TEST_CACHE", Path.home() / ".cache" / "exl3-tests"))
 GGUF = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -114,6 +117,7 @@ def main() -> None:
                         help="other ConvertOptions fields (damping=0.05, ...)")
     parser.add_argument("--work", default="/tmp/quant-quality-cpu")
     parser.add_argument("--tag", default="run")
+    parser.add_argument("--seed", type=int, default=0, help="the quantizer's random signs")
     parser.add_argument("--src", default=None, help="HF folder instead of SmolLM2")
     args = parser.parse_args()
 
@@ -142,7 +146,7 @@ def main() -> None:
     for bits in args.bits:
         options = ConvertOptions(bits=bits, head_bits=args.head_bits, rows=args.rows,
                                  cols=args.cols, calib_path=args.calib, device="cpu",
-                                 recipe=recipe, allocation=args.allocation)
+                                 recipe=recipe, allocation=args.allocation, seed=args.seed)
         options = dataclasses.replace(options, **{k: parse_value(v) for k, v in extra.items()})
         out = work / f"exl3-{args.tag}-{bits}"
         started = time.perf_counter()

@@ -38,6 +38,10 @@ def _default_work_dir(store_root: Path, src: str, bits: float | str | None) -> P
               show_default=True,
               help="Measured bits per tensor, or per group of tensors sharing an input "
                    "(q/k/v, gate/up: one LDLQ pass each, faster).")
+@click.option("--out-scales", type=click.Choice(["fisher", "rms"]), default="fisher",
+              show_default=True,
+              help="Output-channel scales of each tensor: from the Fisher information of its "
+                   "outputs (measured on the calibration rows), or the plain column RMS.")
 @click.option("--codebook", type=click.Choice(["mul1", "mcg", "3inst"]), default="mul1",
               show_default=True)
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
@@ -56,7 +60,8 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
             codebook: str, work_dir: str | None, resume: bool, force: bool, calib: str | None,
             calib_rows: int | None, calib_cols: int | None, scale_search_tiles: int,
             device: str | None, recipe_file: str | None = None,
-            allocation: str = "measured", allocation_unit: str = "tensor") -> None:
+            allocation: str = "measured", allocation_unit: str = "tensor",
+            out_scales: str = "fisher") -> None:
     """Quantize SRC (HF folder, GGUF file, store or hub name) to EXL3."""
     from exl3cli.cli.progress import ProgressPrinter
     from exl3cli.convert.calibration import DEFAULT_COLS, DEFAULT_ROWS
@@ -90,7 +95,7 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
         rows=calib_rows or DEFAULT_ROWS, cols=calib_cols or DEFAULT_COLS,
         calib_path=str(Path(calib).resolve()) if calib else None,
         scale_search_tiles=scale_search_tiles, device=device, recipe=recipe,
-        allocation=allocation, allocation_unit=allocation_unit,
+        allocation=allocation, allocation_unit=allocation_unit, out_scales=out_scales,
     )
     target = Path(out_dir) if out_dir else work.with_name(work.name + "-out")
 

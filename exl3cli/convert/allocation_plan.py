@@ -16,8 +16,14 @@
    leaves no tensor free needs neither. Every other family is measured (the
    sensitivity pass runs the engine's own layers, as the quantization does).
 
+3. With ``out_scales="fisher"`` (default) the same sensitivity pass also gives every
+   layer tensor the Fisher information of its output channels (``BitPlan.fisher``,
+   saved next to the plan), which sets its output-channel scales; it runs then even
+   when the bits come from the fixed order or a full recipe, so that a recipe fed back
+   reproduces the files. Mixtures of experts keep RMS output scales.
+
 Public API:
-- ``BitPlan(tensor_bits, head_bits, average, method)``; ``.to_dict()``,
+- ``BitPlan(tensor_bits, head_bits, average, method, fisher={})``; ``.to_dict()``,
   ``.from_dict(d)``, ``.recipe_bits(head_name) -> dict[name, bits]`` (what
   ``write_recipe`` writes: every tensor, then the head).
 - ``make_plan(conv, shapes, tokens, head_name, head_weight) -> BitPlan``
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +49,7 @@ from exl3cli.convert.recipe import resolve, unused_patterns
 from exl3cli.errors import ConversionError
 
 ALLOCATIONS = ("measured", "fixed")
+OUT_SCALES = ("fisher", "rms")
 
 
 @dataclass
@@ -51,6 +58,7 @@ class BitPlan:
     head_bits: int
     average: float
     method: str
+    fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # not in to_dict
 
     def to_dict(self) -> dict:
         return {"tensor_bits": self.tensor_bits, "head_bits": self.head_bits,
@@ -121,6 +129,9 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
     if options.allocation not in ALLOCATIONS:
         raise ConversionError(f"allocation must be one of {', '.join(ALLOCATIONS)}, "
                               f"got {options.allocation!r}")
+    if options.out_scales not in OUT_SCALES:
+        raise ConversionError(f"out_scales must be one of {', '.join(OUT_SCALES)}, "
+                              f"got {options.out_scales!r}")
     sizes = _sizes(conv)
     names = list(sizes)
     fixed = resolve(tuple(options.recipe), [*names, head_name])
@@ -133,6 +144,10 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
             raise ConversionError("--recipe is not supported for mixtures of experts yet")
     head_bits = fixed.pop(head_name, options.head_bits)
     free = [m for m in names if m not in fixed]
+    sensitivity = None
+    quantized = bool(free) or any(b <= 8 for b in fixed.values())
+    if options.out_scales == "fisher" and not conv.spec.moe and quantized:
+        sensitivity = _measure(conv, tokens, head_weight, len(names))
     if not free:
         bits, method = fixed, "recipe"
         average = average_tensor_bits(bits, sizes)
@@ -146,14 +161,8 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
         bits = {**_fixed_order(conv, shapes, options.bits), **fixed}
         method = "fixed order" + (" and recipe" if fixed else "")
     else:
-        rows = tokens[: max(1, min(options.sensitivity_rows, tokens.shape[0]))]
-        conv.progress(f"measuring the sensitivity of {len(names)} tensors on "
-                      f"{rows.shape[0]} x {rows.shape[1]} calibration tokens")
-        from exl3cli.convert.sensitivity import measure_costs
-
-        started = time.perf_counter()
-        costs = measure_costs(conv, rows, head_weight(conv), options.seed)
-        conv.progress(f"sensitivity measured in {time.perf_counter() - started:.1f}s")
+        sensitivity = sensitivity or _measure(conv, tokens, head_weight, len(names))
+        costs = sensitivity.costs
         if options.allocation_unit == "group":
             bits = _by_group(conv, costs, sizes, options.bits, fixed)
         else:
@@ -161,4 +170,19 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
             bits = allocate_measured(items, options.bits, fixed)
         method = "measurement" + (" and recipe" if fixed else "")
     bits = {m: bits[m] for m in names}
-    return BitPlan(bits, int(head_bits), average_tensor_bits(bits, sizes), method)
+    fisher = sensitivity.fisher if sensitivity and options.out_scales == "fisher" else {}
+    return BitPlan(bits, int(head_bits), average_tensor_bits(bits, sizes), method, fisher)
+
+
+def _measure(conv, tokens: torch.Tensor, head_weight: Callable, count: int):
+    """The sensitivity pass (sensitivity.py) over the first rows of the calibration."""
+    from exl3cli.convert.sensitivity import measure
+
+    options = conv.options
+    rows = tokens[: max(1, min(options.sensitivity_rows, tokens.shape[0]))]
+    conv.progress(f"measuring the sensitivity of {count} tensors on "
+                  f"{rows.shape[0]} x {rows.shape[1]} calibration tokens")
+    started = time.perf_counter()
+    found = measure(conv, rows, head_weight(conv), options.seed)
+    conv.progress(f"sensitivity measured in {time.perf_counter() - started:.1f}s")
+    return found

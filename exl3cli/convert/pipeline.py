@@ -14,10 +14,14 @@ names.
 
 Public API:
 - ``ConvertOptions(bits, head_bits=6, codebook="mul1", rows, cols, calib_path, damping,
-  scale_search_tiles, seed, device, recipe=(), allocation="measured", sensitivity_rows=8)``:
-  ``bits`` may be None when ``recipe`` fixes every tensor; ``allocation`` "measured"
-  (bits per tensor from a sensitivity pass and a knapsack: allocation_plan.py) or
-  "fixed" (allocation.py's fixed order).
+  scale_search_tiles, seed, device, recipe=(), allocation="measured", sensitivity_rows=8,
+  allocation_unit="tensor", out_scales="fisher")``: ``bits`` may be None when ``recipe``
+  fixes every tensor; ``allocation`` "measured" (bits per tensor from a sensitivity pass
+  and a knapsack: allocation_plan.py) or "fixed" (allocation.py's fixed order);
+  ``out_scales`` "fisher" (output-channel scales from the same pass's Fisher
+  information, quantize_layer.fisher_out_scales, at ``fisher_strength`` 0.5: half-way,
+  geometrically, from the RMS to the optimum for the measured F, which lost KL at 4 bpw
+  on the CPU benchmark, bench/NOTES-quant-quality.md) or "rms" (the column RMS).
 - ``convert_model(src, out_dir, options, work_dir, resume=False, progress=None)
   -> ConversionSummary`` (``progress`` receives each ``LayerReport`` and status strings).
 """
@@ -72,6 +76,7 @@ from exl3cli.errors import ConversionError
 
 _WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
 PLAN_FILE = "plan.json"
+FISHER_FILE = "out-fisher.safetensors"
 RECIPE_FILE = "exl3-recipe.json"
 
 
@@ -91,6 +96,8 @@ class ConvertOptions:
     allocation: str = "measured"
     sensitivity_rows: int = 8
     allocation_unit: str = "tensor"  # or "group": q/k/v and gate/up share their bits
+    out_scales: str = "fisher"  # or "rms"
+    fisher_strength: float = 0.5  # fisher_out_scales: 1 = the optimum for the measured F
 
 
 Progress = Callable[[LayerReport | str], None]
@@ -126,6 +133,7 @@ class _Converter:
         self.reader = split_fused_experts(self.reader, self.config, self.spec)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.engine_layers = EngineLayerForward(self.config, self.spec, self.names, self.device)
+        self.out_fisher: dict[str, torch.Tensor] = {}  # module -> F per output channel
 
     def weight(self, module: str) -> torch.Tensor:
         """(in, out) float32 on the working device."""
@@ -140,7 +148,8 @@ class _Converter:
 
     def settings(self, k_bits: int) -> QuantSettings:
         o = self.options
-        return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed)
+        return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed,
+                             o.fisher_strength)
 
     def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int | list[int],
                  hessian: torch.Tensor | None = None) -> list[QuantizedLinear]:
@@ -155,9 +164,11 @@ class _Converter:
             acc.add(x)
             hessian = acc.hessian()
         names = [m for m, _ in chosen]
+        fisher = [self.out_fisher.get(m) for m in names]
         return quantize_mixed(
             names, [self.weight(m) for m in names], [self.bias(m) for m in names],
             hessian, self.settings(chosen[0][1]), [k for _, k in chosen],
+            [None if f is None else f.to(self.device) for f in fisher],
         )
 
     def layer_modules(self, i: int) -> dict[str, list[str]]:
@@ -269,6 +280,7 @@ def convert_model(
     text = read_calibration_text(options.calib_path)
     tokens = calibration_tokens(tokenizer, text, options.rows, options.cols).to(conv.device)
     plan = _load_or_make_plan(conv, shapes, tokens, work_dir, resume)
+    conv.out_fisher = plan.fisher
     bits = plan.tensor_bits
     hidden = conv.embeddings(tokens)
     target = options.bits if options.bits is not None else round(plan.average, 3)
@@ -319,10 +331,15 @@ def _short_bits(layer_mods: dict[str, list[str]], bits: dict[str, int]) -> dict[
 def _load_or_make_plan(conv: _Converter, shapes: list[GroupShape], tokens: torch.Tensor,
                        work_dir: Path, resume: bool) -> BitPlan:
     """The bits of every tensor; a resumed run reuses the plan its first run saved."""
-    path = work_dir / PLAN_FILE
+    path, fisher_path = work_dir / PLAN_FILE, work_dir / FISHER_FILE
     if resume and path.is_file():
-        return BitPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        plan = BitPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        if fisher_path.is_file():
+            plan.fisher = load_checkpoint(fisher_path)[0]
+        return plan
     plan = make_plan(conv, shapes, tokens, _head_name(conv), _head_weight)
+    if plan.fisher:
+        atomic_save(plan.fisher, fisher_path, {"report": "{}"})
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(plan.to_dict()), encoding="utf-8")
     os.replace(tmp, path)

@@ -18,8 +18,14 @@ Public API:
 - ``quantize_group(names, weights[(in, out_i)], biases, hessian, settings)
   -> list[QuantizedLinear]``; ``quantize_mixed(..., settings, k_bits[per tensor])``:
   the same with bits per tensor (tensors of one K quantized together).
-- ``group_scales(names, weights, seed) -> GroupScales(suh, sides)``: the scales and
-  signs ``quantize_group`` uses (the allocation's error estimate needs them).
+- ``group_scales(names, weights, seed, out_weights=None) -> GroupScales(suh, sides)``:
+  the scales and signs ``quantize_group`` uses (the allocation's error estimate needs
+  them). ``out_weights[i]`` (optional, per output channel of tensor ``i``): how much an
+  error in that channel costs the model (the Fisher information ``sensitivity.py``
+  measures); given, the output scales are ``fisher_out_scales`` instead of the RMS.
+- ``fisher_out_scales(col_rms, fisher, strength=1.0) -> Tensor``: the output-channel
+  scales that minimise the expected cost of a codec error spread evenly in the rotated
+  domain (``strength`` < 1: geometrically part-way from the RMS scales to those).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class QuantSettings:
     damping: float = 0.02
     scale_search_tiles: int = 16
     seed: int = 0
+    fisher_strength: float = 1.0  # fisher_out_scales' strength, when out_weights are given
 
 
 @dataclass
@@ -141,16 +148,48 @@ class GroupScales:
     sides: list[torch.Tensor]
 
 
-def group_scales(names: list[str], weights: list[torch.Tensor], seed: int) -> GroupScales:
+# Added to the mean-normalised Fisher information before it sets output scales, so that
+# a channel the calibration rows barely exercised does not take an unbounded scale.
+FISHER_FLOOR = 0.02
+
+
+def fisher_out_scales(col_rms: torch.Tensor, fisher: torch.Tensor,
+                      strength: float = 1.0) -> torch.Tensor:
+    """Output-channel scales ``t_j ∝ (σ_j² / F_j)^¼`` (σ: the column RMS, F: the Fisher
+    information of the channel, floored), rescaled to the mean of ``col_rms``.
+
+    The trellis error is about even in the rotated domain, so channel ``j`` gets an
+    error energy ``∝ t_j²`` and the whole tensor, quantized at the amplitude its
+    rotated values have, ``∝ Σ_j σ_j²/t_j²``: the expected cost ``(Σ F_j t_j²) ·
+    (Σ σ_j²/t_j²)`` is least at the ``t`` above (Cauchy-Schwarz). Plain RMS scales are
+    that optimum only when ``F_j ∝ 1/σ_j²``. ``strength`` a: ``σ^(1-a) · t^a``, a hedge
+    against a noisy estimate of F."""
+    f = fisher.to(col_rms.device, torch.float64).clamp_min(0)
+    mean = float(f.mean())
+    if not torch.isfinite(f).all() or mean <= 0:
+        return col_rms
+    sigma = col_rms.to(torch.float64)
+    t = (sigma.pow(2) / (f / mean + FISHER_FLOOR)).pow(0.25)
+    t = sigma.pow(1 - strength) * t.pow(strength)
+    return (t * (sigma.mean() / t.mean())).to(col_rms.dtype)
+
+
+def group_scales(names: list[str], weights: list[torch.Tensor], seed: int,
+                 out_weights: list[torch.Tensor | None] | None = None,
+                 strength: float = 1.0) -> GroupScales:
     """Row/column scales and random signs of linears sharing an input (``weights[i]``
-    (in, out_i) float32), exactly as ``quantize_group`` draws them."""
+    (in, out_i) float32), exactly as ``quantize_group`` draws them; ``out_weights``:
+    per tensor, its output channels' Fisher information (or None: RMS scales)."""
     device = weights[0].device
     in_features = weights[0].shape[0]
     in_pad = padded_size(in_features)
     gen = _generator(seed, names[0], device)
     input_signs = _random_signs(in_pad, gen, device)
-    # Column (output) RMS first, then the row (input) RMS of the column-normalised group.
+    # Column (output) scales first, then the row (input) RMS of the column-normalised group.
     col_rms = [_rms(w, dim=0) for w in weights]
+    if out_weights is not None:
+        col_rms = [c if f is None else fisher_out_scales(c, f, strength)
+                   for c, f in zip(col_rms, out_weights, strict=True)]
     normalised = torch.cat([w / c for w, c in zip(weights, col_rms, strict=True)], dim=1)
     row_rms = _rms(normalised, dim=1) * _block_fill(in_features, device)
     row_rms = torch.nn.functional.pad(row_rms, (0, in_pad - in_features), value=1.0)
@@ -171,16 +210,19 @@ def quantize_mixed(
     hessian: torch.Tensor,
     settings: QuantSettings,
     k_bits: list[int],
+    out_weights: list[torch.Tensor | None] | None = None,
 ) -> list[QuantizedLinear]:
     """``quantize_group`` with bits per tensor: the tensors of each distinct K are
     quantized together (in their order), results come back in the order given."""
     if len(set(k_bits)) == 1:
-        return quantize_group(names, weights, biases, hessian, replace(settings, k_bits=k_bits[0]))
+        return quantize_group(names, weights, biases, hessian, replace(settings, k_bits=k_bits[0]),
+                              out_weights)
     results: dict[str, QuantizedLinear] = {}
     for k in sorted(set(k_bits)):
         part = [i for i, b in enumerate(k_bits) if b == k]
         done = quantize_group([names[i] for i in part], [weights[i] for i in part],
-                              [biases[i] for i in part], hessian, replace(settings, k_bits=k))
+                              [biases[i] for i in part], hessian, replace(settings, k_bits=k),
+                              None if out_weights is None else [out_weights[i] for i in part])
         results.update({q.name: q for q in done})
     return [results[n] for n in names]
 
@@ -191,13 +233,15 @@ def quantize_group(
     biases: list[torch.Tensor | None],
     hessian: torch.Tensor,
     settings: QuantSettings,
+    out_weights: list[torch.Tensor | None] | None = None,
 ) -> list[QuantizedLinear]:
-    """Quantize linears sharing an input; ``weights[i]`` is (in, out_i), ``y = x W``."""
+    """Quantize linears sharing an input; ``weights[i]`` is (in, out_i), ``y = x W``;
+    ``out_weights``: see ``group_scales``."""
     device = weights[0].device
     in_features = weights[0].shape[0]
     in_pad = padded_size(in_features)
     weights = [w.to(torch.float32) for w in weights]
-    scales = group_scales(names, weights, settings.seed)
+    scales = group_scales(names, weights, settings.seed, out_weights, settings.fisher_strength)
     suh = scales.suh
 
     cb_rms = _codebook_rms(settings.codebook, device)

@@ -22,16 +22,24 @@ itself. Memory is one layer's activations plus the layer inputs. Hessians come f
 the same forward, read by hooks on the layer's linears. Mixtures of experts are not
 measured (the caller falls back to the fixed order).
 
+The same ``F_j`` also sets each tensor's output-channel scales when
+``options.out_scales == "fisher"`` (quantize_layer.fisher_out_scales); the costs are
+then computed with those scales, as the quantization will use them.
+
 Public API:
-- ``measure_costs(conv, tokens, head_weight, seed=0) -> dict[module, float]``:
-  ``conv`` is the pipeline's converter (names, weights, layer modules, options).
-- ``predicted_error(hessian, names, weights, seed, damping) -> list[Tensor]``: per tensor,
-  ``tr(D_rot) · side_j²`` for each output column (times ``D(K)``: the expected output MSE).
+- ``measure(conv, tokens, head_weight, seed=0) -> Sensitivity(costs, fisher)``:
+  ``conv`` is the pipeline's converter (names, weights, layer modules, options);
+  ``costs[module]`` a float, ``fisher[module]`` the float32 CPU vector ``F`` over its
+  output channels. ``measure_costs(...)``: ``measure(...).costs``.
+- ``predicted_error(hessian, names, weights, seed, damping, out_weights=None, strength=1)
+  -> list[Tensor]``: per tensor, ``tr(D_rot) · side_j²`` for each output column (times
+  ``D(K)``: the expected output MSE).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +52,12 @@ from exl3cli.convert.quantize_layer import group_scales
 
 
 def predicted_error(hessian: torch.Tensor, names: list[str], weights: list[torch.Tensor],
-                    seed: int, damping: float) -> list[torch.Tensor]:
+                    seed: int, damping: float,
+                    out_weights: list[torch.Tensor | None] | None = None,
+                    strength: float = 1.0) -> list[torch.Tensor]:
     """Per tensor of a group, ``tr(D_rot) · side_j²`` per padded output column."""
     weights = [w.to(torch.float32) for w in weights]
-    scales = group_scales(names, weights, seed)
+    scales = group_scales(names, weights, seed, out_weights, strength)
     h = damp_hessian(pad_hessian(hessian.to(weights[0].device, torch.float64),
                                  scales.suh.numel()), damping)
     _, d = block_ldl_feedback(rotate_hessian(h, scales.suh))
@@ -110,9 +120,21 @@ def _head_gradient(conv, hidden: torch.Tensor, head_weight: torch.Tensor,
     return torch.stack(grads)
 
 
+@dataclass
+class Sensitivity:
+    costs: dict[str, float]
+    fisher: dict[str, torch.Tensor]
+
+
 def measure_costs(conv, tokens: torch.Tensor, head_weight: torch.Tensor,
                   seed: int = 0) -> dict[str, float]:
     """Each layer linear's expected error per unit codec MSE (module name -> cost)."""
+    return measure(conv, tokens, head_weight, seed).costs
+
+
+def measure(conv, tokens: torch.Tensor, head_weight: torch.Tensor, seed: int = 0) -> Sensitivity:
+    """Costs per unit codec MSE and output Fisher information of every layer linear."""
+    by_fisher = getattr(conv.options, "out_scales", "rms") == "fisher"
     layers = [_Layer(conv, i) for i in range(conv.config.num_layers)]
     inputs, hessians = [], []
     with torch.no_grad():
@@ -125,6 +147,7 @@ def measure_costs(conv, tokens: torch.Tensor, head_weight: torch.Tensor,
     grad = _head_gradient(conv, hidden, head_weight, seed)
     del hidden
     costs: dict[str, float] = {}
+    kept: dict[str, torch.Tensor] = {}
     for i in reversed(range(len(layers))):
         layer = layers[i]
         shape = inputs[i].shape[:-1]
@@ -137,12 +160,15 @@ def measure_costs(conv, tokens: torch.Tensor, head_weight: torch.Tensor,
         grad = found[0]
         fisher = {m: g.pow(2).reshape(-1, g.shape[-1]).mean(0).double()
                   for m, g in zip(probes, found[1:], strict=True)}
+        kept.update({m: f.float().cpu() for m, f in fisher.items()})
         for group, modules in layer.mods.items():
             weights = [conv.weight(m) for m in modules]
+            out_weights = [fisher[m] for m in modules] if by_fisher else None
             for m, per_col in zip(modules, predicted_error(
                     hessians[i][group], modules, weights, conv.options.seed,
-                    conv.options.damping), strict=True):
+                    conv.options.damping, out_weights,
+                    getattr(conv.options, "fisher_strength", 1.0)), strict=True):
                 f = fisher[m]
                 costs[m] = 0.5 * float((per_col[: f.numel()] * f).sum())
         inputs[i] = None
-    return costs
+    return Sensitivity(costs, kept)

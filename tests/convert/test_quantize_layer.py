@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3cli.convert.quantize_layer import QuantSettings, quantize_group
+from exl3cli.convert.quantize_layer import QuantSettings, fisher_out_scales, quantize_group
 
 
 def _relative_mse(out_features: int, in_features: int, seed: int) -> float:
@@ -31,3 +31,43 @@ def test_partly_padded_output_block_is_as_precise_as_a_full_one(partial, full, l
 def test_full_blocks_reach_the_codec_mse():
     # Near the codec's Gaussian MSE at K = 4 (1.147x the 2^-8 bound, bench/NOTES.md).
     assert _relative_mse(128, 128, seed=0) < 1.2 * 2.0 ** -8
+
+
+def _fisher_weighted_error(w: torch.Tensor, fisher: torch.Tensor, use_fisher: bool) -> float:
+    h = torch.eye(w.shape[0], dtype=torch.float64)
+    (q,) = quantize_group(["t"], [w], [None], h, QuantSettings(3, scale_search_tiles=8),
+                          [fisher] if use_fisher else None)
+    return float(((q.weight - w).pow(2).sum(0) * fisher).sum())
+
+
+def test_fisher_output_scales_lower_the_fisher_weighted_error():
+    # Output channels of equal RMS, a quarter of them 30x as costly to get wrong: RMS
+    # scales give every channel the same error; Fisher scales move it to the cheap ones.
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 256, generator=gen) * 0.05
+    fisher = torch.ones(256)
+    fisher[::4] = 30.0
+    sigma = w.pow(2).mean(0).sqrt()
+    t = fisher_out_scales(sigma, fisher)
+    # Predicted cost ratio (Σ F t²)(Σ σ²/t²) / (Σ F σ²)(n): about 0.55 here.
+    predicted = float((fisher * t**2).sum() * (sigma**2 / t**2).sum()
+                      / ((fisher * sigma**2).sum() * sigma.numel()))
+    measured = _fisher_weighted_error(w, fisher, True) / _fisher_weighted_error(w, fisher, False)
+    assert predicted < 0.6
+    assert measured < 0.9 and abs(measured / predicted - 1) < 0.15, (measured, predicted)
+
+
+def test_fisher_scales_fall_back_to_rms_without_information():
+    sigma = torch.rand(64) + 0.5
+    assert torch.equal(fisher_out_scales(sigma, torch.zeros(64)), sigma)
+    flat = fisher_out_scales(sigma, torch.ones(64))  # F constant: t ∝ sqrt(σ), mean σ's
+    assert torch.allclose(flat, sigma.sqrt() * sigma.mean() / sigma.sqrt().mean(), rtol=1e-5)
+
+
+def test_fisher_strength_goes_from_rms_to_the_optimum():
+    gen = torch.Generator().manual_seed(1)
+    sigma, fisher = torch.rand(64, generator=gen) + 0.5, torch.rand(64, generator=gen) * 10
+    assert torch.allclose(fisher_out_scales(sigma, fisher, 0.0), sigma, rtol=1e-6)
+    full, half = fisher_out_scales(sigma, fisher), fisher_out_scales(sigma, fisher, 0.5)
+    geo = (sigma * full).sqrt()
+    assert torch.allclose(half, geo * sigma.mean() / geo.mean(), rtol=1e-5)

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Issue 20 on the H200, one call: SmolLM2-135M converted by `exl3 convert` under several
+# quantizer settings (VARIANTS) at BITS, and by ExLlamaV3 1.6.5 (a zero-padded copy,
+# hidden 640, bench/real_models/pad_hidden.py) at PEER_BITS, all evaluated by
+# bench/convert_quality.py / bench/real_models/eval_folders.py against the same fp32
+# reference on the same 100 wikitext-2 test windows of 2048 tokens. The variants and
+# the peer's rates run as parallel processes spread over the visible GPUs (process i on
+# GPU i mod N): on nvidia-h200-x4 each variant has a GPU of its own and shares it with
+# one peer conversion (~46 s per conversion of ours, ~95 s of the peer's, alone), ~5 min
+# in all; on one H200 they time-share it (a 135M model leaves it partly idle). Each
+# runs under a deadline (BUDGET seconds from the start, default 510) and every result
+# is written as soon as it exists, so a run cut short still reports what finished.
+#
+# Artefacts as for bench/gpu_real_quality.sh (bench/real_models/make_artefacts.sh, run
+# here first), three calls back to back on one warm machine:
+#   bash bench/gpu_real_models.sh stash      carry: [".real/s/c1"]
+#   bash bench/gpu_real_models.sh stash      carry: [".real/s/c2"]
+#   bash bench/gpu_quant_ab.sh               carry: [".whl"]
+# VARIANTS: "name=convert_quality.py arguments" separated by ';'. The default is the
+# final default, each change switched off in turn, and the Fisher scales at full strength:
+#   final   (measured allocation, Fisher output scales at strength 0.5)
+#   rms     --set out_scales=rms              before/after of the Fisher scales: rms -> final
+#   old     --allocation fixed --set out_scales=rms   the first H200 table's settings;
+#                                             before/after of the measured allocation: old -> rms
+#   full    --set fisher_strength=1.0         output scales at the optimum for the measured F
+# Conversion seconds come from processes running side by side: compare them with each
+# other (same load), not with the 46 s of the first table. TIMING=1 adds, if time is
+# left, one conversion of "final" and one of "old" at 4.0 bpw alone (clean seconds).
+# Outputs ($OUT): quality-<variant>.json, quality-peer.json, table.txt, logs.tgz.
+set -u -o pipefail
+OUT=${OUT:-/tmp/exl3-quant-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+left() { echo $(( T0 + ${BUDGET:-510} - $(date +%s) )); }
+STASH=${STASH:-/tmp/real-stash} REAL=${REAL:-/tmp/real}
+BITS=${BITS-"4 3 2 5"} PEER_BITS=${PEER_BITS-"4 3 2 5"} WINDOWS=${WINDOWS:-100}
+VARIANTS=${VARIANTS-"final=;rms=--set out_scales=rms;old=--allocation fixed --set out_scales=rms;full=--set fisher_strength=1.0"}
+export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
+export MAX_JOBS=16 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
+
+[ -d .real/s ] && python3 bench/real_models/pack.py stash .real/s "$STASH"
+if ls "$STASH"/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$STASH"/wheels/*.whl >"$OUT/wheels.log" 2>&1 || echo "FAIL: wheels"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+. bench/device_install.sh >"$OUT/install.log" 2>&1
+python3 bench/real_models/pack.py assemble "$STASH" "$REAL" | grep smollm2
+SRC=$REAL/smollm2-hf
+[ -f "$SRC/config.json" ] || python3 bench/real_models/source_folder.py "$REAL/smollm2.gguf" "$SRC"
+TEXT=$STASH/text/test.txt CALIB=$STASH/text/valid.txt
+[ -f "$SRC/config.json" ] && [ -f "$TEXT" ] || { echo "FAIL: source or text missing (stash calls?)"; exit 1; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$NGPU" -gt 0 ] || NGPU=1
+slot=0 specs=()
+next_gpu() { echo $(( slot % NGPU )); }
+pids=()
+# The peer first (its conversions are the longest): install, pad, convert in parallel.
+if [ -n "$PEER_BITS" ] && ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
+    && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so || echo "FAIL: peer install"
+  [ -f "$REAL/smollm2-pad640/config.json" ] || python3 bench/real_models/pad_hidden.py \
+    "$SRC" "$REAL/smollm2-pad640" --hidden 640 >/dev/null
+  (
+    folders=() seconds=() cpids=()
+    peer_slot=0
+    for bits in $PEER_BITS; do
+      gpu=$(( peer_slot % NGPU )); peer_slot=$((peer_slot + 1))
+      (t=$(date +%s); cd /tmp && CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=/tmp/peer timeout $(( $(left) - 50 )) python3 -m \
+        exllamav3.conversion.convert_model -i "$REAL/smollm2-pad640" -o "$REAL/peer-$bits" \
+        -w "$REAL/peer-work-$bits" -b "$bits" -hb 6 >"$OUT/peer-convert-$bits.log" 2>&1 \
+        && echo $(( $(date +%s) - t )) >"$REAL/peer-$bits.seconds") &
+      cpids+=($!)
+    done
+    wait "${cpids[@]}"
+    for bits in $PEER_BITS; do
+      if [ -f "$REAL/peer-$bits.seconds" ]; then
+        folders+=(--folder "peer-$bits=$REAL/peer-$bits")
+        seconds+=(--seconds "peer-$bits=$(cat "$REAL/peer-$bits.seconds")")
+        stamp "peer converted $bits bpw in $(cat "$REAL/peer-$bits.seconds") s"
+      else
+        echo "FAIL: peer convert $bits"; tail -3 "$OUT/peer-convert-$bits.log"
+      fi
+    done
+    [ ${#folders[@]} -gt 0 ] && timeout $(( $(left) > 10 ? $(left) : 10 )) python3 \
+      bench/real_models/eval_folders.py "$SRC" --text "$TEXT" --windows "$WINDOWS" \
+      "${folders[@]}" "${seconds[@]}" --out "$OUT/quality-peer.json" 2>"$OUT/peer-eval.err" \
+      || { echo "FAIL: peer eval"; tail -3 "$OUT/peer-eval.err"; }
+  ) &
+  pids+=($!)
+elif [ -n "$PEER_BITS" ]; then
+  echo "FAIL: peer wheels missing (carry .whl)"
+fi
+
+# Ours: kernels built once, then one process per variant.
+python3 -m exl3cli kernels >"$OUT/kernels.log" 2>&1 || echo "FAIL: kernels"
+stamp "kernels: $(grep -c ready "$OUT/kernels.log") ready"
+if [ -n "$BITS" ]; then
+  IFS=';' read -ra specs <<<"$VARIANTS"
+  for spec in "${specs[@]}"; do
+    name=${spec%%=*} args=${spec#*=}
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$(next_gpu) timeout "$(left)" python3 bench/convert_quality.py "$SRC" \
+      --bits $BITS --text "$TEXT" --calib "$CALIB" --windows "$WINDOWS" --work "/tmp/cq-$name" \
+      --tag "$name" $args >"$OUT/ours-$name.log" 2>&1 &
+    pids+=($!) slot=$((slot + 1))
+  done
+fi
+while sleep 30; do
+  running=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && running=$((running + 1)); done
+  [ $running -eq 0 ] && break
+  stamp "$running running; $(cat "$OUT"/ours-*.log 2>/dev/null | grep -c ' bpw: ppl') of ours done"
+done
+for spec in "${specs[@]}"; do
+  name=${spec%%=*}
+  cp "/tmp/cq-$name/results-$name.json" "$OUT/quality-$name.json" 2>/dev/null \
+    || { echo "FAIL: ours $name"; tail -3 "$OUT/ours-$name.log"; }
+done
+
+if [ -n "${TIMING:-}" ]; then
+  for spec in "final=" "old=--allocation fixed --set out_scales=rms"; do
+    name=${spec%%=*} args=${spec#*=}
+    [ "$(left)" -lt 80 ] && { echo "timing: no time left for $name"; break; }
+    # shellcheck disable=SC2086
+    timeout "$(left)" python3 bench/convert_quality.py "$SRC" --bits 4 --text "$TEXT" \
+      --calib "$CALIB" --windows 4 --work "/tmp/cq-time-$name" --tag "time-$name" $args \
+      2>&1 | grep " bpw: ppl" | sed "s/^/timing alone, $name: /"
+  done
+fi
+
+python3 - "$OUT" <<'EOF' | tee "$OUT/table.txt"
+import json, sys
+from pathlib import Path
+print(f"{'who':<10}{'bpw':>5}{'ppl':>10}{'KL':>9}{'top-1':>8}{'convert s':>11}")
+for path in sorted(Path(sys.argv[1]).glob("quality-*.json")):
+    who = path.stem.removeprefix("quality-")
+    for row in json.loads(path.read_text()):
+        if row["model"] == "unquantized fp32":
+            if who == "peer":
+                print(f"{'fp32':<10}{'':>5}{row['ppl']:>10.4f}")
+            continue
+        bpw = row["model"].split()[1].split("-")[-1] if who != "peer" else row["model"][5:]
+        if "error" in row:
+            print(f"{who:<10}{bpw:>5} FAIL {row['error']}")
+            continue
+        conv = row.get("convert_s")
+        print(f"{who:<10}{bpw:>5}{row['ppl']:>10.4f}{row['kl']:>9.4f}{row['top1']:>8.3f}"
+              f"{(f'{float(conv):.0f}' if conv else '-'):>11}")
+EOF
+stamp "end"
+tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.err 2>/dev/null) 2>/dev/null
+(cd "$OUT" && rm -f *.log *.err)
