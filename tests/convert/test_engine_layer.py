@@ -85,7 +85,7 @@ def _converter_hessians(src, tokens: torch.Tensor, work, monkeypatch) -> dict:
     see the source model's activations)."""
     seen: dict[str, torch.Tensor] = {}
 
-    def keep(names, weights, _biases, hessian, _settings, _k_bits):
+    def keep(names, weights, _biases, hessian, _settings, _k_bits, *_rest, **_options):
         seen[names[0]] = hessian
         return [QuantizedLinear(n, {}, w, 0.0) for n, w in zip(names, weights, strict=True)]
 
