@@ -84,16 +84,18 @@ def low_rank_delta(lora: LowRank) -> torch.Tensor:
 _LORA_LOW_KERNEL = os.environ.get("EXL3_LORA_LOW", "kernel") != "torch"
 _LORA_MAX_SPLITS, _LORA_MAX_RANK = 16, 128
 # Rows the kernel takes: past a few rows the library GEMM's tiles win (H200, NOTES-gpu run 18).
-_LORA_KERNEL_ROWS = int(os.environ.get("EXL3_LORA_LOW_ROWS", "4"))
+_LORA_KERNEL_ROWS = 4
 _lora_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def lora_workspace(device: torch.device) -> None:
     """Allocate `device`'s lora_low workspace now (outside any CUDA graph capture)."""
     device = torch.device(device)
-    if device.type == "cuda" and device not in _lora_workspaces:
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _lora_workspaces:  # never replaced: captured graphs hold its pointers
         _lora_workspaces[device] = (
             torch.empty(_LORA_MAX_SPLITS * kernels.FUSED_MAX_ROWS * _LORA_MAX_RANK,
                         dtype=torch.float32, device=device),
@@ -107,7 +109,7 @@ def lora_low(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     ext = _ext(x) if _LORA_LOW_KERNEL else None
     rows, rank = x.shape[0], a.shape[0]
     workspace = _lora_workspaces.get(x.device)
-    if (ext is not None and workspace is not None and hasattr(ext, "lora_low")
+    if (ext is not None and workspace is not None
             and x.dtype in (torch.float16, torch.bfloat16)
             and 1 <= rows <= min(_LORA_KERNEL_ROWS, kernels.FUSED_MAX_ROWS)
             and rank <= _LORA_MAX_RANK

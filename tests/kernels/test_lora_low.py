@@ -1,6 +1,6 @@
 """The first LoRA product of the fused decode layer, ``layer_kernels.lora_low`` (x @ A^T
-by csrc/ops/cuda/lora_low.cu for up to 64 rows; the engine sends it up to
-``EXL3_LORA_LOW_ROWS`` = 4, the tests all 64), against torch's float32 product (``-m
+by csrc/ops/cuda/lora_low.cu for up to 64 rows; the engine sends it up to 4
+rows, the tests all 64), against torch's float32 product (``-m
 cuda``), and its fallbacks.
 
 K spans one slice (64) to the widest split (28,672 columns, a 70B MLP) and values not a
@@ -96,7 +96,10 @@ def test_kernel_inside_a_cuda_graph():
 def test_shapes_the_kernel_does_not_take_fall_back():
     _require_kernels()
     layer_kernels.lora_workspace(torch.device("cuda"))
-    for rows, rank, k in [(65, 16, 512), (2, 129, 512), (2, 16, 100), (3, 16, 512)]:
+    # Too many rows, too high a rank, K not whole 16-byte loads, K past the workspace's
+    # slices (> 32,768), float32.
+    for rows, rank, k in [(65, 16, 512), (2, 129, 512), (2, 16, 100), (2, 16, 32776),
+                          (3, 16, 512)]:
         if rows == 3:  # float32 is torch's
             x, a = _inputs(rows, rank, k, torch.float32, "cuda")
             torch.testing.assert_close(layer_kernels.lora_low(x, a), x @ a.t())

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int o = threadIdx.x; o < outputs; o += kThreads) {
     float total = 0.f;
     for (int b = 0; b < slices; ++b) total += __ldcg(partial + (size_t)b * outputs + o);
-    low[(size_t)(o / rank) * rank + o % rank] = from_f32<T>(total);
+    low[o] = from_f32<T>(total);  // (rows, rank) contiguous, as partial's slices
   }
   if (threadIdx.x == 0) *ticket = 0u;
 }
@@ -97,10 +97,10 @@ template <typename T>
 bool launch_typed(const void* x, int64_t x_stride, const void* a, int k_dim, int rank,
                   int rows, float* partial, unsigned* ticket, void* low, cudaStream_t stream) {
   const int vecs_total = (k_dim + kSpan - 1) / kSpan;
-  int vecs = (vecs_total + kLoraLowMaxSplits - 1) / kLoraLowMaxSplits;
-  vecs = vecs <= 1 ? 1 : vecs <= 2 ? 2 : vecs <= 4 ? 4 : 8;
-  if (vecs > kMaxVecs) return false;
-  const dim3 grid((vecs_total + vecs - 1) / vecs);
+  const int needed = (vecs_total + kLoraLowMaxSplits - 1) / kLoraLowMaxSplits;
+  if (needed > kMaxVecs) return false;  // k_dim > 32768: more slices than the workspace holds
+  const int vecs = needed <= 1 ? 1 : needed <= 2 ? 2 : needed <= 4 ? 4 : 8;
+  const dim3 grid((vecs_total + vecs - 1) / vecs);  // <= kLoraLowMaxSplits
   const T* xt = static_cast<const T*>(x);
   const T* at = static_cast<const T*>(a);
   T* lt = static_cast<T*>(low);
