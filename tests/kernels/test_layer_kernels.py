@@ -18,6 +18,7 @@ from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_kernels
+from tests.fixtures.qkv_out import qkv_out_case, run_qkv_out
 
 pytestmark = pytest.mark.cuda
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -74,31 +75,8 @@ def test_gemm_parts_sum_to_the_reference(rows, k, codebook):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("rows", [1, 9, 64])
 def test_hadamard_out_with_rope_bias_and_slices(dtype, head_dim, rows):
-    gen = _gen(head_dim + rows)
-    widths, pads = [3 * head_dim, head_dim, head_dim], [384, 128, 128]
-    partials = [torch.randn(3, rows, p, generator=gen) for p in pads]
-    posts = [torch.randn(p, generator=gen) * 0.1 for p in pads]
-    biases = [torch.randn(w, generator=gen) for w in widths[:1]] + [None, None]
-    rope_cols = [widths[0], widths[1], 0]  # q and k rotate, v does not
-    positions = torch.arange(rows) * 7
-    freqs = positions[:, None] / (10000 ** (torch.arange(0, head_dim, 2) / head_dim))
-    angles = torch.cat([freqs, freqs], dim=1)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def run(device):
-        wide = torch.full((rows, sum(widths) + 16), float("nan"), dtype=dtype, device=device)
-        outs, start = [], 0
-        for w in widths:
-            outs.append(wide[:, start : start + w])
-            start += w
-        layer_kernels.hadamard_out([p.to(device) for p in partials],
-                                   [p.to(device) for p in posts],
-                                   [None if b is None else b.to(device) for b in biases],
-                                   outs, rope_cols, cos=cos.to(device), sin=sin.to(device),
-                                   head_dim=head_dim)
-        return wide
-
-    want, got = run("cpu"), run("cuda")
+    case = qkv_out_case(rows, head_dim, dtype, _gen(head_dim + rows))
+    want, got = run_qkv_out(case, "cpu", dtype), run_qkv_out(case, "cuda", dtype)
     assert got[:, -16:].isnan().all()  # outside every slice: untouched
     _close(got[:, :-16], want[:, :-16], 1e-2 if dtype == torch.bfloat16 else 2e-3)
 

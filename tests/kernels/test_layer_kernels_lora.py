@@ -16,6 +16,7 @@ import torch
 
 from exl3cli.ops import layer_kernels
 from exl3cli.ops.layer_kernels import LowRank
+from tests.fixtures.qkv_out import qkv_out_case, run_qkv_out
 
 pytestmark = pytest.mark.cuda
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -64,30 +65,11 @@ def _bare_rows(rows: int) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 9, 64])
 def test_hadamard_out_adds_the_update_before_rotary(dtype, head_dim, rows):
     gen = _gen(head_dim + rows)
-    widths, pads = [3 * head_dim, head_dim, head_dim], [384, 128, 128]
-    partials = [torch.randn(3, rows, p, generator=gen) for p in pads]
-    posts = [torch.randn(p, generator=gen) * 0.1 for p in pads]
-    biases = [torch.randn(w, generator=gen) for w in widths[:1]] + [None, None]
-    rope_cols = [widths[0], widths[1], 0]  # q and k rotate, v does not
-    positions = torch.arange(rows) * 7
-    freqs = positions[:, None] / (10000 ** (torch.arange(0, head_dim, 2) / head_dim))
-    angles = torch.cat([freqs, freqs], dim=1)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    lora = _lora(rows, sum(widths), dtype, gen)
+    case = qkv_out_case(rows, head_dim, dtype, gen)
+    lora = _lora(rows, sum(case.widths), dtype, gen)
 
     def run(device: str, update: LowRank | None) -> torch.Tensor:
-        wide = torch.full((rows, sum(widths) + 16), float("nan"), dtype=dtype, device=device)
-        outs, start = [], 0
-        for w in widths:
-            outs.append(wide[:, start : start + w])
-            start += w
-        layer_kernels.hadamard_out([p.to(device) for p in partials],
-                                   [p.to(device) for p in posts],
-                                   [None if b is None else b.to(device) for b in biases],
-                                   outs, rope_cols, cos=cos.to(device), sin=sin.to(device),
-                                   head_dim=head_dim,
-                                   lora=None if update is None else _on(update, device))
-        return wide
+        return run_qkv_out(case, device, dtype, None if update is None else _on(update, device))
 
     want, got = run("cpu", lora), run("cuda", lora)
     assert got[:, -16:].isnan().all()  # outside every slice: untouched
