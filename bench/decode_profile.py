@@ -41,7 +41,7 @@ def kind_of(name: str) -> str:
 
 def _short(name: str) -> str:
     """A kernel's name without its argument list: 'exl3::...::gemm_kernel<6, 2, 1>'."""
-    return name.split("(")[0][:90]
+    return name.replace("(anonymous namespace)::", "").split("(")[0][:90]
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
