@@ -19,8 +19,10 @@ layers (keys + values, codes + scales).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -103,7 +105,11 @@ def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
     decode_steps = steps[last_prefill + 1:]
     tokens = sum(r.decode_tokens for _, r in decode_steps)
     seconds = (decode_steps[-1][0] - window_start) if decode_steps else float("nan")
+    prefill_tokens = sum(r.prefill_tokens for _, r in steps)
+    prefill_seconds = window_start - started
     return {
+        "prefill_tokens": prefill_tokens,
+        "prefill_tokens_per_s": prefill_tokens / prefill_seconds if prefill_seconds > 0 else 0.0,
         "jobs": jobs, "kv": generator.cache_type.name, "decode_mode": generator.decode.mode,
         "graphs": generator.decode.graph_count, "decode_steps": len(decode_steps), "decode_tokens": tokens,
         "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
@@ -125,17 +131,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="every job with a random LoRA adapter of this rank")
+    parser.add_argument("--stacks", type=float, default=0.0,
+                        help="print every thread's Python stack to stderr every N seconds")
     args = parser.parse_args(argv)
+    began = time.perf_counter()
+    if args.stacks > 0:
+        # Every N seconds, every thread's Python stack on stderr: where a slow run is.
+        faulthandler.dump_traceback_later(args.stacks, repeat=True, file=sys.stderr)
+
+    def progress(what: str) -> None:
+        # On stderr with the elapsed time, so a run cut short by a timeout still tells
+        # whether loading, the warm-up (graph capture) or the measured runs took the time.
+        print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     model = load_causal_lm(args.model, device=args.device)
+    progress(f"loaded {args.model.name} on {model.device}")
     adapter = random_adapter(model, args.lora_rank) if args.lora_rank > 0 else None
     tokenizer = Tokenizer.from_folder(args.model)
     rows = []
     for kv in args.kv.split(","):
         for jobs in (int(j) for j in args.jobs.split(",")):
             generator = new_generator(model, tokenizer, jobs, args.prompt, args.gen, kv)
-            run_jobs(generator, jobs, args.prompt, args.gen, args.seed, adapter)  # warm-up
-            runs = [run_jobs(generator, jobs, args.prompt, args.gen, args.seed + 1 + i, adapter)
-                    for i in range(max(1, args.repeat))]
+            warm = run_jobs(generator, jobs, args.prompt, args.gen, args.seed, adapter)
+            progress(f"kv {kv} jobs {jobs}: warm-up {warm['total_seconds']:.1f} s "
+                     f"({warm['decode_mode']}, {warm['graphs']} graphs)")
+            runs = []
+            for i in range(max(1, args.repeat)):
+                runs.append(run_jobs(generator, jobs, args.prompt, args.gen,
+                                     args.seed + 1 + i, adapter))
+                progress(f"kv {kv} jobs {jobs}: run {i + 1} {runs[-1]['total_seconds']:.1f} s, "
+                         f"{runs[-1]['tokens_per_s']:.1f} tok/s decode, prompts "
+                         f"{runs[-1]['prefill_tokens_per_s']:.0f} tok/s")
             for run in runs:
                 run["kv"] = kv
             rates = sorted(r["tokens_per_s"] for r in runs)

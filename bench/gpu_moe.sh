@@ -87,8 +87,9 @@ if [[ " $STAGES " == *" ours "* ]]; then
   for s in $SHAPES; do
     timeout ${OURS_TIMEOUT:-200} python3 bench/generator_throughput.py "$(folder "$s")" \
       --device "$DEVICE" --jobs "$JOBS" --prompt 128 --gen 64 --kv "$KV" --repeat "$REPEAT" \
-      --json >"$OUT/ours-$s.json" 2>"$OUT/ours-$s.err" \
-      || { echo "FAIL: ours $s"; tail -8 "$OUT/ours-$s.err"; }
+      --stacks "${STACKS:-0}" --json >"$OUT/ours-$s.json" 2>"$OUT/ours-$s.err" \
+      || { echo "FAIL: ours $s"; tail -40 "$OUT/ours-$s.err"; }
+    grep "^\[" "$OUT/ours-$s.err" | tail -12
     grep -i "graph capture failed" "$OUT/ours-$s.err" | head -2
     stamp "ours $s done"
   done

@@ -152,12 +152,27 @@ def test_an_moe_block_is_captured_by_a_cuda_graph(spec):
     assert (out.float() - expected.float()).abs().max() > 0  # the replay computed new rows
 
 
-def test_prefill_sized_calls_keep_the_grouped_dispatch():
+def test_prefill_sized_calls_run_the_kernels_in_slices(monkeypatch):
+    """Calls past 64 rows (prefill) run the kernels on slices of 64 rows: the same
+    result as the grouped dispatch (which EXL3_MOE_PREFILL=grouped keeps), no counts
+    read back."""
     block = _block(BLOCKS[1], torch.bfloat16)
-    x = torch.randn(1, 80, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 150, 256, generator=torch.Generator().manual_seed(5)).to(
+        "cuda", torch.bfloat16)
     block.last_counts = []
-    block(x)
-    assert sum(block.last_counts) == 80 * 4  # 80 rows: the grouped path counted them
+    _poison_allocator()
+    got = block(x)
+    torch.cuda.synchronize()
+    assert block.last_counts == []  # not the grouped dispatch
+    slices = torch.cat([block(x[:, s:s + 64]) for s in range(0, 150, 64)], dim=1)
+    assert torch.equal(got, slices)  # each slice is the decode kernels' call on its rows
+    monkeypatch.setenv("EXL3_MOE_PREFILL", "grouped")
+    want = block(x)
+    assert sum(block.last_counts) == 150 * 4  # the grouped path counted them
+    _close(got, want, 3e-2)
+    monkeypatch.setenv("EXL3_MOE_PREFILL", "sliced")
+    with pytest.raises(ValueError, match="EXL3_MOE_PREFILL"):
+        block(x)
 
 
 def _generate(folder, mode: str, jobs: int = 5) -> tuple[list[list[int]], Generator]:

@@ -16,14 +16,18 @@ Public API:
   ``last_counts`` holds the tokens each expert received in the latest grouped call;
   ``stack_experts()`` turns on the sync-free path for decode-sized calls
   (moe_decode.py). EXL3 experts on CUDA run calls of up to 64 rows on the MoE decode
-  kernels (``exl3cli/ops/moe_kernels.py``: sync-free, graph-capturable), longer ones
-  grouped.
+  kernels (``exl3cli/ops/moe_kernels.py``: sync-free, graph-capturable); longer calls
+  (prefill) run them on consecutive slices of 64 rows (``KERNEL_CHUNK_ROWS``): one host
+  sync-free pass per slice instead of the grouped dispatch's Python loop over experts,
+  which cost ~1.5 s per 128-token prompt on a Qwen3-30B-A3B shape (bench/NOTES-gpu.md,
+  session 7). ``EXL3_MOE_PREFILL=grouped`` keeps long calls on the grouped dispatch.
 - ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
   block as a family's MoESpec describes it (the loader and the converter use it).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -43,6 +47,7 @@ from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
 from exl3cli.ops import moe_kernels
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+KERNEL_CHUNK_ROWS = 64  # the MoE decode kernels' largest call (ops FUSED_MAX_ROWS)
 
 
 class Router(nn.Module):
@@ -138,19 +143,34 @@ class MoEMLP(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         tables = self.kernel_tables(rows)
-        if tables is not None and self.router.plain_softmax:
-            router = self.router
-            out, _, _ = moe_kernels.moe_experts_routed(
-                rows, router.gate(rows), router.top_k, router.normalize, router.scale, tables)
+        if tables is not None:
+            if rows.shape[0] <= KERNEL_CHUNK_ROWS:
+                out = self._on_kernels(rows, tables)
+            else:
+                out = torch.empty_like(rows)
+                for start in range(0, rows.shape[0], KERNEL_CHUNK_ROWS):
+                    end = start + KERNEL_CHUNK_ROWS
+                    self._on_kernels(rows[start:end], tables, out[start:end])
             return self._add_shared(rows, out).view(shape)
         weights, chosen = self.router(rows)
-        if tables is not None:
-            out = moe_kernels.moe_experts(rows, weights, chosen, tables)
-        elif self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
+        if self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
             out = self.stacked(rows, weights, chosen)
         else:
             out = self._routed(rows, weights, chosen)
         return self._add_shared(rows, out).view(shape)
+
+    def _on_kernels(self, rows: torch.Tensor, tables: moe_kernels.ExpertTables,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts of <= 64 rows on the MoE decode kernels (router fused into
+        the routing kernel when it is a plain softmax)."""
+        router = self.router
+        if router.plain_softmax:
+            result, _, _ = moe_kernels.moe_experts_routed(
+                rows, router.gate(rows), router.top_k, router.normalize, router.scale,
+                tables, out=out)
+            return result
+        weights, chosen = router(rows)
+        return moe_kernels.moe_experts(rows, weights, chosen, tables, out=out)
 
     def _add_shared(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
@@ -168,12 +188,16 @@ class MoEMLP(nn.Module):
         return self._tables is not None
 
     def kernel_tables(self, rows: torch.Tensor) -> moe_kernels.ExpertTables | None:
-        """The MoE decode kernels' tables when they run these rows (CUDA, <= 64 rows,
-        EXL3 experts they support), else None (built on the first CUDA call)."""
+        """The MoE decode kernels' tables when they run these rows (CUDA, EXL3 experts
+        they support; calls past 64 rows in slices of 64 unless EXL3_MOE_PREFILL=grouped),
+        else None (built on the first CUDA call)."""
         if not rows.is_cuda or not self.on_kernels():
             return None
         tables = self._tables
-        if tables is None or not moe_kernels.runs_on_kernels(rows, tables):  # type: ignore[arg-type]
+        if rows.shape[0] > KERNEL_CHUNK_ROWS and _grouped_prefill():
+            return None
+        if tables is None or not moe_kernels.runs_on_kernels(
+                rows[:KERNEL_CHUNK_ROWS], tables):  # type: ignore[arg-type]
             return None
         return tables  # type: ignore[return-value]
 
@@ -198,6 +222,14 @@ class MoEMLP(nn.Module):
             start += count
         scaled = outputs * weights.reshape(-1)[order, None].to(outputs.dtype)
         return torch.zeros_like(rows).index_add_(0, token, scaled)
+
+
+def _grouped_prefill() -> bool:
+    """EXL3_MOE_PREFILL: "kernels" (default) or "grouped" for calls past 64 rows."""
+    choice = os.environ.get("EXL3_MOE_PREFILL", "kernels") or "kernels"
+    if choice not in ("kernels", "grouped"):
+        raise ValueError(f"EXL3_MOE_PREFILL={choice!r}: use 'kernels' or 'grouped'")
+    return choice == "grouped"
 
 
 LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]

@@ -74,8 +74,9 @@ class DecoderLayer(nn.Module):
         """The GPU decode path of this layer, decided again whenever one of its
         projections was replaced (a LoRA adapter wraps them: the fused path then
         steps aside rather than skip the adapter)."""
-        modules = (self.attention.qkv, self.attention.o, getattr(self.mlp, "gate_up", None),
-                   getattr(self.mlp, "down", None))
+        # getattr: the converter swaps in stand-ins without these (convert/engine_layer.py).
+        modules = (getattr(self.attention, "qkv", None), getattr(self.attention, "o", None),
+                   getattr(self.mlp, "gate_up", None), getattr(self.mlp, "down", None))
         if self._fused is False or any(a is not b for a, b in zip(modules, self._fused_modules,
                                                                    strict=True)):
             self._fused = FusedDecodeLayer.of(self)
