@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from exl3cli.convert.synthetic import write_synthetic_model  # noqa: E402
 from tests.engine.test_streamed_cuda import _fixed_and_layers, _generate, _load  # noqa: E402
@@ -28,6 +30,17 @@ def main() -> None:
     streamed = _load(folder, offload="stream")
     tag = (f"blocking={os.environ.get('CUDA_LAUNCH_BLOCKING', '0')} "
            f"fused={os.environ.get('EXL3_FUSED_LAYER', '1')}")
+    for mode, fill in (("static", float("nan")), ("static", 0.0), ("static", 1e4)):
+        # The allocator's free blocks filled before each generation: a kernel that reads
+        # memory it never wrote (pages past a row's length, a workspace) shows up here.
+        runs = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            block = torch.full((1 << 28,), fill, dtype=torch.float16, device="cuda")
+            del block
+            runs.append(_generate(whole, folder, mode)[0])
+        print(f"{tag} {mode} poisoned {fill}: run2 vs run1 {first_diff(runs[0], runs[1])}, "
+              f"run3 vs run1 {first_diff(runs[0], runs[2])}", flush=True)
     for mode in ("static", "graph"):
         w1, _ = _generate(whole, folder, mode)
         w2, _ = _generate(whole, folder, mode)
