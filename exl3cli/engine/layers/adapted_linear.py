@@ -12,14 +12,17 @@ the mix of adapters:
 
 so a row without an adapter adds exact zeros. The fused GPU decode layer
 (``fused_layer.py``) runs the same update inside its output kernels: it asks
-``low_rank(x_in)`` for the first matmul and the tensors the kernel masks and multiplies.
+``low_rank(x_in)`` for the first matmul and the tensors the kernel masks and multiplies,
+or, where the kernel making x_in folds the first product (``fold``), ``folded(fold)``.
 
 Public API:
 - ``RowSlots``: what supplies the rows' slots (``AdapterBank``): ``token_slots(rows)``
   (int64 [rows], a persistent buffer that captured CUDA graphs read) and
   ``row_mask(columns, rows, dtype)`` ([rows, R] of 0/1).
 - ``AdaptedLinear(inner, slots)``; ``set_adapters(a [R, in], b [out, R], columns [R])``;
-  ``forward(x)``; ``low_rank(x_in[rows, in]) -> layer_kernels.LowRank``.
+  ``forward(x)``; ``low_rank(x_in[rows, in]) -> layer_kernels.LowRank``;
+  ``fold(rows_like, width) -> layer_kernels.LoraFold | None`` (layer_kernels.lora_fold
+  with A_all) and ``folded(fold) -> layer_kernels.LowRank`` (low: the fold's partials).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Protocol
 import torch
 
 from exl3cli.engine.layers.linear import Linear
-from exl3cli.ops.layer_kernels import LowRank, lora_low, lora_workspace
+from exl3cli.ops.layer_kernels import LoraFold, LowRank, lora_fold, lora_low, lora_workspace
 
 
 class RowSlots(Protocol):
@@ -68,6 +71,15 @@ class AdaptedLinear(Linear):
         low = lora_low(x_in, self.lora_a)
         return LowRank(low, self.lora_bt, self.lora_columns,
                        self.bank.token_slots(x_in.shape[0]))
+
+    def fold(self, rows_like: torch.Tensor, width: int) -> LoraFold | None:
+        """The first product folded into the kernel that makes the input (None: not here)."""
+        return lora_fold(rows_like, self.lora_a, width)
+
+    def folded(self, fold: LoraFold) -> LowRank:
+        """The update whose low values are `fold`'s partial sums (after its input kernel)."""
+        return LowRank(fold.partial, self.lora_bt, self.lora_columns,
+                       self.bank.token_slots(fold.partial.shape[1]))
 
     def dense_weight(self) -> None:
         return None  # never folded: the update depends on the row
