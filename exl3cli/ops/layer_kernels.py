@@ -24,7 +24,9 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
   row r gains ``(low[r] * (columns == slots[r])) @ bt`` in ``bt``'s dtype (exact zeros
   for slot 0); ``bt`` covers the parts of one call side by side, in order. ``low`` is
   (rows, R) in bt's dtype, or float32 partial sums (slices, rows, R) (a ``LoraFold``'s):
-  their sum, rounded to bt's dtype.
+  their sum, rounded to bt's dtype. ``ranges`` (optional, ``part_ranges(bt, widths)``):
+  per part the span of rank columns with nonzero B^T there (a fused q|k|v's block
+  diagonal); a part spanning <= 16 takes the kernels' short path.
 - ``lora_fold(rows_like, a, width) -> LoraFold(a, partial) | None``: a fold of the first
   product for an input kernel of ``width`` (padded) columns and rows_like's rows, dtype
   and device, or None where the kernels do not fold (CPU, float32, rank > 128,
@@ -75,13 +77,33 @@ _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 class LowRank(NamedTuple):
     """The LoRA update of one output-kernel call (module docstring)."""
 
-    low: torch.Tensor  # (rows, R) in the activation dtype: x_in @ A^T
+    low: torch.Tensor  # (rows, R) in the activation dtype: x_in @ A^T (or float32 slices)
     bt: torch.Tensor  # (R, columns of the call's parts) in the activation dtype: B^T
     columns: torch.Tensor  # (R,) int64: the adapter slot of each rank column
     slots: torch.Tensor  # (rows,) int64: the adapter slot of each row (0: none)
+    # (lo, count) per part of the call: rank columns [lo, lo + count) hold every nonzero
+    # of bt in that part's columns (part_ranges); None: all R. A hint for the kernels.
+    ranges: tuple[int, ...] | None = None
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.low, self.bt, self.columns, self.slots)
+
+    def to(self, device: torch.device | str) -> LowRank:
+        return self._replace(low=self.low.to(device), bt=self.bt.to(device),
+                             columns=self.columns.to(device), slots=self.slots.to(device))
+
+
+def part_ranges(bt: torch.Tensor, widths: Sequence[int]) -> tuple[int, ...]:
+    """(lo, count) per part of `widths` columns of bt (R, sum of widths): the span of rank
+    columns with a nonzero in the part's columns ((0, 0) for none). Synchronises with the
+    device: for adapter loading, never inside a captured step."""
+    nonzero = (bt != 0).cpu()
+    out, start = [], 0
+    for width in widths:
+        used = nonzero[:, start : start + width].any(1).nonzero().flatten().tolist()
+        out += [used[0], used[-1] - used[0] + 1] if used else [0, 0]
+        start += width
+    return tuple(out)
 
 
 class LoraFold(NamedTuple):
@@ -101,6 +123,10 @@ def low_rank_delta(lora: LowRank) -> torch.Tensor:
     low = lora.low.sum(0).to(lora.bt.dtype) if lora.low.dim() == 3 else lora.low
     mask = (lora.columns[None, :] == lora.slots[: low.shape[0], None]).to(low.dtype)
     return (low * mask) @ lora.bt
+
+
+def _ranges(lora: LowRank | None) -> list[int]:
+    return list(lora.ranges) if lora is not None and lora.ranges is not None else []
 
 
 def _fold_kernels(x: torch.Tensor) -> bool:
@@ -243,7 +269,8 @@ def hadamard_out(partials: Sequence[torch.Tensor], posts: Sequence[torch.Tensor 
     if ext is not None and head_dim in (0, 64, 128) and outs[0].dtype in _DTYPES:
         ext.hadamard_out(list(partials), list(posts), list(biases), list(outs),
                          [int(c) for c in rope_cols], residual, cos, sin, head_dim,
-                         *(lora.args() if lora is not None else _NO_LORA))
+                         *(lora.args() if lora is not None else _NO_LORA),
+                         lora_ranges=_ranges(lora))
         return
     delta = low_rank_delta(lora) if lora is not None else None
     start = 0
@@ -275,7 +302,7 @@ def glu_hadamard(gate: torch.Tensor, up: torch.Tensor, post_gate: torch.Tensor |
         ext.glu_hadamard(gate, up, post_gate, post_up, bias_gate, bias_up, inter,
                          ACTIVATIONS[act], pre, out, _DTYPES[dtype],
                          *(lora.args() if lora is not None else _NO_LORA), product,
-                         *(fold if fold is not None else _NO_FOLD))
+                         *(fold if fold is not None else _NO_FOLD), lora_ranges=_ranges(lora))
         return out
     g = _output(gate, post_gate, bias_gate, inter).to(dtype)
     u = _output(up, post_up, bias_up, inter).to(dtype)

@@ -128,6 +128,8 @@ def test_folded_first_products_match_the_adapted_decoder_layer(folders, monkeypa
     bank.release()
     bare = layer(x, step)
     assert len(folds) == (3 if partial else 4)  # q|k|v, o, gate|up (and down)
+    # Per q/k/v part the span of its rank columns ("a": rank 4 each; "b": 8 on q and v).
+    assert plan.qkv_lora.lora_ranges == ((0, 0, 0, 4, 0, 0) if partial else (0, 20, 4, 4, 8, 20))
     scale = want.float().abs().max().item()
     assert (got.float() - want.float()).abs().max().item() <= _tolerance(dtype) * scale
     assert (want[0].float() - bare[0].float()).abs().max().item() > 5 * _tolerance(dtype) * scale

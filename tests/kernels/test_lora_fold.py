@@ -7,7 +7,9 @@ against the PyTorch twins, plus the CPU checks of the twins themselves.
 The folded partials are poisoned with NaN first (every slice must be written); their sum
 is checked against the kernel's own input rows (written in the same launch: only the
 float32 summation order may differ), and the kernels' other outputs must not change by a
-bit with the fold. Widths span one slice, a last block with warps past the width (11
+bit with the fold. The output kernels' short path for a part whose rank columns span at
+most 16 (``LowRank.ranges``, a fused q|k|v's block-diagonal B^T) must give the long
+path's sums to the bit. Widths span one slice, a last block with warps past the width (11
 column blocks), 14 slices (an 8B MLP), input columns not a multiple of 4 (scalar loads
 of A), ranks 8/16, one over a 16-column chunk (24) and the limit (128), rows 1..16.
 """
@@ -18,7 +20,8 @@ import pytest
 import torch
 
 from exl3cli.ops import layer_kernels
-from exl3cli.ops.layer_kernels import LoraFold, LowRank
+from exl3cli.ops.layer_kernels import LoraFold, LowRank, part_ranges
+from tests.fixtures.qkv_out import qkv_out_case, run_qkv_out
 
 cuda = pytest.mark.cuda
 KERNEL_DTYPES = [torch.float16, torch.bfloat16]
@@ -126,7 +129,7 @@ def test_glu_hadamard_folds_the_down_product(dtype, rows, inter, width, rank, ad
         lora = LowRank(low, bt, _columns(16), _slots(rows))
 
     def run(device: str, fold: LoraFold | None, product: torch.Tensor | None):
-        update = None if lora is None else LowRank(*(t.to(device) for t in lora))
+        update = None if lora is None else lora.to(device)
         return layer_kernels.glu_hadamard(
             gate.to(device), up.to(device), post_g.to(device), post_u.to(device),
             bias_g.to(device), None, inter, "silu", pre.to(device), dtype, lora=update,
@@ -194,6 +197,60 @@ def test_output_kernels_add_the_folded_slices(dtype, rows, rank, slices):
         _close(got, run("cpu", partial), 2 * _rel(dtype))
 
 
+def _block_diagonal(widths: list[int], adapters: list[list[int]], dtype: torch.dtype,
+                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """bt and columns of stacked adapters (slot i + 1: adapters[i]'s rank per part, 0 for
+    a part it leaves alone), each part's rows of B^T nonzero only in its own columns."""
+    blocks, columns = [], []
+    for slot, ranks in enumerate(adapters, start=1):
+        start = 0
+        for width, rank in zip(widths, ranks, strict=True):
+            block = torch.zeros(rank, sum(widths))
+            block[:, start : start + width] = torch.randn(rank, width, generator=gen) * 0.5
+            blocks.append(block)
+            columns += [slot] * rank
+            start += width
+    return torch.cat(blocks).to(dtype), torch.tensor(columns)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("rows", [1, 6, 16])
+@pytest.mark.parametrize("adapters", [[[16, 16, 16]], [[16, 16, 16], [8, 0, 8]], [[4, 16, 0]]])
+def test_block_diagonal_updates_take_the_short_path(dtype, rows, adapters):
+    # A fused q|k|v (and gate|up) adapter: each part's rank columns are its own 16 or
+    # fewer (the short path) or, with a second adapter on q and v, span more (the long
+    # path, mixed in one launch). The same sums as without the ranges, to the bit.
+    _require_kernels()
+    gen = _gen(rows + len(adapters))
+    case = qkv_out_case(rows, 128, dtype, gen)
+    bt, columns = _block_diagonal(case.widths, adapters, dtype, gen)
+    lora = LowRank(torch.randn(rows, bt.shape[0], generator=gen).to(dtype), bt, columns,
+                   _slots(rows))
+    ranged = lora._replace(ranges=part_ranges(bt, case.widths))
+    got = run_qkv_out(case, "cuda", dtype, ranged.to("cuda"))
+    assert got[:, -16:].isnan().all()
+    assert torch.equal(got, run_qkv_out(case, "cuda", dtype, lora.to("cuda")))
+    _close(got[:, :-16], run_qkv_out(case, "cpu", dtype, ranged)[:, :-16], _rel(dtype))
+    # gate|up: the first two parts' ranks on [gate | up] of 320 columns each.
+    inter, width = 320, 384
+    gate, up, post_g, post_u, bias_g, pre = _glu_inputs(rows, inter, width, gen)
+    bt, columns = _block_diagonal([inter, inter], [a[:2] for a in adapters], dtype, gen)
+    lora = LowRank(torch.randn(rows, bt.shape[0], generator=gen).to(dtype), bt, columns,
+                   _slots(rows))
+    ranged = lora._replace(ranges=part_ranges(bt, [inter, inter]))
+
+    def glu(device: str, update: LowRank) -> torch.Tensor:
+        return layer_kernels.glu_hadamard(
+            gate.to(device), up.to(device), post_g.to(device), post_u.to(device),
+            bias_g.to(device), None, inter, "silu", pre.to(device), dtype,
+            lora=update.to(device))
+
+    got = glu("cuda", ranged)
+    assert torch.equal(got, glu("cuda", lora))
+    _close(got, glu("cpu", ranged), 2e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
 @cuda
 def test_folded_update_inside_a_cuda_graph():
     _require_kernels()
@@ -237,6 +294,13 @@ def test_bad_folds_are_refused_clearly():
     with pytest.raises(RuntimeError, match="lora_partial"):
         layer_kernels.norm_hadamard(x.half(), None, 0.0, False, pres, 256,
                                     fold=LoraFold(a.half(), torch.empty(2, 2, 16, device="cuda")))
+    gen = _gen(2)
+    case = qkv_out_case(2, 128, torch.float16, gen)
+    bt, columns = _block_diagonal(case.widths, [[16, 16, 16]], torch.float16, gen)
+    lora = LowRank(torch.randn(2, 48).half(), bt, columns, _slots(2)).to("cuda")
+    for ranges in [(0, 16, 16, 16), (0, 16, 16, 16, 40, 16), (0, 16, 16, 0, 5, 0)]:
+        with pytest.raises(RuntimeError, match="lora_ranges"):
+            run_qkv_out(case, "cuda", torch.float16, lora._replace(ranges=ranges))
     with pytest.raises(RuntimeError, match="lora_a"):
         layer_kernels.norm_hadamard(x.half(), None, 0.0, False, pres, 256,
                                     fold=LoraFold(a[:, :128].half().contiguous(),
@@ -254,6 +318,14 @@ def test_twins_fill_one_slice_and_zero_the_rest():
     lora = LowRank(fold.partial, torch.randn(8, 5, generator=gen), _columns(8), _slots(3))
     want = layer_kernels.low_rank_delta(lora._replace(low=x @ a.t()))
     torch.testing.assert_close(layer_kernels.low_rank_delta(lora), want)
+
+
+def test_part_ranges_span_each_parts_nonzero_rank_columns():
+    bt = torch.zeros(24, 30)
+    bt[3, 0] = bt[10, 5] = 1.0  # part 0 (10 columns): rank columns 3..10
+    assert part_ranges(bt, [10, 20]) == (3, 8, 0, 0)  # part 1: none
+    bt, _ = _block_diagonal([64, 32, 32], [[16, 16, 16], [8, 0, 8]], torch.float32, _gen(0))
+    assert part_ranges(bt, [64, 32, 32]) == (0, 56, 16, 16, 32, 32)
 
 
 def test_no_fold_on_cpu_or_when_switched_off(monkeypatch):

@@ -126,52 +126,70 @@ __device__ __forceinline__ bool lora_delta(const LowRank& lora, int row, const i
   return true;
 }
 
-// Ranks up to kLoraFetchRank take a shorter path: every bt load of the row's update is
-// issued at the top of the kernel (lora_fetch, before the split sums are read) and the
-// products are formed after (lora_apply), so the update costs about one trip to memory
-// that overlaps the kernel's own loads instead of a chain of dependent ones (slot ->
-// columns/low -> groups of bt). Same sums in the same order as lora_delta.
+// Parts whose rank columns span at most kLoraFetchRank (LowRank lo/count: a rank-16
+// adapter's part of a fused q|k|v or gate|up, whose B^T is block-diagonal) take a shorter
+// path: every bt load of the row's update is issued at the top of the kernel (lora_fetch,
+// before the split sums are read) and the products are formed after (lora_apply), so the
+// update costs about one trip to memory that overlaps the kernel's own loads instead of a
+// chain of dependent ones (slot -> columns/low -> groups of bt). The same products as
+// lora_delta's (the columns outside a part's range hold zeros of bt), summed in column
+// order from the range's first.
 constexpr int kLoraFetchRank = 16;
 
 template <typename T, int N>
 struct LoraFetch {
   Four<T> f[kLoraFetchRank][N];
-  float h;  // lane k's low value masked by the row's slot (k < rank)
+  float h[N];  // lane k's low value of part p's column lo[p] + k, masked by the row's slot
   int n;  // this lane's columns inside the part (0 or 4)
   bool fast;  // this path applies (else lora_delta)
   bool on;  // the row has an adapter
 };
 
+// part[p]: the LowRank part index of the N parts (their lo/count).
 template <typename T, int N>
 __device__ __forceinline__ void lora_fetch(const LowRank& lora, int row, const int (&offset)[N],
-                                           int base, int cols, int lane, LoraFetch<T, N>& lf) {
+                                           const int (&part)[N], int base, int cols, int lane,
+                                           LoraFetch<T, N>& lf) {
   lf.fast = lf.on = false;
-  lf.h = 0.0f;
   lf.n = max(0, min(4, cols - base));
-  if (lora.low == nullptr || lora.rank > kLoraFetchRank) return;
+#pragma unroll
+  for (int p = 0; p < N; p++) lf.h[p] = 0.0f;
+  if (lora.low == nullptr) return;
   bool vec = cols % 4 == 0 && lora.bt_stride % 4 == 0 &&
              reinterpret_cast<uintptr_t>(lora.bt) % sizeof(Four<T>) == 0;
 #pragma unroll
-  for (int p = 0; p < N; p++) vec = vec && offset[p] % 4 == 0;
+  for (int p = 0; p < N; p++)
+    vec = vec && offset[p] % 4 == 0 && lora.count[part[p]] <= kLoraFetchRank;
   if (!vec) return;
   lf.fast = true;
+  int lo[N], last[N];
+#pragma unroll
+  for (int p = 0; p < N; p++) {
+    lo[p] = lora.lo[part[p]];
+    last[p] = lo[p] + max(lora.count[part[p]], 1) - 1;  // past the count: that row again
+  }
   if (lf.n > 0) {
 #pragma unroll
     for (int j = 0; j < kLoraFetchRank; j++) {
-      const size_t r = (size_t)min(j, lora.rank - 1) * lora.bt_stride;
 #pragma unroll
-      for (int p = 0; p < N; p++)
+      for (int p = 0; p < N; p++) {
+        const size_t r = (size_t)min(lo[p] + j, last[p]) * lora.bt_stride;
         lf.f[j][p] = *reinterpret_cast<const Four<T>*>(static_cast<const T*>(lora.bt) +
                                                        offset[p] + base + r);
+      }
     }
   }
-  // The row's slot, the lane's column slot and low value: three independent loads (one
-  // trip to memory, not a chain), combined after.
-  const bool in = lane < lora.rank;
+  // The row's slot, the lane's column slots and low values: independent loads (one trip
+  // to memory, not a chain), combined after.
   const int64_t slot = lora.slots[row];
-  const int64_t column = in ? lora.columns[lane] : 0;
-  const float value = in ? lora_low_value<T>(lora, row, lane) : 0.0f;
-  lf.h = in && slot != 0 && column == slot ? value : 0.0f;
+#pragma unroll
+  for (int p = 0; p < N; p++) {
+    const bool in = lane < lora.count[part[p]];
+    const int k = lo[p] + lane;
+    const int64_t column = in ? lora.columns[k] : 0;
+    const float value = in ? lora_low_value<T>(lora, row, k) : 0.0f;
+    lf.h[p] = in && slot != 0 && column == slot ? value : 0.0f;
+  }
   lf.on = slot != 0;
 }
 
@@ -182,11 +200,12 @@ __device__ __forceinline__ bool lora_apply(const LoraFetch<T, N>& lf, float (&d)
   float s[N][4] = {};
 #pragma unroll
   for (int j = 0; j < kLoraFetchRank; j++) {
-    const float hj = __shfl_sync(0xffffffffu, lf.h, j);
 #pragma unroll
-    for (int p = 0; p < N; p++)
+    for (int p = 0; p < N; p++) {
+      const float hj = __shfl_sync(0xffffffffu, lf.h[p], j);
 #pragma unroll
       for (int e = 0; e < 4; e++) s[p][e] = fmaf(hj, to_f32(lf.f[j][p].v[e]), s[p][e]);
+    }
   }
 #pragma unroll
   for (int p = 0; p < N; p++)
@@ -259,24 +278,29 @@ __device__ __forceinline__ void lora_fold_dot(const LoraFoldChunk<T>& c, const f
   if ((lane & 1) == 0) red[j0 + (lane >> 1)] = total;
 }
 
-// The whole fold of one block: WARPS warps (red: WARPS * kFoldMaxRank floats in shared
-// memory), all of them one row's, slice `slice`. `c` holds chunk 0, loaded by the
-// caller; every thread of the block calls this (it synchronises the block).
+// One block's share of the fold: WARPS warps (WARPS * 32 >= kFoldChunk; red: WARPS *
+// kFoldMaxRank floats in shared memory), all of them one row's, slice `slice`, the chunks
+// from column first, first + step, ... below the rank. `c` holds chunk `first`, loaded by the caller; every thread of the block calls
+// this (it synchronises the block).
 template <typename T, int WARPS>
 __device__ __forceinline__ void lora_fold_block(const LoraFold& fold, LoraFoldChunk<T>& c,
                                                 const float (&x)[4], int base, int k_dim,
-                                                int rows, int row, int slice, float* red) {
+                                                int rows, int row, int slice, int first,
+                                                int step, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int j0 = 0; j0 < fold.rank; j0 += kFoldChunk) {
-    if (j0 > 0) lora_fold_load<T>(fold, j0, base, k_dim, c);
+  for (int j0 = first; j0 < fold.rank; j0 += step) {
+    if (j0 > first) lora_fold_load<T>(fold, j0, base, k_dim, c);
     lora_fold_dot<T>(c, x, lane, j0, red + warp * kFoldMaxRank);
   }
   __syncthreads();
-  for (int j = threadIdx.x; j < fold.rank; j += WARPS * 32) {
+  float* out = fold.partial + ((size_t)slice * rows + row) * fold.rank;
+  for (int j0 = first; j0 < fold.rank; j0 += step) {
+    const int j = j0 + threadIdx.x;
+    if (threadIdx.x >= kFoldChunk || j >= fold.rank) continue;
     float t = 0.0f;
 #pragma unroll
     for (int w = 0; w < WARPS; w++) t += red[w * kFoldMaxRank + j];
-    fold.partial[((size_t)slice * rows + row) * fold.rank + j] = t;
+    out[j] = t;
   }
 }
 

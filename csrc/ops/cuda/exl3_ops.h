@@ -118,7 +118,11 @@ bool launch_lora_low(int dtype, const void* x, int64_t x_stride, const void* a, 
 // the adapter slot of each rank column and row. low == nullptr: no update. With slices
 // > 0, low is instead float32 partial sums (slices, rows, rank) as LoraFold writes them
 // (element (s, r, k) at s * slice_stride + r * low_stride + k): low[r, k] is their sum in
-// slice order, rounded to dtype.
+// slice order, rounded to dtype. lo/count: for each part p of the call (hadamard_out's
+// parts in order; glu_hadamard: 0 gate, 1 up), the rank columns [lo[p], lo[p] + count[p])
+// hold every nonzero of bt in that part's columns (0 <= lo, lo + count <= rank; count 0:
+// lo 0 and no update); a part whose count is <= 16 takes the shorter fetch path
+// (exl3_lora.cuh). Without a narrower range: lo 0, count rank.
 struct LowRank {
   const void* low;
   int64_t low_stride;
@@ -129,6 +133,8 @@ struct LowRank {
   int rank;
   int slices;
   int64_t slice_stride;
+  int lo[kMaxParts];
+  int count[kMaxParts];
 };
 
 

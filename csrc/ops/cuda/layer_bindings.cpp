@@ -17,8 +17,11 @@ using OptTensor = c10::optional<at::Tensor>;
 // tensors (all or none): low (rows, rank) in `dtype` (code), unit column stride, or
 // float32 (slices, rows, rank) contiguous (a fold's partial sums); bt (rank, >= cols) in
 // `dtype`, unit column stride; columns (rank,) and slots (>= rows,) contiguous int64.
+// ranges: empty, or (lo, count) per part (nparts of them): the rank columns that hold
+// every nonzero of bt in the part's columns (exl3_ops.h LowRank lo/count).
 exl3::LowRank low_rank(const OptTensor& low, const OptTensor& bt, const OptTensor& columns,
-                       const OptTensor& slots, int64_t rows, int64_t cols, int dtype) {
+                       const OptTensor& slots, int64_t rows, int64_t cols, int dtype,
+                       const std::vector<int64_t>& ranges, int nparts) {
   exl3::LowRank lora{};
   const int given = low.has_value() + bt.has_value() + columns.has_value() + slots.has_value();
   if (given == 0) return lora;
@@ -51,6 +54,16 @@ exl3::LowRank low_rank(const OptTensor& low, const OptTensor& bt, const OptTenso
   lora.columns = columns->data_ptr<int64_t>();
   lora.slots = slots->data_ptr<int64_t>();
   lora.rank = (int)rank;
+  TORCH_CHECK(ranges.empty() || (int64_t)ranges.size() == 2 * nparts,
+              "lora_ranges must hold (lo, count) for each part");
+  for (int p = 0; p < nparts; p++) {
+    const int64_t lo = ranges.empty() ? 0 : ranges[2 * p];
+    const int64_t count = ranges.empty() ? rank : ranges[2 * p + 1];
+    TORCH_CHECK(lo >= 0 && count >= 0 && lo + count <= rank && (count > 0 || lo == 0),
+                "lora_ranges: part ", p, " (", lo, ", ", count, ") outside the rank ", rank);
+    lora.lo[p] = (int)lo;
+    lora.count[p] = (int)count;
+  }
   return lora;
 }
 
@@ -136,7 +149,8 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
                   const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& cos,
                   const c10::optional<at::Tensor>& sin, int64_t head_dim,
                   const OptTensor& lora_low, const OptTensor& lora_bt,
-                  const OptTensor& lora_columns, const OptTensor& lora_slots) {
+                  const OptTensor& lora_columns, const OptTensor& lora_slots,
+                  const std::vector<int64_t>& lora_ranges) {
   const size_t n = partials.size();
   TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
                   biases.size() == n && outs.size() == n && rope_cols.size() == n,
@@ -164,7 +178,7 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
     lora_cols += out.size(1);
   }
   const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
-                                      lora_cols, dtype_code(outs[0]));
+                                      lora_cols, dtype_code(outs[0]), lora_ranges, (int)n);
   const void* res_ptr = nullptr;
   int64_t res_stride = 0;
   if (residual.has_value()) {
@@ -209,7 +223,7 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
                   const OptTensor& lora_low, const OptTensor& lora_bt,
                   const OptTensor& lora_columns, const OptTensor& lora_slots,
                   const OptTensor& product, const OptTensor& lora_a,
-                  const OptTensor& lora_partial) {
+                  const OptTensor& lora_partial, const std::vector<int64_t>& lora_ranges) {
   check_contiguous(gate, "gate");
   check_contiguous(up, "up");
   check_contiguous(out, "out");
@@ -219,7 +233,7 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
   TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
                   out.size(1) == width, "out must be contiguous float16 (rows, width)");
   const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
-                                      2 * inter, (int)dtype);
+                                      2 * inter, (int)dtype, lora_ranges, 2);
   void* product_ptr = optional_rows(product, rows, inter, (int)dtype, "product");
   const exl3::LoraFold fold = lora_fold(lora_a, lora_partial, rows, inter, width, (int)dtype);
   const c10::cuda::CUDAGuard guard(gate.device());
@@ -311,14 +325,15 @@ void define_layer_ops(pybind11::module_& m) {
         py::arg("partials"), py::arg("posts"), py::arg("biases"), py::arg("outs"),
         py::arg("rope_cols"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
         py::arg("head_dim"), py::arg("lora_low"), py::arg("lora_bt"), py::arg("lora_columns"),
-        py::arg("lora_slots"));
+        py::arg("lora_slots"), py::arg("lora_ranges") = std::vector<int64_t>{});
   m.def("glu_hadamard", &glu_hadamard,
         "act(gate) * up from their partials, then the down projection's input Hadamard",
         py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),
         py::arg("bias_gate"), py::arg("bias_up"), py::arg("inter"), py::arg("act"),
         py::arg("pre"), py::arg("out"), py::arg("dtype"), py::arg("lora_low"),
         py::arg("lora_bt"), py::arg("lora_columns"), py::arg("lora_slots"), py::arg("product"),
-        py::arg("lora_a") = py::none(), py::arg("lora_partial") = py::none());
+        py::arg("lora_a") = py::none(), py::arg("lora_partial") = py::none(),
+        py::arg("lora_ranges") = std::vector<int64_t>{});
 }
 
 }  // namespace exl3_bind

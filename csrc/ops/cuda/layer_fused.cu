@@ -59,11 +59,13 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
 struct InParts {
   const float* pre[kMaxParts];
   __half* out[kMaxParts];
+  int count;
 };
 
 // grid (blocks of 8 column blocks, parts, rows); each block normalises its row itself.
-// FOLD: the part-0 blocks also fold the first LoRA product (exl3_ops.h LoraFold; slice =
-// blockIdx.x), its own instance (the bare one keeps its registers).
+// FOLD: its own instance (the bare one keeps its registers); grid y = max(parts, chunks
+// of 16 rank columns), block y also folds chunk y of the first LoRA product (exl3_ops.h
+// LoraFold; slice = blockIdx.x): every block one chunk at most, A's loads under the norm.
 template <typename T, bool FOLD>
 __global__ void __launch_bounds__(kWarps * 32)
     norm_hadamard_kernel(const T* __restrict__ x, int64_t row_stride, int x_cols, int width,
@@ -76,9 +78,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int warp = threadIdx.x >> 5;
   const int row = blockIdx.z;
   const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
-  const bool folding = FOLD && blockIdx.y == 0;  // uniform in the block
+  const int chunk0 = blockIdx.y * kFoldChunk;
+  const bool folding = FOLD && chunk0 < fold.rank;  // uniform in the block
+  const bool has_part = !FOLD || (int)blockIdx.y < parts.count;
   LoraFoldChunk<T> chunk;
-  if (folding) lora_fold_load<T>(fold, 0, base, x_cols, chunk);  // under the norm's loads
+  if (folding) lora_fold_load<T>(fold, chunk0, base, x_cols, chunk);  // under the norm's loads
   const T* xr = x + row * row_stride;
   float rs = 1.0f;
   if (norm_w != nullptr) {
@@ -97,8 +101,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   // Whole warps past the width (width is a multiple of 128) leave, but for a fold's:
   // they add zeros and join its block sum.
   if (base >= width && !folding) return;
-  const bool active = base < width;
-  const float* pre = parts.pre[blockIdx.y];
+  const bool active = base < width && has_part;
+  const float* pre = parts.pre[has_part ? blockIdx.y : 0];
   T* normed_row = normed != nullptr && blockIdx.y == 0 ? normed + row * normed_stride : nullptr;
   float v[4], in[4];
 #pragma unroll
@@ -112,7 +116,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                         : round_to<T>(round_to<T>(f * rs) * norm_w[c]);
       if (normed_row != nullptr) normed_row[c] = from_f32<T>(f);
       in[e] = f;
-      f *= pre[c];
+      if (has_part) f *= pre[c];
     } else {
       in[e] = 0.0f;
     }
@@ -120,7 +124,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   if (FOLD && folding) {
     __shared__ float red[kWarps * kFoldMaxRank];
-    lora_fold_block<T, kWarps>(fold, chunk, in, base, x_cols, gridDim.z, row, blockIdx.x, red);
+    lora_fold_block<T, kWarps>(fold, chunk, in, base, x_cols, gridDim.z, row, blockIdx.x,
+                               chunk0, gridDim.y * kFoldChunk, red);
   }
   if (!active) return;
   hadamard128_warp(v, lane);
@@ -148,8 +153,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (row >= rows) return;  // whole warps
   const int base = (id % blocks_per_row) * 128 + lane * 4;
   const int lora_offset[1] = {part.lora_offset};
+  const int lora_part[1] = {(int)blockIdx.y};
   LoraFetch<T, 1> lf;
-  if (LORA) lora_fetch<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, lf);
+  if (LORA) lora_fetch<T, 1>(lora, row, lora_offset, lora_part, base, part.out_cols, lane, lf);
   float v[4];
   load_split_sum(part.partial, part.splits, rows, part.width, row, base, v);
   hadamard128_warp(v, lane);
@@ -236,8 +242,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int lora_offset[2] = {0, inter};  // bt columns: [gate | up]
   float in[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // act(gate) * up in T (the fold's input)
   if (active) {
+    constexpr int lora_part[2] = {0, 1};
     LoraFetch<T, 2> lf;
-    if (LORA) lora_fetch<T, 2>(lora, row, lora_offset, base, inter, lane, lf);
+    if (LORA) lora_fetch<T, 2>(lora, row, lora_offset, lora_part, base, inter, lane, lf);
     float g[4], u[4];
     load_split_sum(gate, splits, rows, width, row, base, g);
     load_split_sum(up, splits, rows, width, row, base, u);
@@ -284,7 +291,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (FOLD) {
     __shared__ float red[kWarps * kFoldMaxRank];
     lora_fold_block<T, kWarps>(fold, chunk, in, active ? base : inter, inter, rows, row,
-                               blockIdx.x, red);
+                               blockIdx.x, 0, kFoldChunk, red);
   }
 }
 
@@ -300,8 +307,12 @@ void run_norm(const void* x, int64_t row_stride, int x_cols, int width, const fl
               void* normed, int64_t normed_stride, const LoraFold& fold, cudaStream_t stream) {
   dim3 grid(warp_blocks(width / 128), nparts, rows);
   auto kernel = norm_hadamard_kernel<T, false>;
-  if constexpr (kFolds<T>)
-    if (fold.a != nullptr) kernel = norm_hadamard_kernel<T, true>;
+  if constexpr (kFolds<T>) {
+    if (fold.a != nullptr) {
+      kernel = norm_hadamard_kernel<T, true>;
+      grid.y = max(nparts, (fold.rank + kFoldChunk - 1) / kFoldChunk);
+    }
+  }
   launch(kernel, grid, dim3(kWarps * 32), 0, stream, static_cast<const T*>(x), row_stride,
          x_cols, width, norm_w, eps, unit_offset, parts, static_cast<T*>(normed),
          normed_stride, fold);
@@ -367,6 +378,7 @@ bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_co
     return false;
   if (rows == 0) return true;
   InParts parts{};
+  parts.count = nparts;
   for (int p = 0; p < nparts; p++) {
     if (pre[p] == nullptr || out[p] == nullptr) return false;
     parts.pre[p] = pre[p];
