@@ -171,7 +171,7 @@ def test_graph_mode_is_kept_with_drafting_jobs_and_gives_offs_tokens(tmp_path):
         run_feeds = generator.decode.run_feeds
         generator.decode.run_feeds = lambda f: feeds.append(len(f)) or run_feeds(f)
         handles = [generator.submit(GenerationJob(
-            p, GREEDY, num_predict=40, ignore_eos=True, drafter=make_drafter("ngram:1"),
+            p, GREEDY, num_predict=40, ignore_eos=True, drafter=make_drafter("ngram"),
             draft_tokens=4)) for p in prompts]
         generator.run_until_done()
         assert generator.decode.mode == mode
@@ -183,3 +183,34 @@ def test_graph_mode_is_kept_with_drafting_jobs_and_gives_offs_tokens(tmp_path):
     assert not off_feeds and feeds  # verify passes took the fixed-shape step
     assert generator.decode.mode == "graph" and generator.decode.graph_count >= 3
     assert sum(h.final.draft_count for h in handles) > 0
+
+
+class _Oracle:
+    """Drafts what plain greedy decoding will say (every draft is kept)."""
+
+    def __init__(self, prompt: list[int], answer: list[int]):
+        self.prompt, self.answer = list(prompt), list(answer)
+
+    def propose(self, history: list[int], count: int) -> list[int]:
+        done = len(history) - len(self.prompt)
+        return self.answer[done : done + count]
+
+
+def test_drafts_are_shortened_so_a_pass_fits_the_fixed_step(text_model):
+    prompts = _prompts(7, 3)
+    want, _, _, _ = _run(text_model, [GenerationJob(p, GREEDY, num_predict=24)
+                                      for p in prompts], "off", late=1, max_batch=3)
+    generator = Generator(text_model.model, text_model.tokenizer, num_ctx=1024, max_batch=3,
+                          decode_mode="static", draft_cost=False)
+    generator.decode.max_rows = 8  # 3 jobs of 1 + 6 tokens would be 21 rows
+    handles = [generator.submit(GenerationJob(p, GREEDY, num_predict=24,
+                                              drafter=_Oracle(p, answer), draft_tokens=6))
+               for p, answer in zip(prompts, want, strict=True)]
+    rows = []
+    while generator.has_work:
+        report = generator.step()
+        if report.draft_tokens and not report.prefill_tokens:
+            rows.append(report.decode_tokens + report.draft_tokens)
+    assert [h.token_ids for h in handles] == want
+    assert rows and max(rows) == 8  # shortened to fit, never over
+    assert all(h.final.draft_accepted == h.final.draft_count for h in handles)

@@ -299,7 +299,27 @@ class Generator:
                 fed.append((active, tokens))
                 room -= len(tokens)
                 report.prefill_tokens += len(tokens)
+        if not report.prefill_tokens:
+            report.draft_tokens -= self._fit_drafts(fed)
         return fed
+
+    def _fit_drafts(self, fed: list[tuple[ActiveJob, list[int]]]) -> int:
+        """Shorten the longest drafts until a pass's rows fit one fixed-shape step
+        (decode_step.MAX_ROWS: 16 jobs keep 3 drafts each rather than leave the fast
+        path); returns the drafts dropped. A shorter draft verifies the same way."""
+        if not self.decode.enabled:
+            return 0
+        excess = sum(len(tokens) for _, tokens in fed) - self.decode.max_rows
+        dropped = 0
+        while excess > 0:
+            active, tokens = max(fed, key=lambda item: len(item[1]))
+            if len(tokens) <= 1:
+                break  # more jobs than rows: the general path takes it
+            tokens.pop()
+            active.trim_draft(len(tokens) - 1)
+            excess -= 1
+            dropped += 1
+        return dropped
 
     def _time_step(self, fed: list[tuple[ActiveJob, list[int]]], report: StepReport,
                    took_ns: int, before: list[tuple[int, bool]]) -> None:

@@ -217,6 +217,10 @@ class ActiveJob:
                 break
         return self.prompt[self.cursor : end]
 
+    def trim_draft(self, count: int) -> None:
+        """Keep only the first `count` drafts of this step (before it is fed)."""
+        self._draft = self._draft[:count]
+
     def draft_budget(self) -> int:
         """How many tokens to draft at this step (0: none; drafting backed off, or no
         room). Call once per step: a backed-off step is counted."""
