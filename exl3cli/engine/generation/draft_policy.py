@@ -31,7 +31,9 @@ counters ``pauses`` / ``cost_pauses`` / ``paused_tokens``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Below about one kept draft in four a 4-token draft gains less than a verify pass
 # costs over a plain step (bench/NOTES-speculative.md: a 5-token pass ~1.4x a plain one).
@@ -153,3 +155,42 @@ class PlainStepClock:
     def wants_plain(self, jobs: int) -> bool:
         key = size_class(jobs)
         return key not in self._ns or self._age.get(key, 0) >= self.stale_after
+
+
+def charge_step(clock: PlainStepClock, fed: Sequence[tuple[Any, list[int]]], drafted: bool,
+                took_ns: int, before: Sequence[tuple[int, bool]]) -> bool:
+    """A decode step over `fed` [(ActiveJob, tokens)] took `took_ns` of wall time (read
+    from clocks the generator reads anyway: its read-back is the sync). A plain step
+    times plain steps of its size; a drafting step is charged to each job that verified
+    (`before[i]`: its produced count before the step, and whether it verified).
+    Returns whether the next step should be a plain one, to time that size."""
+    jobs = len(fed)
+    if not drafted:
+        clock.observe(jobs, took_ns)
+        return False
+    clock.drafted(jobs)
+    plain = clock.plain_ns(jobs)
+    if plain is not None:
+        for (active, _), (produced, verifying) in zip(fed, before, strict=True):
+            if verifying:
+                active.backoff.record_cost(active.produced - produced, took_ns, plain,
+                                           active.produced)
+    return clock.wants_plain(jobs)
+
+
+def fit_rows(fed: Sequence[tuple[Any, list[int]]], max_rows: int) -> int:
+    """Shorten the longest drafts (ActiveJob.trim_draft, and the fed token lists) until
+    the step's rows fit `max_rows`, so a pass stays on the fixed-shape step (16 jobs
+    keep 3 drafts each of 64 rows rather than leave it); returns the drafts dropped. A
+    shorter draft verifies the same way."""
+    excess = sum(len(tokens) for _, tokens in fed) - max_rows
+    dropped = 0
+    while excess > 0:
+        active, tokens = max(fed, key=lambda item: len(item[1]))
+        if len(tokens) <= 1:
+            break  # more jobs than rows: the general path takes the step
+        tokens.pop()
+        active.trim_draft(len(tokens) - 1)
+        excess -= 1
+        dropped += 1
+    return dropped

@@ -26,7 +26,7 @@ import torch
 
 from exl3cli.engine.generation.batch_sampling import batchable, sample_on_device, sample_rows
 from exl3cli.engine.generation.decode_step import DecodeRunner
-from exl3cli.engine.generation.draft_policy import PlainStepClock
+from exl3cli.engine.generation.draft_policy import PlainStepClock, charge_step, fit_rows
 from exl3cli.engine.generation.jobs import (
     ActiveJob,
     GenerationJob,
@@ -304,43 +304,16 @@ class Generator:
         return fed
 
     def _fit_drafts(self, fed: list[tuple[ActiveJob, list[int]]]) -> int:
-        """Shorten the longest drafts until a pass's rows fit one fixed-shape step
-        (decode_step.MAX_ROWS: 16 jobs keep 3 drafts each rather than leave the fast
-        path); returns the drafts dropped. A shorter draft verifies the same way."""
-        if not self.decode.enabled:
-            return 0
-        excess = sum(len(tokens) for _, tokens in fed) - self.decode.max_rows
-        dropped = 0
-        while excess > 0:
-            active, tokens = max(fed, key=lambda item: len(item[1]))
-            if len(tokens) <= 1:
-                break  # more jobs than rows: the general path takes it
-            tokens.pop()
-            active.trim_draft(len(tokens) - 1)
-            excess -= 1
-            dropped += 1
-        return dropped
+        """Drafts dropped so the pass fits one fixed-shape step (draft_policy.fit_rows)."""
+        return fit_rows(fed, self.decode.max_rows) if self.decode.enabled else 0
 
     def _time_step(self, fed: list[tuple[ActiveJob, list[int]]], report: StepReport,
                    took_ns: int, before: list[tuple[int, bool]]) -> None:
-        """Account for a decode step's wall time (`took_ns`, read-backs included: no
-        extra sync): a plain one times plain steps of its batch size, a drafting one is
-        charged to each verifying job (draft_policy.DraftBackoff.record_cost). Steps
-        with prompt chunks time neither."""
-        if report.prefill_tokens:
-            return
-        jobs = len(fed)
-        if not report.draft_tokens:
-            self.plain_clock.observe(jobs, took_ns)
-            return
-        self.plain_clock.drafted(jobs)
-        plain = self.plain_clock.plain_ns(jobs)
-        if plain is not None:
-            for (active, _), (produced, verifying) in zip(fed, before, strict=True):
-                if verifying:
-                    active.backoff.record_cost(active.produced - produced, took_ns, plain,
-                                               active.produced)
-        self._time_plain = self.plain_clock.wants_plain(jobs)
+        """Account for a decode step's wall time (draft_policy.charge_step); steps with
+        prompt chunks time nothing."""
+        if not report.prefill_tokens:
+            self._time_plain = charge_step(self.plain_clock, fed, bool(report.draft_tokens),
+                                           took_ns, before)
 
     def _deliver(self, active: ActiveJob, events: list[GeneratorEvent],
                  report: StepReport) -> None:
