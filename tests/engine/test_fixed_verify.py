@@ -146,45 +146,6 @@ def test_run_feeds_writes_every_row_and_commits_nothing(text_model):
     assert [t.length for t in tables] == [3, 254]
 
 
-@pytest.mark.cuda
-def test_graph_mode_is_kept_with_drafting_jobs_and_gives_offs_tokens(tmp_path):
-    """On the GPU verification passes replay CUDA graphs (keyed by row count like decode
-    steps); float32 activations, so both paths differ in summation order only."""
-    from exl3cli.convert.synthetic import write_synthetic_model
-    from exl3cli.engine.models.loader import load_causal_lm
-    from exl3cli.engine.text.tokenizer import Tokenizer
-
-    folder = write_synthetic_model(tmp_path / "tiny", "tiny", bits=4.0, seed=3)
-    model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
-    tokenizer = Tokenizer.from_folder(folder)
-    rng = random.Random(4)
-    vocab = model.config.vocab_size
-    prompts = []
-    for length in (3, 40, 250, 300):
-        phrase = [rng.randrange(10, vocab // 2) for _ in range(6)]
-        prompts.append([rng.randrange(10, vocab // 2) for _ in range(length)] + phrase * 3)
-
-    def run(mode: str):
-        generator = Generator(model, tokenizer, num_ctx=1024, max_batch=4, decode_mode=mode,
-                              draft_cost=False)
-        feeds = []
-        run_feeds = generator.decode.run_feeds
-        generator.decode.run_feeds = lambda f: feeds.append(len(f)) or run_feeds(f)
-        handles = [generator.submit(GenerationJob(
-            p, GREEDY, num_predict=40, ignore_eos=True, drafter=make_drafter("ngram"),
-            draft_tokens=4)) for p in prompts]
-        generator.run_until_done()
-        assert generator.decode.mode == mode
-        return [h.token_ids for h in handles], feeds, generator, handles
-
-    want, off_feeds, _, _ = run("off")
-    got, feeds, generator, handles = run("graph")
-    assert got == want
-    assert not off_feeds and feeds  # verify passes took the fixed-shape step
-    assert generator.decode.mode == "graph" and generator.decode.graph_count >= 3
-    assert sum(h.final.draft_count for h in handles) > 0
-
-
 class _Oracle:
     """Drafts what plain greedy decoding will say (every draft is kept)."""
 
@@ -214,3 +175,42 @@ def test_drafts_are_shortened_so_a_pass_fits_the_fixed_step(text_model):
     assert [h.token_ids for h in handles] == want
     assert rows and max(rows) == 8  # shortened to fit, never over
     assert all(h.final.draft_accepted == h.final.draft_count for h in handles)
+
+
+@pytest.mark.cuda
+def test_graph_mode_is_kept_with_drafting_jobs_and_gives_offs_tokens(tmp_path):
+    """On the GPU verification passes replay CUDA graphs (keyed by row count like decode
+    steps); float32 activations, so both paths differ in summation order only."""
+    from exl3cli.convert.synthetic import write_synthetic_model
+    from exl3cli.engine.models.loader import load_causal_lm
+    from exl3cli.engine.text.tokenizer import Tokenizer
+
+    folder = write_synthetic_model(tmp_path / "tiny", "tiny", bits=4.0, seed=3)
+    model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder(folder)
+    rng = random.Random(4)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(10, vocab // 2) for _ in range(length)]
+               for length in (3, 40, 250, 300)]
+
+    def run(mode: str, answers=None):
+        generator = Generator(model, tokenizer, num_ctx=1024, max_batch=4, decode_mode=mode,
+                              draft_cost=False)
+        feeds = []
+        run_feeds = generator.decode.run_feeds
+        generator.decode.run_feeds = lambda f: feeds.append(len(f)) or run_feeds(f)
+        handles = [generator.submit(GenerationJob(
+            p, GREEDY, num_predict=40, ignore_eos=True,
+            drafter=_Oracle(p, answers[i]) if answers and i != 1 else None,  # job 1: plain
+            draft_tokens=4 if answers and i != 1 else 0)) for i, p in enumerate(prompts)]
+        generator.run_until_done()
+        assert generator.decode.mode == mode
+        return [h.token_ids for h in handles], feeds, generator, handles
+
+    want, _, _, _ = run("off")
+    drafted_off, off_feeds, _, _ = run("off", want)
+    got, feeds, generator, handles = run("graph", want)
+    assert drafted_off == want and got == want
+    assert not off_feeds and feeds  # verify passes took the fixed-shape step
+    assert generator.decode.mode == "graph" and generator.decode.graph_count >= 3
+    assert sum(h.final.draft_accepted for h in handles) > 40
