@@ -5,7 +5,10 @@ code with one change; and free answers), each job count and each drafter (none, 
 `ngram` drafter, a draft model folder), greedy jobs run in one generator; measured on
 the decode steps only (steps that take no prompt tokens): tokens/s (all jobs), decode
 passes, draft tokens kept per pass, the cost of a pass against a plain step, the
-speed-up over no drafting, and whether every text equals the undrafted one.
+speed-up over no drafting, and whether every text equals the undrafted one. Steps that
+captured a CUDA graph (once per row-count bucket and generator) are left out of the
+times, counted in `capture_steps`. EXL3_DRAFT_COST=0 turns the cost back-off off (the
+raw pass cost); by default drafting pauses where its passes do not pay.
 
     python bench/real_models/speculative_bench.py TARGET --draft-model DRAFT_FOLDER \
         --jobs 1,16 --tokens 64 --k 4 --device cuda --out spec.json
@@ -57,21 +60,24 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
         p, {"temperature": 0}, num_predict=tokens, ignore_eos=True,
         drafter=make_drafter(drafter) if drafter else None,
         draft_tokens=k if drafter else 0)) for p in prompts]
-    decode_s, passes, drafted_passes = 0.0, 0, 0
+    decode_s, passes, drafted_passes, capture_steps = 0.0, 0, 0, 0
     while generator.has_work:
+        captures = generator.decode.captures
         start = time.perf_counter()
         report = generator.step()
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        if report.decode_tokens and not report.prefill_tokens:
+        if generator.decode.captures != captures:
+            capture_steps += 1  # a CUDA graph captured (once per bucket): not steady state
+        elif report.decode_tokens and not report.prefill_tokens:
             decode_s += seconds
             passes += 1
             drafted_passes += report.draft_tokens > 0
     produced = sum(len(h.token_ids) for h in handles)
     return {
         "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
-        "passes": passes, "drafted_passes": drafted_passes,
+        "passes": passes, "drafted_passes": drafted_passes, "capture_steps": capture_steps,
         "drafted": sum(h.final.draft_count for h in handles),
         "kept": sum(h.final.draft_accepted for h in handles),
     }
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     "kept_per_pass": round(got["kept"] / max(1, got["passes"]), 3),
                     "kept": got["kept"], "drafted": got["drafted"],
                     "drafted_passes": got["drafted_passes"],
+                    "capture_steps": got["capture_steps"],
                     "pass_cost_vs_plain": round((got["decode_s"] / max(1, got["passes"]))
                                                 / plain_step, 3) if plain_step else None,
                     "same_text": got["ids"] == plain["ids"],

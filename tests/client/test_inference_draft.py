@@ -16,6 +16,14 @@ PROMPT = "one two three four five one two three four five one two three four fiv
 
 @pytest.fixture(scope="module")
 def runner(store):
+    # Drafting backs off on acceptance only here: the self-drafted model costs k + 1
+    # passes per pass on the CPU, which the cost back-off would (rightly) pause.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EXL3_DRAFT_COST", "0")
+        yield _make_runner(store)
+
+
+def _make_runner(store):
     base = store.read_manifest("tiny")
     drafts = (("tiny-ngram", "ngram"), ("tiny-missing-draft", "no-such-model:1b"),
               ("tiny-self-drafted", "tiny"))

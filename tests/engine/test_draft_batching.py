@@ -50,7 +50,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 def _run(text_model, prompts, lengths, draft_model=None, k=3, max_batch=16):
     generator = Generator(text_model.model, text_model.tokenizer, max_batch=max_batch,
-                          num_ctx=512)
+                          num_ctx=512, draft_cost=False)  # acceptance only: no timing
     handles = [generator.submit(GenerationJob(
         p, GREEDY, num_predict=n, drafter=ModelDrafter(draft_model) if draft_model else None,
         draft_tokens=k if draft_model else 0)) for p, n in zip(prompts, lengths, strict=True)]
@@ -134,7 +134,7 @@ def test_backed_off_jobs_run_ahead_on_the_fixed_shape_path(text_model, draft_mod
     prompts = _prompts(3, seed=4)
     plain, _ = _run(text_model, prompts, [80] * 3)
     generator = Generator(text_model.model, text_model.tokenizer, max_batch=4, num_ctx=512,
-                          decode_mode="static")
+                          decode_mode="static", draft_cost=False)
     handles = [generator.submit(GenerationJob(
         p, GREEDY, num_predict=80, drafter=ModelDrafter(draft_models["other"]), draft_tokens=4))
         for p in prompts]

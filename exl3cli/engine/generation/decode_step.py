@@ -21,6 +21,14 @@ per page table (decode only appends text, which keeps it).
 tokens to the tables. The tokens may also come as a device tensor (`ids`): the
 generator then launches a step before the tokens of the one before are read back.
 
+Verification passes (speculative decoding) run here too: `run_feeds([(table, tokens)])`
+feeds a job's pending token and its k drafts as 1 + k rows of one table, row j at
+position length + j attending to length + j + 1 positions. Each layer writes every
+row's key/value before any row attends, so row j sees the new tokens 0..j and no later
+one: the per-row lengths are the causal mask. Nothing is committed (the generator
+commits what it accepts; a rejected draft's slot is written over by the next step).
+Such steps may hold up to `MAX_ROWS` rows (more than `max_batch`).
+
 Modes: "graph" (the CUDA default): capture per bucket, replay; "static": the same
 fixed-shape step run eagerly (what a graph replays, checkable on any device);
 "off": the generator's general paged path for every step (the CPU default, where
@@ -43,6 +51,7 @@ from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
 from exl3cli.ops import cuda_kernels as kernels
 
 MODES = ("graph", "static", "off")
+MAX_ROWS = 64  # rows of a fixed-shape step that verifies drafts (jobs x (1 + k))
 
 
 def default_mode(device: torch.device) -> str:
@@ -103,21 +112,24 @@ class FixedDecodeStep:
         self.rows = 0
 
     def load(self, rows: Sequence[tuple[PageTable, int | None]],
-             ids: torch.Tensor | None = None, offsets: Sequence[int] | None = None) -> None:
+             ids: torch.Tensor | None = None, offsets: Sequence[int] | None = None,
+             ahead: Sequence[int] | None = None) -> None:
         """Host data of this step: each row's token, length, rotary offset (`offsets`,
-        default 0) and pages (padding rows: the scratch page, length 0). Allocates the
-        page a row's new token needs. With `ids` (a device tensor [n], e.g. the tokens
-        the step before sampled) the tokens come from there and those in `rows` are
-        ignored."""
+        default 0) and pages (padding rows: the scratch page, length 0). Row i's token
+        sits `ahead[i]` (default 0) positions past its table's length (a draft of a
+        verification pass). Allocates the page a row's new token needs. With `ids` (a
+        device tensor [n], e.g. the tokens the step before sampled) the tokens come
+        from there and those in `rows` are ignored."""
         if not 0 < len(rows) <= self.batch:
             raise ValueError(f"{len(rows)} rows for a step of {self.batch}")
         scratch = self.pool.scratch_page
         data = [[0, 0, 0] + [scratch] * self.pages for _ in range(self.batch)]
         for i, (row, (table, token)) in enumerate(zip(data, rows, strict=False)):
-            table.slots(1)  # the page of the new position exists from here on
+            extra = int(ahead[i]) if ahead is not None else 0
+            table.slots(1 + extra)  # the page of the new position exists from here on
             if len(table.pages) > self.pages:
                 raise ValueError(f"a row holds {len(table.pages)} pages, step has {self.pages}")
-            row[0], row[1] = int(token or 0), table.length
+            row[0], row[1] = int(token or 0), table.length + extra
             row[2] = int(offsets[i]) if offsets is not None else 0
             row[3 : 3 + len(table.pages)] = table.pages
         turn = self._turn
@@ -216,7 +228,9 @@ class DecodeRunner:
         self.pool = pool
         self.mode = mode
         self.max_batch = max_batch
+        self.max_rows = max(max_batch, MAX_ROWS)  # verification passes: rows, not jobs
         self.max_pages = pages_for(num_ctx, pool.page_size)
+        self.captures = 0  # graphs captured so far (a step that captured is not timed)
         self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle: Any = None
@@ -246,6 +260,16 @@ class DecodeRunner:
         size = self.pool.page_size
         return all(pages_for(table.length + 1, size) <= self.max_pages for table, _ in rows)
 
+    def fits_feeds(self, feeds: Sequence[tuple[PageTable, Sequence[int]]]) -> bool:
+        """Whether jobs feeding these tokens (a pending token, then any drafts) can run
+        as one fixed-shape step of one row per token."""
+        total = sum(len(tokens) for _, tokens in feeds)
+        if not self.enabled or not 0 < total <= self.max_rows:
+            return False
+        size = self.pool.page_size
+        return all(tokens and pages_for(table.length + len(tokens), size) <= self.max_pages
+                   for table, tokens in feeds)
+
     def warm(self, keys: Sequence[tuple[int, int]] | None = None) -> int:
         """Capture the graphs of these (B, P) buckets now (default: one row over one and
         two pages, where a single chat starts), so a job's first tokens are not paid for
@@ -260,7 +284,7 @@ class DecodeRunner:
         for key in keys:
             if self.mode != "graph":
                 break  # a capture failed: decoding goes on without graphs
-            if key in self._graphs or not (0 < key[0] <= self.max_batch
+            if key in self._graphs or not (0 < key[0] <= self.max_rows
                                            and 0 < key[1] <= self.max_pages):
                 continue
             step = self._steps.get(key)
@@ -277,13 +301,31 @@ class DecodeRunner:
         row's token goes to position table.length; the caller commits it to the table
         once it is known on the host (with `ids`, a device tensor of the tokens, the
         step can run before that)."""
+        return self._run(rows, ids, None)
+
+    def run_feeds(self, feeds: Sequence[tuple[PageTable, Sequence[int]]]) -> torch.Tensor:
+        """One step where job i feeds `tokens_i` (its pending token, then drafts): one
+        row per token, in order (module docstring); logits [sum of counts, V]. Nothing
+        is committed: the caller commits what it keeps."""
+        rows: list[tuple[PageTable, int | None]] = []
+        ahead: list[int] = []
+        for table, tokens in feeds:
+            rows.extend((table, int(token)) for token in tokens)
+            ahead.extend(range(len(tokens)))
+        return self._run(rows, None, ahead)
+
+    def _run(self, rows: Sequence[tuple[PageTable, int | None]], ids: torch.Tensor | None,
+             ahead: Sequence[int] | None) -> torch.Tensor:
         size = self.pool.page_size
-        needed = max(pages_for(table.length + 1, size) for table, _ in rows)
-        key = (bucket(len(rows), self.max_batch), bucket(needed, self.max_pages))
+        steps = ahead if ahead is not None else [0] * len(rows)
+        needed = max(pages_for(table.length + 1 + j, size)
+                     for (table, _), j in zip(rows, steps, strict=True))
+        limit = self.max_batch if len(rows) <= self.max_batch else self.max_rows
+        key = (bucket(len(rows), limit), bucket(needed, self.max_pages))
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = FixedDecodeStep(self.pool, *key)
-        step.load(rows, ids, self._row_offsets(rows))
+        step.load(rows, ids, self._row_offsets(rows), ahead)
         if self.mode == "graph":
             logits = self._replay(key, step)
         else:
@@ -345,6 +387,7 @@ class DecodeRunner:
                   "decoding without graphs", file=sys.stderr)
             return None
         self._graphs[key] = (graph, logits)
+        self.captures += 1
         return self._graphs[key]
 
 

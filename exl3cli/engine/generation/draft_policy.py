@@ -1,30 +1,50 @@
-"""When a job drafts: speculative decoding backs off by itself while drafts are rejected.
+"""When a job drafts: speculative decoding backs off by itself while drafting does not pay.
 
 A verification pass that keeps none of its drafts costs more than a plain step and
 still emits one token, so a job whose drafts keep failing (free text under the
 `ngram` drafter, a draft model that disagrees with the target) should stop drafting.
-`DraftBackoff` keeps a running acceptance rate (kept / drafted, an exponential average
-over verification passes); when it falls below `min_rate` the job decodes plainly for
-a pause of `pause` tokens, after which one probe pass drafts again. Each failed probe
-doubles the pause (up to `max_pause`); a probe that brings the rate back ends the
-back-off. Paused steps are plain one-token steps, so they also take the generator's
-fast decode path.
+And a pass that keeps drafts can still lose when it costs more than the plain steps
+it replaces (a verify pass on a slow path, a device where extra rows are not free).
+`DraftBackoff` watches both:
 
-Public API: ``DraftBackoff(min_rate, first_pause, max_pause)`` with ``may_draft(produced)``,
-``record(drafted, kept, produced)``, ``paused_until`` and the counters ``pauses`` /
-``paused_tokens``.
+- acceptance: a running rate (kept / drafted, an exponential average over
+  verification passes); below `min_rate` drafting pauses;
+- cost (`record_cost`, when the generator has timed a plain step at this batch size):
+  a running gain, tokens the pass emitted times (a plain step's wall time / the pass's
+  wall time), i.e. tokens per plain-step time; below `min_gain` (1: plain decoding
+  emits one token per step) drafting pauses.
+
+A pause lasts `pause` tokens, after which one probe pass drafts again. Each failed
+probe doubles the pause (up to `max_pause`); a probe that brings the measure back ends
+the back-off. A pause for cost is at least long enough that the probe's loss (its
+extra time over the plain steps it replaced) stays under `probe_overhead` of the
+paused time, so a pass 30x a plain step is probed rarely (capped at `max_cost_pause`).
+Paused steps are plain one-token steps, so they also take the generator's fast decode
+path.
+
+Public API: ``DraftBackoff(min_rate, first_pause, max_pause, min_gain)`` with
+``may_draft(produced)``, ``record(drafted, kept, produced)``,
+``record_cost(emitted, pass_ns, plain_ns, produced)``, ``paused_until`` and the
+counters ``pauses`` / ``cost_pauses`` / ``paused_tokens``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Below about one kept draft in four a 4-token draft gains less than a verify pass
 # costs over a plain step (bench/NOTES-speculative.md: a 5-token pass ~1.4x a plain one).
 DEFAULT_MIN_RATE = 0.25
 DEFAULT_FIRST_PAUSE = 8
 DEFAULT_MAX_PAUSE = 128
-SMOOTHING = 0.5  # weight of the newest pass in the running rate
+SMOOTHING = 0.5  # weight of the newest pass in the running rate and gain
+# A drafting pass must emit at least as many tokens as plain steps would in its time.
+DEFAULT_MIN_GAIN = 1.0
+PROBE_OVERHEAD = 0.03  # a cost probe may lose at most this share of the paused time
+MAX_COST_PAUSE = 2048
 
 
 @dataclass
@@ -34,10 +54,15 @@ class DraftBackoff:
     min_rate: float = DEFAULT_MIN_RATE
     first_pause: int = DEFAULT_FIRST_PAUSE
     max_pause: int = DEFAULT_MAX_PAUSE
+    min_gain: float = DEFAULT_MIN_GAIN
+    probe_overhead: float = PROBE_OVERHEAD
+    max_cost_pause: int = MAX_COST_PAUSE
     rate: float = 1.0  # running acceptance; optimistic start so the first drafts run
+    gain: float | None = None  # running tokens per plain-step time of drafting passes
     paused_until: int = 0  # no drafts before this many tokens were produced
     pause: int = 0  # the current pause length (0: not backing off)
-    pauses: int = 0  # how many times drafting was paused
+    pauses: int = 0  # how many times drafting was paused (for either reason)
+    cost_pauses: int = 0  # of those, how many because drafting passes cost too much
     paused_tokens: int = 0  # tokens produced without drafting because of a pause
 
     def may_draft(self, produced: int) -> bool:
@@ -54,10 +79,118 @@ class DraftBackoff:
             return
         self.rate = (1 - SMOOTHING) * self.rate + SMOOTHING * (kept / drafted)
         if self.rate >= self.min_rate:
-            self.pause = 0  # drafting pays again
+            if self.gain is None or self.gain >= self.min_gain:
+                self.pause = 0  # drafting pays again
             return
-        self.pause = min(self.max_pause, self.pause * 2 if self.pause else self.first_pause)
-        self.paused_until = produced + self.pause
-        self.pauses += 1
+        self._pause(produced, min(self.max_pause,
+                                  self.pause * 2 if self.pause else self.first_pause))
         # The probe after the pause is judged on its own: start it from the threshold.
         self.rate = self.min_rate
+
+    def record_cost(self, emitted: int, pass_ns: int, plain_ns: float, produced: int) -> None:
+        """A drafting pass of this job emitted `emitted` tokens in `pass_ns` of wall
+        time, where a plain step of the same batch takes `plain_ns`."""
+        if emitted <= 0 or pass_ns <= 0 or plain_ns <= 0:
+            return
+        if produced < self.paused_until:
+            return  # already paused (by acceptance) after this pass
+        measured = emitted * plain_ns / pass_ns
+        self.gain = measured if self.gain is None else (
+            (1 - SMOOTHING) * self.gain + SMOOTHING * measured)
+        if self.gain >= self.min_gain:
+            if self.rate >= self.min_rate:
+                self.pause = 0
+            return
+        # The probe's loss, in plain steps: what the pass took beyond the tokens it gave.
+        loss = max(0.0, pass_ns / plain_ns - emitted)
+        floor = min(self.max_cost_pause, math.ceil(loss / self.probe_overhead))
+        doubled = min(self.max_pause, self.pause * 2 if self.pause else self.first_pause)
+        self._pause(produced, max(doubled, floor))
+        self.cost_pauses += 1
+        self.gain = self.min_gain  # the probe is judged on its own
+
+    def _pause(self, produced: int, length: int) -> None:
+        self.pause = max(1, length)
+        self.paused_until = produced + self.pause
+        self.pauses += 1
+
+
+STALE_AFTER = 64  # drafting steps after which a batch size's plain step is timed again
+
+
+def size_class(jobs: int) -> int:
+    """Batch sizes timed together: powers of two (the decode runner's buckets)."""
+    return 1 << max(0, jobs - 1).bit_length()
+
+
+class PlainStepClock:
+    """The generator's wall time of a plain decode step, per batch size class: the
+    reference `DraftBackoff.record_cost` compares drafting passes with. A size class
+    never timed, or not timed for `stale_after` drafting steps (contexts grow, so do
+    step times), asks for a plain step (`wants_plain`)."""
+
+    def __init__(self, stale_after: int = STALE_AFTER):
+        self.stale_after = stale_after
+        self._ns: dict[int, float] = {}
+        self._age: dict[int, int] = {}
+
+    def observe(self, jobs: int, elapsed_ns: int) -> None:
+        """A plain decode step over `jobs` jobs took `elapsed_ns`."""
+        if jobs <= 0 or elapsed_ns <= 0:
+            return
+        key = size_class(jobs)
+        old = self._ns.get(key)
+        self._ns[key] = elapsed_ns if old is None else (
+            (1 - SMOOTHING) * old + SMOOTHING * elapsed_ns)
+        self._age[key] = 0
+
+    def plain_ns(self, jobs: int) -> float | None:
+        return self._ns.get(size_class(jobs))
+
+    def drafted(self, jobs: int) -> None:
+        """A drafting step over `jobs` jobs ran (ages that size's plain time)."""
+        key = size_class(jobs)
+        self._age[key] = self._age.get(key, 0) + 1
+
+    def wants_plain(self, jobs: int) -> bool:
+        key = size_class(jobs)
+        return key not in self._ns or self._age.get(key, 0) >= self.stale_after
+
+
+def charge_step(clock: PlainStepClock, fed: Sequence[tuple[Any, list[int]]], drafted: bool,
+                took_ns: int, before: Sequence[tuple[int, bool]]) -> bool:
+    """A decode step over `fed` [(ActiveJob, tokens)] took `took_ns` of wall time (read
+    from clocks the generator reads anyway: its read-back is the sync). A plain step
+    times plain steps of its size; a drafting step is charged to each job that verified
+    (`before[i]`: its produced count before the step, and whether it verified).
+    Returns whether the next step should be a plain one, to time that size."""
+    jobs = len(fed)
+    if not drafted:
+        clock.observe(jobs, took_ns)
+        return False
+    clock.drafted(jobs)
+    plain = clock.plain_ns(jobs)
+    if plain is not None:
+        for (active, _), (produced, verifying) in zip(fed, before, strict=True):
+            if verifying:
+                active.backoff.record_cost(active.produced - produced, took_ns, plain,
+                                           active.produced)
+    return clock.wants_plain(jobs)
+
+
+def fit_rows(fed: Sequence[tuple[Any, list[int]]], max_rows: int) -> int:
+    """Shorten the longest drafts (ActiveJob.trim_draft, and the fed token lists) until
+    the step's rows fit `max_rows`, so a pass stays on the fixed-shape step (16 jobs
+    keep 3 drafts each of 64 rows rather than leave it); returns the drafts dropped. A
+    shorter draft verifies the same way."""
+    excess = sum(len(tokens) for _, tokens in fed) - max_rows
+    dropped = 0
+    while excess > 0:
+        active, tokens = max(fed, key=lambda item: len(item[1]))
+        if len(tokens) <= 1:
+            break  # more jobs than rows: the general path takes the step
+        tokens.pop()
+        active.trim_draft(len(tokens) - 1)
+        excess -= 1
+        dropped += 1
+    return dropped

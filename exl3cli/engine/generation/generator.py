@@ -14,6 +14,7 @@ generator themselves), or from a `GeneratorThread`.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import deque
@@ -25,6 +26,7 @@ import torch
 
 from exl3cli.engine.generation.batch_sampling import batchable, sample_on_device, sample_rows
 from exl3cli.engine.generation.decode_step import DecodeRunner
+from exl3cli.engine.generation.draft_policy import PlainStepClock, charge_step, fit_rows
 from exl3cli.engine.generation.jobs import (
     ActiveJob,
     GenerationJob,
@@ -63,6 +65,7 @@ class _Flight:
     def __init__(self, jobs: list[ActiveJob], tokens: torch.Tensor, start: int,
                  report: StepReport):
         self.jobs, self.tokens, self.start, self.report = jobs, tokens, start, report
+        self.timed = True  # False: a graph was captured in it (not a plain step's time)
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
@@ -83,7 +86,10 @@ class Generator:
 
     `num_ctx` is the longest context of any job; the pool holds `num_pages` pages
     (default: enough for `max_batch` jobs at full context). Extra pages are a prefix
-    cache: more of them keeps more finished prompts reusable.
+    cache: more of them keeps more finished prompts reusable. `draft_cost` (default on,
+    EXL3_DRAFT_COST=0 turns it off) times plain and drafting steps so that drafting
+    backs off where its passes cost more than the plain steps they save
+    (draft_policy.py); without it drafting backs off on acceptance only.
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class Generator:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         max_queue: int = 256,
         decode_mode: str | None = None,
+        draft_cost: bool | None = None,
     ):
         config = model.config
         self.model = model
@@ -126,6 +133,14 @@ class Generator:
         self._active: list[ActiveJob] = []
         self._flight: _Flight | None = None  # a decode step whose tokens are not read yet
         self._landed_ns = 0
+        # Plain decode steps' wall time, which drafting passes must beat (draft_policy.py),
+        # and whether the next step is a plain one to time it.
+        # `draft_cost` False (or EXL3_DRAFT_COST=0): drafting backs off on acceptance only.
+        if draft_cost is None:
+            draft_cost = os.environ.get("EXL3_DRAFT_COST", "1").strip() != "0"
+        self.draft_cost = draft_cost
+        self.plain_clock = PlainStepClock()
+        self._time_plain = False
         self._next_id = 0
         # Called with each step's report (from the stepping thread, under the lock).
         self.step_observers: list[Callable[[StepReport], None]] = []
@@ -227,12 +242,14 @@ class Generator:
                 return self._land(self._flight)
             self._admit()
             report = StepReport()
+            began = time.perf_counter_ns()  # drafting (a draft model's passes) counts too
             fed = self._gather(report)
             if not fed:
                 return report
             report.jobs = len(fed)
             report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
+            captures = self.decode.captures
             if self._decode_only(fed):
                 with self._adapters_for([(active, 1) for active, _ in fed]):
                     logits = self.decode.run([(active.table, tokens[0])
@@ -241,6 +258,7 @@ class Generator:
                     active.table.commit(tokens)
                 flight = self._launch([active for active, _ in fed], logits, start, report)
                 if flight is not None:
+                    flight.timed = self.decode.captures == captures
                     return self._land(flight)
                 rows: list[Any] = list(range(len(fed)))
             else:
@@ -248,23 +266,29 @@ class Generator:
                     logits, rows = self._forward(fed)
             tokens_of = self._sample(fed, logits, rows)
             elapsed = time.perf_counter_ns() - start
+            before = [(active.produced, active.verifying) for active, _ in fed]
             for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
                 events = active.after_forward(tokens, None if i in tokens_of else logits[row],
                                               elapsed, tokens_of.get(i))
                 self._deliver(active, events, report)
+            if self.draft_cost and self.decode.captures == captures:
+                self._time_step(fed, report, time.perf_counter_ns() - began, before)
             for observer in self.step_observers:
                 observer(report)
             return report
 
     def _gather(self, report: StepReport) -> list[tuple[ActiveJob, list[int]]]:
         """The tokens each active job feeds this step: decoders first (they are never
-        held back), then prompt chunks up to max_prefill_tokens."""
+        held back), then prompt chunks up to max_prefill_tokens. No drafts when a plain
+        step is to be timed (`_time_step`)."""
         room = self.max_prefill_tokens
         fed: list[tuple[ActiveJob, list[int]]] = []
-        prepare_drafts(self._active)  # batched drafters: one draft pass for all their jobs
+        draft, self._time_plain = not self._time_plain, False
+        if draft:
+            prepare_drafts(self._active)  # batched drafters: one draft pass for all their jobs
         for active in self._active:
             if not active.prefilling:
-                tokens = active.next_tokens(0)
+                tokens = active.next_tokens(0, draft)
                 if tokens:
                     fed.append((active, tokens))
                     report.decode_tokens += 1
@@ -275,7 +299,21 @@ class Generator:
                 fed.append((active, tokens))
                 room -= len(tokens)
                 report.prefill_tokens += len(tokens)
+        if not report.prefill_tokens:
+            report.draft_tokens -= self._fit_drafts(fed)
         return fed
+
+    def _fit_drafts(self, fed: list[tuple[ActiveJob, list[int]]]) -> int:
+        """Drafts dropped so the pass fits one fixed-shape step (draft_policy.fit_rows)."""
+        return fit_rows(fed, self.decode.max_rows) if self.decode.enabled else 0
+
+    def _time_step(self, fed: list[tuple[ActiveJob, list[int]]], report: StepReport,
+                   took_ns: int, before: list[tuple[int, bool]]) -> None:
+        """Account for a decode step's wall time (draft_policy.charge_step); steps with
+        prompt chunks time nothing."""
+        if not report.prefill_tokens:
+            self._time_plain = charge_step(self.plain_clock, fed, bool(report.draft_tokens),
+                                           took_ns, before)
 
     def _deliver(self, active: ActiveJob, events: list[GeneratorEvent],
                  report: StepReport) -> None:
@@ -330,8 +368,10 @@ class Generator:
         live = [i for i, job in enumerate(flight.jobs) if id(job) in alive]
         jobs = [flight.jobs[i] for i in live]
         following = None
+        timed = flight.timed
         if self._ahead_ok(jobs):
             start = time.perf_counter_ns()
+            captures = self.decode.captures
             ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
                 0, torch.tensor(live, device=flight.tokens.device))
             with self._adapters_for([(job, 1) for job in jobs]):
@@ -339,12 +379,17 @@ class Generator:
             following = self._launch(jobs, logits, start, StepReport(
                 decode_tokens=len(jobs), jobs=len(jobs),
                 job_ids=[job.handle.id for job in jobs]))
+            timed = timed and self.decode.captures == captures
+            if following is not None:
+                following.timed = self.decode.captures == captures
         tokens = flight.read()
         now = time.perf_counter_ns()
         # Steps in flight overlap: each job is charged from the later of its launch and
         # the previous read-back, so its eval_duration is the wall time it took.
         elapsed = now - max(flight.start, self._landed_ns)
         self._landed_ns = now
+        if timed and self.draft_cost:
+            self.plain_clock.observe(len(flight.jobs), elapsed)
         report = flight.report
         continuing = {id(job) for job in following.jobs} if following is not None else set()
         for i in live:
@@ -382,6 +427,8 @@ class Generator:
                   if not active.prefilling and len(tokens) == 1]
         if len(decode) == len(fed) and self.decode.fits(decode):
             return self.decode.run(decode), list(range(len(fed)))
+        if self._verify_fixed(fed):
+            return self._forward_fixed(fed)
         tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
         verifying = [active.verifying for active, _ in fed]
         if any(verifying):
@@ -394,6 +441,29 @@ class Generator:
         input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]],
                                  dtype=torch.long, device=self.model.device)
         return self.model.forward(input_ids, batch, last_logits_only=True)[0], rows
+
+    def _verify_fixed(self, fed: list[tuple[ActiveJob, list[int]]]) -> bool:
+        """Whether a pass with drafts runs on the fixed-shape runner: every job decodes
+        (no prompt chunk) and all their rows fit one step (decode_step.MAX_ROWS)."""
+        if any(active.prefilling for active, _ in fed):
+            return False
+        return self.decode.fits_feeds([(active.table, tokens) for active, tokens in fed])
+
+    def _forward_fixed(self, fed: list[tuple[ActiveJob, list[int]]]
+                       ) -> tuple[torch.Tensor, list[Any]]:
+        """A verification pass as one fixed-shape step: a row per fed token. Plain jobs'
+        tokens are committed here; verifying jobs commit what they accept."""
+        logits = self.decode.run_feeds([(active.table, tokens) for active, tokens in fed])
+        rows: list[Any] = []
+        first = 0
+        for active, tokens in fed:
+            if active.verifying:
+                rows.append(slice(first, first + len(tokens)))
+            else:
+                rows.append(first)
+                active.table.commit(tokens)
+            first += len(tokens)
+        return logits, rows
 
     @contextlib.contextmanager
     def _adapters_for(self, rows: list[tuple[ActiveJob, int]]) -> Iterator[None]:

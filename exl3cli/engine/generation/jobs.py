@@ -199,13 +199,16 @@ class ActiveJob:
         """Whether this step's tokens are the pending token plus drafts to verify."""
         return bool(self._draft)
 
-    def next_tokens(self, prefill_room: int) -> list[int]:
-        """Tokens to feed this step: the decode token (and any drafts after it), or a
-        prompt chunk."""
+    def next_tokens(self, prefill_room: int, draft: bool = True) -> list[int]:
+        """Tokens to feed this step: the decode token (and any drafts after it, unless
+        `draft` is False: the generator times a plain step), or a prompt chunk."""
         if not self.prefilling:
             if self.pending_token is None:
                 return []
-            self._draft = self._propose()
+            if draft:
+                self._draft = self._propose()
+            else:
+                self._draft, self.prepared_draft = [], None
             return [self.pending_token, *self._draft]
         end = self.cursor + prefill_room
         for begin, stop in self.keep_together:
@@ -213,6 +216,10 @@ class ActiveJob:
                 end = begin if begin > self.cursor else stop
                 break
         return self.prompt[self.cursor : end]
+
+    def trim_draft(self, count: int) -> None:
+        """Keep only the first `count` drafts of this step (before it is fed)."""
+        self._draft = self._draft[:count]
 
     def draft_budget(self) -> int:
         """How many tokens to draft at this step (0: none; drafting backed off, or no

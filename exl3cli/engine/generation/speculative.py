@@ -22,8 +22,10 @@ Public API:
   emit, in order: the accepted drafts then one sampled token (1 .. k+1 tokens).
 - ``draft_count(options) -> int``: k from ``draft_num_predict`` (default
   ``DEFAULT_DRAFT_TOKENS``; 0 turns speculation off).
-- ``VerifyingBatch(pool, tables, new_tokens, verifying)``: the generator's paged step
-  when some rows verify drafts (``output_rows[i]``: row i's logits in the output).
+- ``VerifyingBatch(pool, tables, new_tokens, verifying)``: the generator's general paged
+  step when some rows verify drafts (``output_rows[i]``: row i's logits in the output);
+  passes of decoding jobs only run on the fixed-shape step instead
+  (decode_step.DecodeRunner.run_feeds).
 - ``prepare_drafts(jobs)``: drafts of every job whose drafter drafts in batches
   (``batch_key`` + ``propose_batch(drafters, histories, counts)``, e.g. a draft model:
   one draft forward per drafted position for all its jobs, not one per job).

@@ -1,0 +1,139 @@
+"""Drafting backs off when its passes cost more than the plain steps they save, even
+with every draft accepted, and keeps drafting when they pay (draft_policy.py). Time is
+injected: a fake clock that each forward pass advances by what such a pass costs."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+
+from exl3cli.engine.generation import generator as generator_module
+from exl3cli.engine.generation.draft_policy import DraftBackoff, PlainStepClock
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.generation.speculative import VerifyingBatch
+
+GREEDY = {"temperature": 0}
+PROMPT = [5, 9, 14, 3, 77, 120, 8, 19, 33, 250, 41, 7]
+
+
+def test_slow_passes_pause_drafting_despite_full_acceptance():
+    backoff = DraftBackoff()
+    backoff.record(4, 4, produced=5)  # every draft kept: acceptance is no reason to stop
+    assert backoff.pauses == 0
+    backoff.record_cost(5, pass_ns=30_000, plain_ns=1_000, produced=5)  # gain 5/30
+    assert backoff.cost_pauses == 1 and not backoff.may_draft(6)
+    # The probe loses 25 plain steps; the pause keeps that under 3% of the paused time.
+    assert backoff.pause == math.ceil(25 / 0.03) and backoff.paused_until == 5 + backoff.pause
+    # A probe that pays (5 tokens in 2 plain steps' time) ends the back-off.
+    produced = backoff.paused_until
+    backoff.record(4, 4, produced)
+    backoff.record_cost(5, pass_ns=2_000, plain_ns=1_000, produced=produced)
+    assert backoff.pause == 0 and backoff.may_draft(produced + 1)
+
+
+def test_passes_that_pay_keep_drafting_and_marginal_ones_pause_briefly():
+    backoff = DraftBackoff()
+    for produced in range(5, 500, 5):
+        backoff.record(4, 4, produced)
+        backoff.record_cost(5, pass_ns=1_300, plain_ns=1_000, produced=produced)
+    assert backoff.pauses == 0 and backoff.may_draft(500)
+    # 2 tokens per pass at 2.2x a plain step: a loss, but a small one: a short pause.
+    marginal = DraftBackoff()
+    marginal.record_cost(2, pass_ns=2_200, plain_ns=1_000, produced=10)
+    assert marginal.cost_pauses == 1 and marginal.pause == max(8, math.ceil(0.2 / 0.03))
+
+
+def test_cost_is_not_charged_twice_after_an_acceptance_pause():
+    backoff = DraftBackoff(min_rate=0.25)
+    for produced in (1, 2, 3):
+        backoff.record(4, 0, produced)
+    assert backoff.pauses == 1
+    backoff.record_cost(1, pass_ns=10_000, plain_ns=1_000, produced=3)
+    assert backoff.pauses == 1 and backoff.cost_pauses == 0
+
+
+def test_plain_step_clock_asks_for_a_timing_when_missing_or_stale():
+    clock = PlainStepClock(stale_after=3)
+    assert clock.wants_plain(1) and clock.plain_ns(1) is None
+    clock.observe(1, 1_000)
+    assert not clock.wants_plain(1) and clock.plain_ns(1) == 1_000
+    clock.observe(1, 2_000)
+    assert clock.plain_ns(1) == 1_500  # a running average
+    assert clock.wants_plain(3) and clock.plain_ns(4) is None  # 3 and 4 jobs: one class
+    for _ in range(3):
+        clock.drafted(1)
+    assert clock.wants_plain(1)
+
+
+class _Oracle:
+    """Drafts what plain greedy decoding will say: every draft is accepted."""
+
+    def __init__(self, prompt: list[int], answer: list[int]):
+        self.prompt, self.answer = list(prompt), list(answer)
+
+    def propose(self, history: list[int], count: int) -> list[int]:
+        done = len(history) - len(self.prompt)
+        return self.answer[done : done + count]
+
+
+class _Timed:
+    """The model, with each forward advancing `clock.now`: `verify_ns` for a pass with
+    drafts (a VerifyingBatch), `plain_ns` otherwise."""
+
+    def __init__(self, model, clock, plain_ns: int, verify_ns: int):
+        self._inner, self._clock = model, clock
+        self._plain_ns, self._verify_ns = plain_ns, verify_ns
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def forward(self, input_ids, cache=None, **kwargs):
+        self._clock.now += self._verify_ns if isinstance(cache, VerifyingBatch) else self._plain_ns
+        return self._inner.forward(input_ids, cache, **kwargs)
+
+
+def _drafted_run(text_model, monkeypatch, verify_ns: int, answer: list[int]):
+    clock = types.SimpleNamespace(now=0)
+    monkeypatch.setattr(generator_module, "time",
+                        types.SimpleNamespace(perf_counter_ns=lambda: clock.now))
+    model = _Timed(text_model.model, clock, plain_ns=1_000_000, verify_ns=verify_ns)
+    generator = Generator(model, text_model.tokenizer, max_batch=1, num_ctx=512,
+                          decode_mode="off", draft_cost=True)
+    handle = generator.submit(GenerationJob(PROMPT, GREEDY, num_predict=len(answer),
+                                            drafter=_Oracle(PROMPT, answer), draft_tokens=4))
+    generator.step()
+    (active,) = generator._active
+    generator.run_until_done()
+    return handle, active.backoff
+
+
+@pytest.fixture(scope="module")
+def answer(text_model):
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=1, num_ctx=512,
+                          decode_mode="off")
+    handle = generator.submit(GenerationJob(PROMPT, GREEDY, num_predict=120))
+    handle.text()
+    assert handle.final.eval_count == 120  # no EOS: every run below emits 120 tokens
+    return handle.token_ids
+
+
+def test_a_job_backs_off_when_passes_are_slow_even_with_every_draft_kept(
+        text_model, monkeypatch, answer):
+    handle, backoff = _drafted_run(text_model, monkeypatch, 30_000_000, answer)
+    assert handle.token_ids == answer
+    assert handle.final.draft_accepted == handle.final.draft_count > 0  # all kept
+    # One untimed pass, one timed plain step, one judged pass: then paused for good.
+    assert backoff.cost_pauses == 1 and handle.final.draft_count <= 8
+    assert backoff.paused_tokens > 100
+
+
+def test_a_job_keeps_drafting_when_passes_pay(text_model, monkeypatch, answer):
+    handle, backoff = _drafted_run(text_model, monkeypatch, 1_500_000, answer)
+    assert handle.token_ids == answer
+    assert backoff.pauses == 0
+    # After the prefill's token: one plain step timing the reference, then 4 drafts
+    # kept a pass (the last pass drafts what the budget leaves): 23 * 4 + 2.
+    assert handle.final.draft_accepted == 94
