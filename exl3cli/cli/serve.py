@@ -36,7 +36,6 @@ def _serve_help() -> str:
             ("EXL3_DECODE_MODE", "graph (GPU default), static or off (CPU default)"),
             ("EXL3_FUSED_LAYER", "0: GPU decode without the fused layer kernels (A/B)"),
             ("EXL3_PDL", "1: programmatic dependent launch of the GPU kernels (opt-in)"),
-            ("EXL3_LORA_FOLD", "0: LoRA's first product by its own launch, not folded (A/B)"),
             ("EXL3_CPU_WEIGHTS", "exl3 (compressed, default with the CPU kernels), fp32, "
                                  "bf16 or int8 weights on the CPU"),
             ("EXL3_NO_EXT", "1: pure-PyTorch paths, no compiled kernels"),

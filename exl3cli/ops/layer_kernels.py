@@ -11,33 +11,19 @@ share each launch.
 An adapted projection (``engine/adapters/lora.py``) adds its LoRA update in the output
 side, where ``AdaptedLinear`` adds it: ``y = round(round(H128(sum) * svh + bias) +
 delta)``, then rotary, the activation or the residual; ``delta`` comes from a
-``LowRank`` (``low = x_in @ A^T`` and B^T of all the input's parts), with the masking
-by the rows' adapter slots done in the kernel. ``low`` is folded into the kernel that
-makes the input (``norm_hadamard``, ``glu_hadamard`` with a ``LoraFold``: float32
-partial sums per 1,024-column slice, which the output kernel adds; no launch of its own),
-or made by ``lora_low`` (one launch or matmul per input; ``EXL3_LORA_FOLD=0``, float32,
-CPU).
+``LowRank`` (``low = x_in @ A^T`` made by one matmul per input, and B^T of all the
+input's parts), with the masking by the rows' adapter slots done in the kernel.
 
 Public API (``x``: activations in the model dtype; ``partials``: float32
 (splits, rows, width); every list has one entry per part):
 - ``LowRank(low, bt, columns, slots)`` and ``low_rank_delta(lora) -> (rows, cols)``:
-  row r gains ``(low[r] * (columns == slots[r])) @ bt`` in ``bt``'s dtype (exact zeros
-  for slot 0); ``bt`` covers the parts of one call side by side, in order. ``low`` is
-  (rows, R) in bt's dtype, or float32 partial sums (slices, rows, R) (a ``LoraFold``'s):
-  their sum, rounded to bt's dtype. ``ranges`` (optional, ``part_ranges(bt, widths)``):
-  per part the span of rank columns with nonzero B^T there (a fused q|k|v's block
-  diagonal); a part spanning <= 16 takes the kernels' short path.
-- ``lora_fold(rows_like, a, width) -> LoraFold(a, partial) | None``: a fold of the first
-  product for an input kernel of ``width`` (padded) columns and rows_like's rows, dtype
-  and device, or None where the kernels do not fold (CPU, float32, rank > 128,
-  ``EXL3_LORA_FOLD=0``: then ``lora_low``); ``norm_hadamard``/``glu_hadamard`` given
-  it fill ``partial`` with ``x_in @ a^T`` (the twins: one slice, the others 0).
+  row r gains ``(low[r] * (columns == slots[r])) @ bt`` in ``low``'s dtype (exact zeros
+  for slot 0); ``bt`` covers the parts of one call side by side, in order.
 - ``norm_hadamard(x[rows, cols], norm_weight|None, eps, unit_offset, pres, width,
-  normed=None, fold=None) -> list[float16 (rows, width)]``: ``H128(norm(x) * pre)``; ``norm`` is
+  normed=None) -> list[float16 (rows, width)]``: ``H128(norm(x) * pre)``; ``norm`` is
   RMSNorm as ``engine/layers/norm.py`` computes it (``norm_weight`` float32;
   ``unit_offset``: Gemma's single rounding), or the identity when ``norm_weight`` is
-  None; ``normed`` (rows, cols) in x's dtype receives ``norm(x)`` (a LoRA's input),
-  ``fold`` the partial sums of ``norm(x) @ fold.a^T``.
+  None; ``normed`` (rows, cols) in x's dtype receives ``norm(x)`` (a LoRA's input).
 - ``gemm_parts(xhs, trellises, k2, codebook, splits) -> list[partials]``: ``xh @ Ŵ``
   (the reference returns one split).
 - ``hadamard_out(partials, posts, biases, outs, rope_cols, residual=None, cos=None,
@@ -46,11 +32,10 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
   first ``rope_cols[p]`` columns rotated per head (rotate-half with ``cos``/``sin``
   (rows, head_dim)), plus ``residual`` when given.
 - ``glu_hadamard(gate, up, post_gate, post_up, bias_gate, bias_up, inter, act, pre,
-  dtype, lora=None, product=None, fold=None) -> float16 (rows, width)``: ``H128((act(g) * u) *
+  dtype, lora=None, product=None) -> float16 (rows, width)``: ``H128((act(g) * u) *
   pre)`` with ``g``/``u`` the gate/up outputs as ``hadamard_out`` makes them (``lora``
   covers [gate | up]; act "silu" or "gelu_tanh"); ``product`` (rows, inter) in
-  ``dtype`` receives ``act(g) * u`` (the down projection's LoRA input), ``fold`` the
-  partial sums of ``(act(g) * u) @ fold.a^T``.
+  ``dtype`` receives ``act(g) * u`` (the down projection's LoRA input).
 - ``qk_norm_rope(qk[rows, heads, head_dim], weight[heads, head_dim], eps, cos=None,
   sin=None) -> qk``: per-head RMSNorm (``engine/layers/norm.py``'s rounding for a 2-D
   weight) then rotate-half rotary with ``cos``/``sin`` (rows, head_dim); in place on
@@ -77,77 +62,22 @@ _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 class LowRank(NamedTuple):
     """The LoRA update of one output-kernel call (module docstring)."""
 
-    low: torch.Tensor  # (rows, R) in the activation dtype: x_in @ A^T (or float32 slices)
+    low: torch.Tensor  # (rows, R) in the activation dtype: x_in @ A^T
     bt: torch.Tensor  # (R, columns of the call's parts) in the activation dtype: B^T
     columns: torch.Tensor  # (R,) int64: the adapter slot of each rank column
     slots: torch.Tensor  # (rows,) int64: the adapter slot of each row (0: none)
-    # (lo, count) per part of the call: rank columns [lo, lo + count) hold every nonzero
-    # of bt in that part's columns (part_ranges); None: all R. A hint for the kernels.
-    ranges: tuple[int, ...] | None = None
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.low, self.bt, self.columns, self.slots)
 
-    def to(self, device: torch.device | str) -> LowRank:
-        return self._replace(low=self.low.to(device), bt=self.bt.to(device),
-                             columns=self.columns.to(device), slots=self.slots.to(device))
-
-
-def part_ranges(bt: torch.Tensor, widths: Sequence[int]) -> tuple[int, ...]:
-    """(lo, count) per part of `widths` columns of bt (R, sum of widths): the span of rank
-    columns with a nonzero in the part's columns ((0, 0) for none). Synchronises with the
-    device: for adapter loading, never inside a captured step."""
-    nonzero = (bt != 0).cpu()
-    out, start = [], 0
-    for width in widths:
-        used = nonzero[:, start : start + width].any(1).nonzero().flatten().tolist()
-        out += [used[0], used[-1] - used[0] + 1] if used else [0, 0]
-        start += width
-    return tuple(out)
-
-
-class LoraFold(NamedTuple):
-    """The first LoRA product folded into an input kernel (module docstring)."""
-
-    a: torch.Tensor  # (R, in) in the activation dtype: A_all
-    partial: torch.Tensor  # float32 (slices, rows, R): filled by the input kernel
-
 
 _NO_LORA = (None, None, None, None)
-_NO_FOLD = (None, None)
-FOLD_SPAN, FOLD_MAX_RANK = 1024, 128  # csrc/ops/cuda/exl3_ops.h kFoldSpan, kFoldMaxRank
 
 
 def low_rank_delta(lora: LowRank) -> torch.Tensor:
     """(rows, columns of bt): each row's own adapter's update, as AdaptedLinear makes it."""
-    low = lora.low.sum(0).to(lora.bt.dtype) if lora.low.dim() == 3 else lora.low
-    mask = (lora.columns[None, :] == lora.slots[: low.shape[0], None]).to(low.dtype)
-    return (low * mask) @ lora.bt
-
-
-def _ranges(lora: LowRank | None) -> list[int]:
-    return list(lora.ranges) if lora is not None and lora.ranges is not None else []
-
-
-def _fold_kernels(x: torch.Tensor) -> bool:
-    """Whether the kernels fold for rows like x (the CPU tests patch this to test the twins)."""
-    return _ext(x) is not None and x.dtype in (torch.float16, torch.bfloat16)
-
-
-def lora_fold(rows_like: torch.Tensor, a: torch.Tensor, width: int) -> LoraFold | None:
-    """See the module docstring."""
-    if os.environ.get("EXL3_LORA_FOLD", "1") == "0" or not _fold_kernels(rows_like):
-        return None
-    if a.dtype != rows_like.dtype or not 1 <= a.shape[0] <= FOLD_MAX_RANK:
-        return None
-    slices = -(-width // FOLD_SPAN)
-    return LoraFold(a, torch.empty(slices, rows_like.shape[0], a.shape[0], dtype=torch.float32,
-                                   device=rows_like.device))
-
-
-def _fold_twin(x_in: torch.Tensor, fold: LoraFold) -> None:
-    fold.partial.zero_()
-    fold.partial[0] = x_in.to(fold.a.dtype).float() @ fold.a.float().t()
+    mask = (lora.columns[None, :] == lora.slots[: lora.low.shape[0], None]).to(lora.low.dtype)
+    return (lora.low * mask) @ lora.bt
 
 
 # EXL3_LORA_LOW=torch: the first LoRA product by torch's matmul (A/B of lora_low.cu).
@@ -209,21 +139,17 @@ def _normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 def norm_hadamard(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                   unit_offset: bool, pres: Sequence[torch.Tensor], width: int,
-                  normed: torch.Tensor | None = None,
-                  fold: LoraFold | None = None) -> list[torch.Tensor]:
+                  normed: torch.Tensor | None = None) -> list[torch.Tensor]:
     """See the module docstring."""
     rows = x.shape[0]
     ext = _ext(x)
     if ext is not None and x.dtype in _DTYPES and x.stride(-1) == 1 and rows > 0:
         outs = [torch.empty(rows, width, dtype=torch.float16, device=x.device) for _ in pres]
-        ext.norm_hadamard(x, norm_weight, eps, unit_offset, list(pres), outs, width, normed,
-                          *(fold if fold is not None else _NO_FOLD))
+        ext.norm_hadamard(x, norm_weight, eps, unit_offset, list(pres), outs, width, normed)
         return outs
     n = _normed(x, norm_weight, eps, unit_offset)
     if normed is not None:
         normed.copy_(n)
-    if fold is not None:
-        _fold_twin(n, fold)
     padded = F.pad(n.float(), (0, width - x.shape[1]))
     return [block_hadamard(padded * pre[:width].float(), dim=-1).half() for pre in pres]
 
@@ -269,8 +195,7 @@ def hadamard_out(partials: Sequence[torch.Tensor], posts: Sequence[torch.Tensor 
     if ext is not None and head_dim in (0, 64, 128) and outs[0].dtype in _DTYPES:
         ext.hadamard_out(list(partials), list(posts), list(biases), list(outs),
                          [int(c) for c in rope_cols], residual, cos, sin, head_dim,
-                         *(lora.args() if lora is not None else _NO_LORA),
-                         lora_ranges=_ranges(lora))
+                         *(lora.args() if lora is not None else _NO_LORA))
         return
     delta = low_rank_delta(lora) if lora is not None else None
     start = 0
@@ -292,8 +217,7 @@ def glu_hadamard(gate: torch.Tensor, up: torch.Tensor, post_gate: torch.Tensor |
                  post_up: torch.Tensor | None, bias_gate: torch.Tensor | None,
                  bias_up: torch.Tensor | None, inter: int, act: str, pre: torch.Tensor,
                  dtype: torch.dtype, lora: LowRank | None = None,
-                 product: torch.Tensor | None = None,
-                 fold: LoraFold | None = None) -> torch.Tensor:
+                 product: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring."""
     rows, width = gate.shape[1], gate.shape[2]
     ext = _ext(gate)
@@ -301,8 +225,7 @@ def glu_hadamard(gate: torch.Tensor, up: torch.Tensor, post_gate: torch.Tensor |
         out = torch.empty(rows, width, dtype=torch.float16, device=gate.device)
         ext.glu_hadamard(gate, up, post_gate, post_up, bias_gate, bias_up, inter,
                          ACTIVATIONS[act], pre, out, _DTYPES[dtype],
-                         *(lora.args() if lora is not None else _NO_LORA), product,
-                         *(fold if fold is not None else _NO_FOLD), lora_ranges=_ranges(lora))
+                         *(lora.args() if lora is not None else _NO_LORA), product)
         return out
     g = _output(gate, post_gate, bias_gate, inter).to(dtype)
     u = _output(up, post_up, bias_up, inter).to(dtype)
@@ -313,8 +236,6 @@ def glu_hadamard(gate: torch.Tensor, up: torch.Tensor, post_gate: torch.Tensor |
     au = a * u
     if product is not None:
         product.copy_(au)
-    if fold is not None:
-        _fold_twin(au, fold)
     padded = F.pad(au.float(), (0, width - inter))
     return block_hadamard(padded * pre[:width].float(), dim=-1).half()
 

@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from exl3cli.engine.adapters.lora import AdaptedLinear, AdapterBank
-from exl3cli.engine.layers import adapted_linear
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.models.loader import load_causal_lm
-from exl3cli.ops import layer_kernels
 from tests.fixtures.fused_shapes import write_fused_shapes
 from tests.fixtures.random_lora import random_adapter
 
@@ -99,43 +97,6 @@ def test_adapters_on_some_parts_only(folders, dtype):
     bank.release()
     scale = want.float().abs().max().item()
     assert (got.float() - want.float()).abs().max().item() <= _tolerance(dtype) * scale
-
-
-@pytest.mark.parametrize("partial", [False, True])
-def test_folded_first_products_match_the_adapted_decoder_layer(folders, monkeypatch, partial):
-    # The input kernels' twins fold x_in @ A^T (as the kernels do on the GPU in float16 /
-    # bfloat16): lora_low must not run, and the layer is the unfused adapted one's.
-    monkeypatch.setattr(layer_kernels, "_fold_kernels", lambda _x: True)
-    folds = []
-    twin = layer_kernels._fold_twin
-    monkeypatch.setattr(layer_kernels, "_fold_twin", lambda x, f: (folds.append(f), twin(x, f)))
-
-    def refuse(*_args):
-        raise AssertionError("lora_low ran under the fold")
-
-    monkeypatch.setattr(adapted_linear, "lora_low", refuse)
-    dtype = torch.bfloat16
-    model, bank = _adapted_model(folders["test-hd64"], dtype, partial=partial)
-    layer = model.layers[0]
-    plan = FusedDecodeLayer.of(layer, force=True)
-    batch, steps = len(ROWS), 2
-    x = (torch.randn(batch, steps, model.config.hidden_size,
-                     generator=torch.Generator().manual_seed(4)) * 0.5).to(dtype)
-    step = model._plan_step(batch, steps)
-    bank.select_rows(ROWS, [steps] * batch)
-    want = layer(x, step)
-    got = plan.forward(x, step)
-    bank.release()
-    bare = layer(x, step)
-    assert len(folds) == (3 if partial else 4)  # q|k|v, o, gate|up (and down)
-    # Per q/k/v part the span of its rank columns ("a": rank 4 each; "b": 8 on q and v).
-    assert plan.qkv_lora.lora_ranges == ((0, 0, 0, 4, 0, 0) if partial else (0, 20, 4, 4, 8, 20))
-    scale = want.float().abs().max().item()
-    assert (got.float() - want.float()).abs().max().item() <= _tolerance(dtype) * scale
-    assert (want[0].float() - bare[0].float()).abs().max().item() > 5 * _tolerance(dtype) * scale
-    monkeypatch.setenv("EXL3_LORA_FOLD", "0")  # the switch: back to lora_low
-    with pytest.raises(AssertionError, match="lora_low ran"):
-        plan.forward(x, step)
 
 
 def test_whole_model_logits_with_adapters_through_fused_layers(folders):

@@ -1,9 +1,7 @@
 """LoRA adapters on the fused decode layer on the GPU (`-m cuda`): the adapted fused layers
 against the unfused adapted layers (AdaptedLinear around the EXL3 kernels), in a whole
 forward and in a decode step replayed from a CUDA graph, rows of two adapters and bare
-rows in one batch (4 and 16 rows), with the first LoRA product folded into the input
-kernels (float16/bfloat16) and with EXL3_LORA_FOLD=0 (lora_low, as float32 always).
-The CPU twins of the same checks: tests/engine/test_fused_lora.py."""
+rows in one batch. The CPU twins of the same checks: tests/engine/test_fused_lora.py."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from exl3cli.convert.synthetic import SHAPES, write_synthetic_model
 from exl3cli.engine.adapters.lora import AdapterBank
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
-from exl3cli.engine.layers import adapted_linear
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.text.tokenizer import Tokenizer
@@ -25,7 +22,6 @@ from tests.fixtures.random_lora import random_adapter
 
 pytestmark = pytest.mark.cuda
 ROWS = ["a", None, "b", "a"]
-ROWS16 = [("a", None, "b", "a")[i % 4] for i in range(16)]
 GREEDY = {"temperature": 0}
 
 
@@ -50,25 +46,11 @@ def _fused_with_adapters(model) -> bool:
                and layer._fused.down_lora is not None for layer in model.layers)
 
 
-def _count_lora_low(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    low = adapted_linear.lora_low
-    monkeypatch.setattr(adapted_linear, "lora_low",
-                        lambda x, a: (calls.append(x.shape[0]), low(x, a))[1])
-    return calls
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fold", ["1", "0"])
-@pytest.mark.parametrize("rows, steps", [(ROWS, 8), (ROWS16, 4)])
-def test_adapted_fused_layers_give_the_unfused_adapted_logits(folder, monkeypatch, dtype, fold,
-                                                              rows, steps):
-    # 16 rows x 4 tokens: the fused layer's 64 rows at once.
-    monkeypatch.setenv("EXL3_LORA_FOLD", fold)
-    calls = _count_lora_low(monkeypatch)
+def test_adapted_fused_layers_give_the_unfused_adapted_logits(folder, dtype):
     model, bank = _adapted(folder, dtype)
-    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 7, 8][:steps]], device="cuda")
-    ids = ids.expand(len(rows), -1).contiguous()
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 7, 8]], device="cuda").expand(len(ROWS), -1)
+    ids = ids.contiguous()
 
     def logits(rows: list[str | None] | None) -> torch.Tensor:
         if rows is not None:
@@ -78,14 +60,12 @@ def test_adapted_fused_layers_give_the_unfused_adapted_logits(folder, monkeypatc
         finally:
             bank.release()
 
-    fused = logits(rows)
+    fused = logits(ROWS)
     assert _fused_with_adapters(model)
-    folded = fold == "1" and dtype != torch.float32
-    assert (len(calls) == 0) == folded, calls  # lora_low only where nothing folds
     fused_bare = logits(None)
     for layer in model.layers:
         layer._fused = None  # the unfused kernels, each projection an AdaptedLinear
-    plain = logits(rows)
+    plain = logits(ROWS)
     bare = logits(None)
     scale = plain.abs().max().item()
     tolerance = (2e-3 if dtype == torch.float32 else 3e-2) * scale
@@ -94,7 +74,7 @@ def test_adapted_fused_layers_give_the_unfused_adapted_logits(folder, monkeypatc
     # A row without an adapter is the bare fused layer's to the bit; the adapters move
     # their rows far past the tolerance.
     assert torch.equal(fused[1], fused_bare[1])
-    for row, adapter in enumerate(rows):
+    for row, adapter in enumerate(ROWS):
         change = (plain[row] - bare[row]).abs().max().item()
         assert (change > 3 * tolerance) == (adapter is not None), (row, change)
 
@@ -137,9 +117,7 @@ def _jobs(adapters: list[str | None], num_predict: int = 4) -> list[GenerationJo
             for i, name in enumerate(adapters)]
 
 
-@pytest.mark.parametrize("fold", ["1", "0"])
-def test_adapted_decode_graph_step_matches_the_unfused_step(folder, monkeypatch, fold):
-    monkeypatch.setenv("EXL3_LORA_FOLD", fold)
+def test_adapted_decode_graph_step_matches_the_unfused_step(folder, monkeypatch):
     model, _ = _adapted(folder, torch.float16)
     tokenizer = Tokenizer.from_folder(folder)
     got, generator = _first_decode_logits(model, tokenizer, _jobs(ROWS), "graph")

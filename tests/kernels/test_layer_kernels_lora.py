@@ -53,7 +53,7 @@ def _lora(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator,
 
 
 def _on(lora: LowRank, device: str) -> LowRank:
-    return lora.to(device)
+    return LowRank(*(t.to(device) for t in lora))
 
 
 def _bare_rows(rows: int) -> torch.Tensor:

@@ -70,34 +70,17 @@ bool launch_kv_quant_write(int dtype, const void* x, int64_t x_row_stride,
                            int channels, int bits, void* codes, void* scales,
                            cudaStream_t stream);
 
-// The first LoRA product folded into the kernel that makes a LoRA input (norm_hadamard:
-// the normed rows, glu_hadamard: act(gate) * up): with a set, the kernel also writes
-// partial (slices, rows, rank) float32, contiguous, slice s holding the dot products of
-// the input's columns [s * kFoldSpan, (s + 1) * kFoldSpan) (as rounded to dtype) with
-// the rows of a (rank, k_dim) in dtype, row stride a_stride (k_dim = the input's
-// columns). slices = ceil(width / kFoldSpan) of the kernel's padded width; rank <=
-// kFoldMaxRank. The output kernel sums them (LowRank.slices): no atomics, no second pass.
-constexpr int kFoldSpan = 1024, kFoldMaxRank = 128;
-struct LoraFold {
-  const void* a;
-  int64_t a_stride;
-  int rank;
-  float* partial;
-};
-
 // Fused decode-layer kernels (layer_fused.cu), rows <= 64, `dtype` the activations'.
 //
 // norm_hadamard: for each part p, out[p][r, :] = float16(H128(n(x[r]) * pre[p])) over
 // `width` columns, n = RMSNorm with float32 weight norm_w (rounded to dtype as
 // engine/layers/norm.py does; unit_offset: one rounding after the weight) or, with norm_w null,
 // the identity. x: (rows, x_cols) with row stride; out[p]: (rows, width) contiguous.
-// normed (optional): n(x) in dtype, (rows, x_cols) with normed_stride (a LoRA's input);
-// fold (a set): n(x) @ a^T's partial sums (LoraFold), dtype float16 or bfloat16.
+// normed (optional): n(x) in dtype, (rows, x_cols) with normed_stride (a LoRA's input).
 bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_cols,
                           int width, const float* norm_w, float eps, bool unit_offset,
                           int nparts, const float* const* pre, void* const* out, int rows,
-                          void* normed, int64_t normed_stride, const LoraFold& fold,
-                          cudaStream_t stream);
+                          void* normed, int64_t normed_stride, cudaStream_t stream);
 
 // lora_low (lora_low.cu): low = x @ A^T rounded to dtype, x (rows, k_dim) with row stride
 // x_stride, A (rank, k_dim) contiguous, low (rows, rank) contiguous; rows <= 64, rank
@@ -115,14 +98,7 @@ bool launch_lora_low(int dtype, const void* x, int64_t x_stride, const void* a, 
 // (no update where slots[r] == 0), added to the part's rounded y = H128(...) * post + bias
 // before rotary, the activation or the residual. low = x_in @ A^T: (rows, rank) in dtype;
 // bt = B^T: (rank, sum of the parts' columns) in dtype; columns (rank,) and slots (rows,)
-// the adapter slot of each rank column and row. low == nullptr: no update. With slices
-// > 0, low is instead float32 partial sums (slices, rows, rank) as LoraFold writes them
-// (element (s, r, k) at s * slice_stride + r * low_stride + k): low[r, k] is their sum in
-// slice order, rounded to dtype. lo/count: for each part p of the call (hadamard_out's
-// parts in order; glu_hadamard: 0 gate, 1 up), the rank columns [lo[p], lo[p] + count[p])
-// hold every nonzero of bt in that part's columns (0 <= lo, lo + count <= rank; count 0:
-// lo 0 and no update); a part whose count is <= 16 takes the shorter fetch path
-// (exl3_lora.cuh). Without a narrower range: lo 0, count rank.
+// the adapter slot of each rank column and row. low == nullptr: no update.
 struct LowRank {
   const void* low;
   int64_t low_stride;
@@ -131,12 +107,7 @@ struct LowRank {
   const int64_t* columns;
   const int64_t* slots;
   int rank;
-  int slices;
-  int64_t slice_stride;
-  int lo[kMaxParts];
-  int count[kMaxParts];
 };
-
 
 // hadamard_out: for each part, y = H128(sum of its splits) * post + bias rounded to
 // dtype; columns below rope_cols rotated per head (rotate-half, cos/sin (rows, head_dim)
@@ -168,14 +139,12 @@ bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void*
 // columns [0, inter), up at [inter, 2 inter)), a = act(gate) * up (act 0: SiLU, 1: GELU
 // tanh; columns >= inter are 0), then out = float16(H128(a * pre)) (rows, width): the
 // next (down) projection's rotated input. product (optional): a in dtype, (rows, inter)
-// with product_stride (the down projection's LoRA input); fold (a set): a @ fold.a^T's
-// partial sums (LoraFold, k_dim = inter), dtype float16 or bfloat16.
+// with product_stride (the down projection's LoRA input).
 bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
                          int width, const float* post_gate, const float* post_up,
                          const float* bias_gate, const float* bias_up, int inter, int act,
                          const float* pre, void* out, int rows, const LowRank& lora,
-                         void* product, int64_t product_stride, const LoraFold& fold,
-                         cudaStream_t stream);
+                         void* product, int64_t product_stride, cudaStream_t stream);
 
 // qk_norm_rope (qk_norm_rope.cu): in place on x (rows, heads * head_dim; row stride, unit
 // column stride), per head h: RMSNorm with weight[h, :] (float32, (heads, head_dim)) as

@@ -14,30 +14,19 @@ namespace {
 using OptTensor = c10::optional<at::Tensor>;
 
 // The LoRA update of an output kernel (exl3_ops.h LowRank) from its four optional
-// tensors (all or none): low (rows, rank) in `dtype` (code), unit column stride, or
-// float32 (slices, rows, rank) contiguous (a fold's partial sums); bt (rank, >= cols) in
-// `dtype`, unit column stride; columns (rank,) and slots (>= rows,) contiguous int64.
-// ranges: empty, or (lo, count) per part (nparts of them): the rank columns that hold
-// every nonzero of bt in the part's columns (exl3_ops.h LowRank lo/count).
+// tensors (all or none): low (rows, rank) and bt (rank, >= cols) in `dtype` (code), unit
+// column stride; columns (rank,) and slots (>= rows,) contiguous int64.
 exl3::LowRank low_rank(const OptTensor& low, const OptTensor& bt, const OptTensor& columns,
-                       const OptTensor& slots, int64_t rows, int64_t cols, int dtype,
-                       const std::vector<int64_t>& ranges, int nparts) {
+                       const OptTensor& slots, int64_t rows, int64_t cols, int dtype) {
   exl3::LowRank lora{};
   const int given = low.has_value() + bt.has_value() + columns.has_value() + slots.has_value();
   if (given == 0) return lora;
   TORCH_CHECK(given == 4, "lora_low, lora_bt, lora_columns and lora_slots come together");
   for (const auto* t : {&*low, &*bt, &*columns, &*slots}) check_cuda(*t, "lora tensors");
-  const bool folded = low->dim() == 3;
-  if (folded) {
-    TORCH_CHECK(low->scalar_type() == at::kFloat && low->is_contiguous() && low->size(0) >= 1 &&
-                    low->size(1) == rows,
-                "lora_low partials must be contiguous float32 (slices, rows, rank)");
-  } else {
-    TORCH_CHECK(low->dim() == 2 && low->size(0) == rows &&
-                    (low->size(1) <= 1 || low->stride(1) == 1) && dtype_code(*low) == dtype,
-                "lora_low must be (rows, rank) in the activation dtype, unit column stride");
-  }
-  const int64_t rank = low->size(folded ? 2 : 1);
+  TORCH_CHECK(low->dim() == 2 && low->size(0) == rows &&
+                  (low->size(1) <= 1 || low->stride(1) == 1) && dtype_code(*low) == dtype,
+              "lora_low must be (rows, rank) in the activation dtype, unit column stride");
+  const int64_t rank = low->size(1);
   TORCH_CHECK(bt->dim() == 2 && bt->size(0) == rank && bt->size(1) >= cols &&
                   (bt->size(1) <= 1 || bt->stride(1) == 1) && dtype_code(*bt) == dtype,
               "lora_bt must be (rank, >= the parts' columns) in the activation dtype");
@@ -46,24 +35,12 @@ exl3::LowRank low_rank(const OptTensor& low, const OptTensor& bt, const OptTenso
   TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() &&
                   slots->numel() >= rows, "lora_slots must be contiguous int64 (>= rows,)");
   lora.low = low->data_ptr();
-  lora.low_stride = folded ? rank : low->stride(0);
-  lora.slices = folded ? (int)low->size(0) : 0;
-  lora.slice_stride = folded ? rows * rank : 0;
+  lora.low_stride = low->stride(0);
   lora.bt = bt->data_ptr();
   lora.bt_stride = bt->stride(0);
   lora.columns = columns->data_ptr<int64_t>();
   lora.slots = slots->data_ptr<int64_t>();
   lora.rank = (int)rank;
-  TORCH_CHECK(ranges.empty() || (int64_t)ranges.size() == 2 * nparts,
-              "lora_ranges must hold (lo, count) for each part");
-  for (int p = 0; p < nparts; p++) {
-    const int64_t lo = ranges.empty() ? 0 : ranges[2 * p];
-    const int64_t count = ranges.empty() ? rank : ranges[2 * p + 1];
-    TORCH_CHECK(lo >= 0 && count >= 0 && lo + count <= rank && (count > 0 || lo == 0),
-                "lora_ranges: part ", p, " (", lo, ", ", count, ") outside the rank ", rank);
-    lora.lo[p] = (int)lo;
-    lora.count[p] = (int)count;
-  }
   return lora;
 }
 
@@ -78,40 +55,11 @@ void* optional_rows(const OptTensor& t, int64_t rows, int64_t cols, int dtype,
   return t->data_ptr();
 }
 
-// The first LoRA product folded into an input kernel (exl3_ops.h LoraFold) from its two
-// optional tensors (both or none): a (rank, k_dim) in `dtype` (code: float16/bfloat16),
-// unit column stride; partial float32 (ceil(width / kFoldSpan), rows, rank) contiguous.
-exl3::LoraFold lora_fold(const OptTensor& a, const OptTensor& partial, int64_t rows,
-                         int64_t k_dim, int64_t width, int dtype) {
-  exl3::LoraFold fold{};
-  TORCH_CHECK(a.has_value() == partial.has_value(), "lora_a and lora_partial come together");
-  if (!a.has_value()) return fold;
-  check_cuda(*a, "lora_a");
-  check_cuda(*partial, "lora_partial");
-  TORCH_CHECK(dtype == exl3::DT_HALF || dtype == exl3::DT_BF16,
-              "the LoRA fold takes float16 or bfloat16 activations");
-  TORCH_CHECK(a->dim() == 2 && a->size(1) == k_dim && a->size(0) >= 1 &&
-                  a->size(0) <= exl3::kFoldMaxRank && (k_dim <= 1 || a->stride(1) == 1) &&
-                  dtype_code(*a) == dtype,
-              "lora_a must be (rank <= 128, input columns) in the activation dtype");
-  const int64_t slices = (width + exl3::kFoldSpan - 1) / exl3::kFoldSpan;
-  TORCH_CHECK(partial->scalar_type() == at::kFloat && partial->is_contiguous() &&
-                  partial->dim() == 3 && partial->size(0) == slices &&
-                  partial->size(1) == rows && partial->size(2) == a->size(0),
-              "lora_partial must be contiguous float32 (", slices, ", rows, rank)");
-  fold.a = a->data_ptr();
-  fold.a_stride = a->stride(0);
-  fold.rank = (int)a->size(0);
-  fold.partial = partial->data_ptr<float>();
-  return fold;
-}
-
 // x: (rows, x_cols), unit column stride; pres: float32 (>= width); outs: (rows, width) fp16;
-// normed: (rows, x_cols) in x's dtype or none; lora_a/lora_partial: a fold (lora_fold).
+// normed: (rows, x_cols) in x's dtype or none.
 void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight,
                    double eps, bool unit_offset, const std::vector<at::Tensor>& pres,
-                   const std::vector<at::Tensor>& outs, int64_t width, const OptTensor& normed,
-                   const OptTensor& lora_a, const OptTensor& lora_partial) {
+                   const std::vector<at::Tensor>& outs, int64_t width, const OptTensor& normed) {
   check_cuda(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols) with unit column stride");
   const size_t n = pres.size();
@@ -128,15 +76,13 @@ void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_we
   }
   for (size_t p = 0; p < n; p++) out_ptr[p] = outs[p].data_ptr();
   void* normed_ptr = optional_rows(normed, x.size(0), x.size(1), dtype_code(x), "normed");
-  const exl3::LoraFold fold =
-      lora_fold(lora_a, lora_partial, x.size(0), x.size(1), width, dtype_code(x));
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(exl3::launch_norm_hadamard(
                    dtype_code(x), x.data_ptr(), x.stride(0), (int)x.size(1), (int)width,
                    optional_vector(norm_weight, x.size(1), "norm_weight"), (float)eps,
                    unit_offset, (int)n, pre_ptr, out_ptr, (int)x.size(0), normed_ptr,
-                   normed.has_value() ? normed->stride(0) : 0, fold, stream),
+                   normed.has_value() ? normed->stride(0) : 0, stream),
                "exl3 norm hadamard");
 }
 
@@ -149,8 +95,7 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
                   const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& cos,
                   const c10::optional<at::Tensor>& sin, int64_t head_dim,
                   const OptTensor& lora_low, const OptTensor& lora_bt,
-                  const OptTensor& lora_columns, const OptTensor& lora_slots,
-                  const std::vector<int64_t>& lora_ranges) {
+                  const OptTensor& lora_columns, const OptTensor& lora_slots) {
   const size_t n = partials.size();
   TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
                   biases.size() == n && outs.size() == n && rope_cols.size() == n,
@@ -178,7 +123,7 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
     lora_cols += out.size(1);
   }
   const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
-                                      lora_cols, dtype_code(outs[0]), lora_ranges, (int)n);
+                                      lora_cols, dtype_code(outs[0]));
   const void* res_ptr = nullptr;
   int64_t res_stride = 0;
   if (residual.has_value()) {
@@ -212,8 +157,7 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
 }
 
 // gate/up: (splits, rows, width) float32; out: (rows, width) float16; dtype: rounding;
-// the LoRA tensors cover [gate | up] (2 * inter columns); product: (rows, inter) or none;
-// lora_a/lora_partial: the down projection's fold of act(gate) * up (lora_fold).
+// the LoRA tensors cover [gate | up] (2 * inter columns); product: (rows, inter) or none.
 void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
                   const c10::optional<at::Tensor>& post_gate,
                   const c10::optional<at::Tensor>& post_up,
@@ -222,8 +166,7 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
                   const at::Tensor& pre, at::Tensor& out, int64_t dtype,
                   const OptTensor& lora_low, const OptTensor& lora_bt,
                   const OptTensor& lora_columns, const OptTensor& lora_slots,
-                  const OptTensor& product, const OptTensor& lora_a,
-                  const OptTensor& lora_partial, const std::vector<int64_t>& lora_ranges) {
+                  const OptTensor& product) {
   check_contiguous(gate, "gate");
   check_contiguous(up, "up");
   check_contiguous(out, "out");
@@ -233,9 +176,8 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
   TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
                   out.size(1) == width, "out must be contiguous float16 (rows, width)");
   const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
-                                      2 * inter, (int)dtype, lora_ranges, 2);
+                                      2 * inter, (int)dtype);
   void* product_ptr = optional_rows(product, rows, inter, (int)dtype, "product");
-  const exl3::LoraFold fold = lora_fold(lora_a, lora_partial, rows, inter, width, (int)dtype);
   const c10::cuda::CUDAGuard guard(gate.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(exl3::launch_glu_hadamard(
@@ -245,7 +187,7 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
                    optional_vector(bias_gate, inter, "bias_gate"),
                    optional_vector(bias_up, inter, "bias_up"), (int)inter, (int)act,
                    optional_vector(pre, width, "pre"), out.data_ptr(), (int)rows, lora,
-                   product_ptr, product.has_value() ? product->stride(0) : 0, fold, stream),
+                   product_ptr, product.has_value() ? product->stride(0) : 0, stream),
                "exl3 glu hadamard");
 }
 
@@ -318,22 +260,19 @@ void define_layer_ops(pybind11::module_& m) {
   m.def("norm_hadamard", &norm_hadamard,
         "outs[p] = f16(H128(rmsnorm(x) * pres[p])) (norm optional)", py::arg("x"),
         py::arg("norm_weight"), py::arg("eps"), py::arg("unit_offset"), py::arg("pres"),
-        py::arg("outs"), py::arg("width"), py::arg("normed"), py::arg("lora_a") = py::none(),
-        py::arg("lora_partial") = py::none());
+        py::arg("outs"), py::arg("width"), py::arg("normed"));
   m.def("hadamard_out", &hadamard_out,
         "split sum + H128 + post + bias (+ rotary, + residual) for up to 4 parts",
         py::arg("partials"), py::arg("posts"), py::arg("biases"), py::arg("outs"),
         py::arg("rope_cols"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
         py::arg("head_dim"), py::arg("lora_low"), py::arg("lora_bt"), py::arg("lora_columns"),
-        py::arg("lora_slots"), py::arg("lora_ranges") = std::vector<int64_t>{});
+        py::arg("lora_slots"));
   m.def("glu_hadamard", &glu_hadamard,
         "act(gate) * up from their partials, then the down projection's input Hadamard",
         py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),
         py::arg("bias_gate"), py::arg("bias_up"), py::arg("inter"), py::arg("act"),
         py::arg("pre"), py::arg("out"), py::arg("dtype"), py::arg("lora_low"),
-        py::arg("lora_bt"), py::arg("lora_columns"), py::arg("lora_slots"), py::arg("product"),
-        py::arg("lora_a") = py::none(), py::arg("lora_partial") = py::none(),
-        py::arg("lora_ranges") = std::vector<int64_t>{});
+        py::arg("lora_bt"), py::arg("lora_columns"), py::arg("lora_slots"), py::arg("product"));
 }
 
 }  // namespace exl3_bind

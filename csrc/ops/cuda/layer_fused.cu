@@ -14,8 +14,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
 #include "exl3_convert.cuh"
 #include "../../codec/exl3_hadamard.cuh"
 #include "exl3_launch.cuh"
@@ -26,7 +24,6 @@ namespace exl3 {
 namespace {
 
 constexpr int kWarps = 8;
-static_assert(kFoldSpan == kWarps * 128, "a fold's slice is one block's columns");
 
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -59,30 +56,20 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
 struct InParts {
   const float* pre[kMaxParts];
   __half* out[kMaxParts];
-  int count;
 };
 
 // grid (blocks of 8 column blocks, parts, rows); each block normalises its row itself.
-// FOLD: its own instance (the bare one keeps its registers); grid y = max(parts, chunks
-// of 16 rank columns), block y also folds chunk y of the first LoRA product (exl3_ops.h
-// LoraFold; slice = blockIdx.x): every block one chunk at most, A's loads under the norm.
-template <typename T, bool FOLD>
+template <typename T>
 __global__ void __launch_bounds__(kWarps * 32)
     norm_hadamard_kernel(const T* __restrict__ x, int64_t row_stride, int x_cols, int width,
                          const float* __restrict__ norm_w, float eps, bool unit_offset,
                          const __grid_constant__ InParts parts, T* __restrict__ normed,
-                         int64_t normed_stride, const __grid_constant__ LoraFold fold) {
+                         int64_t normed_stride) {
   pdl_trigger();
   pdl_wait();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int row = blockIdx.z;
-  const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
-  const int chunk0 = blockIdx.y * kFoldChunk;
-  const bool folding = FOLD && chunk0 < fold.rank;  // uniform in the block
-  const bool has_part = !FOLD || (int)blockIdx.y < parts.count;
-  LoraFoldChunk<T> chunk;
-  if (folding) lora_fold_load<T>(fold, chunk0, base, x_cols, chunk);  // under the norm's loads
   const T* xr = x + row * row_stride;
   float rs = 1.0f;
   if (norm_w != nullptr) {
@@ -98,13 +85,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     s = warp_sum(lane < kWarps ? partial[lane] : 0.0f);
     rs = rsqrtf(s / (float)x_cols + eps);
   }
-  // Whole warps past the width (width is a multiple of 128) leave, but for a fold's:
-  // they add zeros and join its block sum.
-  if (base >= width && !folding) return;
-  const bool active = base < width && has_part;
-  const float* pre = parts.pre[has_part ? blockIdx.y : 0];
+  const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
+  if (base >= width) return;  // whole warps: width is a multiple of 128
+  const float* pre = parts.pre[blockIdx.y];
   T* normed_row = normed != nullptr && blockIdx.y == 0 ? normed + row * normed_stride : nullptr;
-  float v[4], in[4];
+  float v[4];
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     const int c = base + e;
@@ -115,19 +100,10 @@ __global__ void __launch_bounds__(kWarps * 32)
         f = unit_offset ? round_to<T>(f * rs * norm_w[c])
                         : round_to<T>(round_to<T>(f * rs) * norm_w[c]);
       if (normed_row != nullptr) normed_row[c] = from_f32<T>(f);
-      in[e] = f;
-      if (has_part) f *= pre[c];
-    } else {
-      in[e] = 0.0f;
+      f *= pre[c];
     }
     v[e] = f;
   }
-  if (FOLD && folding) {
-    __shared__ float red[kWarps * kFoldMaxRank];
-    lora_fold_block<T, kWarps>(fold, chunk, in, base, x_cols, gridDim.z, row, blockIdx.x,
-                               chunk0, gridDim.y * kFoldChunk, red);
-  }
-  if (!active) return;
   hadamard128_warp(v, lane);
   __half* out = parts.out[blockIdx.y] + (size_t)row * width + base;
   __half2* out2 = reinterpret_cast<__half2*>(out);
@@ -153,9 +129,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (row >= rows) return;  // whole warps
   const int base = (id % blocks_per_row) * 128 + lane * 4;
   const int lora_offset[1] = {part.lora_offset};
-  const int lora_part[1] = {(int)blockIdx.y};
   LoraFetch<T, 1> lf;
-  if (LORA) lora_fetch<T, 1>(lora, row, lora_offset, lora_part, base, part.out_cols, lane, lf);
+  if (LORA) lora_fetch<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, lf);
   float v[4];
   load_split_sum(part.partial, part.splits, rows, part.width, row, base, v);
   hadamard128_warp(v, lane);
@@ -208,10 +183,7 @@ __device__ __forceinline__ float activation(float g, int act) {
 }
 
 // LORA: with the LoRA update or the product output (the bare instance keeps its registers).
-// FOLD (with LORA): also the down projection's first LoRA product (LoraFold, k_dim =
-// inter); then the grid is (blocks of 8 column blocks, rows), a block one row's (slice =
-// blockIdx.x), else warps over rows x column blocks.
-template <typename T, bool LORA, bool FOLD>
+template <typename T, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     glu_hadamard_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                         int splits, int width, const float* __restrict__ post_gate,
@@ -219,103 +191,67 @@ __global__ void __launch_bounds__(kWarps * 32)
                         const float* __restrict__ bias_up, int inter, int act,
                         const float* __restrict__ pre, __half* __restrict__ out, int rows,
                         const __grid_constant__ LowRank lora, T* __restrict__ product,
-                        int64_t product_stride, const __grid_constant__ LoraFold fold) {
-  static_assert(LORA || !FOLD, "FOLD is an instance with LORA");
+                        int64_t product_stride) {
   pdl_trigger();
   pdl_wait();
   const int lane = threadIdx.x & 31;
   const int blocks_per_row = width / 128;
-  int row, block;
-  if (FOLD) {
-    row = blockIdx.y;
-    block = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  } else {
-    const int id = blockIdx.x * kWarps + (threadIdx.x >> 5);
-    row = id / blocks_per_row;
-    block = id % blocks_per_row;
-    if (row >= rows) return;
-  }
-  // FOLD: warps past the row's last column block add zeros to the block's fold.
-  const bool active = !FOLD || block < blocks_per_row;
-  const int base = (active ? block : 0) * 128 + lane * 4;
-  LoraFoldChunk<T> chunk;
+  const int id = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int row = id / blocks_per_row;
+  if (row >= rows) return;
+  const int base = (id % blocks_per_row) * 128 + lane * 4;
   const int lora_offset[2] = {0, inter};  // bt columns: [gate | up]
-  float in[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // act(gate) * up in T (the fold's input)
-  if (active) {
-    constexpr int lora_part[2] = {0, 1};
-    LoraFetch<T, 2> lf;
-    if (LORA) lora_fetch<T, 2>(lora, row, lora_offset, lora_part, base, inter, lane, lf);
-    float g[4], u[4];
-    load_split_sum(gate, splits, rows, width, row, base, g);
-    load_split_sum(up, splits, rows, width, row, base, u);
-    hadamard128_warp(g, lane);
-    hadamard128_warp(u, lane);
-    float d[2][4];
-    const bool adapted =
-        LORA && (lf.fast ? lora_apply<T, 2>(lf, d)
-                         : lora_delta<T, 2>(lora, row, lora_offset, base, inter, lane, d));
-    // A's columns now, once the update's registers are free (under the rest of the row).
-    if (FOLD) lora_fold_load<T>(fold, 0, base, inter, chunk);
-    T* product_row =
-        LORA && product != nullptr ? product + (size_t)row * product_stride : nullptr;
-    float v[4];
+  LoraFetch<T, 2> lf;
+  if (LORA) lora_fetch<T, 2>(lora, row, lora_offset, base, inter, lane, lf);
+  float g[4], u[4];
+  load_split_sum(gate, splits, rows, width, row, base, g);
+  load_split_sum(up, splits, rows, width, row, base, u);
+  hadamard128_warp(g, lane);
+  hadamard128_warp(u, lane);
+  float d[2][4];
+  const bool adapted =
+      LORA && (lf.fast ? lora_apply<T, 2>(lf, d)
+                       : lora_delta<T, 2>(lora, row, lora_offset, base, inter, lane, d));
+  T* product_row = LORA && product != nullptr ? product + (size_t)row * product_stride : nullptr;
+  float v[4];
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int c = base + e;
-      float a = 0.0f;
-      if (c < inter) {
-        float gv = g[e] * kHadamardScale;
-        float uv = u[e] * kHadamardScale;
-        if (post_gate != nullptr) gv *= post_gate[c];
-        if (post_up != nullptr) uv *= post_up[c];
-        if (bias_gate != nullptr) gv += bias_gate[c];
-        if (bias_up != nullptr) uv += bias_up[c];
-        gv = round_to<T>(gv);
-        uv = round_to<T>(uv);
-        if (adapted) {
-          gv = round_to<T>(gv + d[0][e]);
-          uv = round_to<T>(uv + d[1][e]);
-        }
-        a = round_to<T>(round_to<T>(activation(gv, act)) * uv);
-        if (product_row != nullptr) product_row[c] = from_f32<T>(a);
+  for (int e = 0; e < 4; e++) {
+    const int c = base + e;
+    float a = 0.0f;
+    if (c < inter) {
+      float gv = g[e] * kHadamardScale;
+      float uv = u[e] * kHadamardScale;
+      if (post_gate != nullptr) gv *= post_gate[c];
+      if (post_up != nullptr) uv *= post_up[c];
+      if (bias_gate != nullptr) gv += bias_gate[c];
+      if (bias_up != nullptr) uv += bias_up[c];
+      gv = round_to<T>(gv);
+      uv = round_to<T>(uv);
+      if (adapted) {
+        gv = round_to<T>(gv + d[0][e]);
+        uv = round_to<T>(uv + d[1][e]);
       }
-      in[e] = a;
-      v[e] = a * pre[c];
+      a = round_to<T>(round_to<T>(activation(gv, act)) * uv);
+      if (product_row != nullptr) product_row[c] = from_f32<T>(a);
     }
-    hadamard128_warp(v, lane);
-    __half2* out2 = reinterpret_cast<__half2*>(out + (size_t)row * width + base);
-    out2[0] = __floats2half2_rn(v[0] * kHadamardScale, v[1] * kHadamardScale);
-    out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
+    v[e] = a * pre[c];
   }
-  if (FOLD && !active) lora_fold_load<T>(fold, 0, inter, inter, chunk);  // zeros
-  if (FOLD) {
-    __shared__ float red[kWarps * kFoldMaxRank];
-    lora_fold_block<T, kWarps>(fold, chunk, in, active ? base : inter, inter, rows, row,
-                               blockIdx.x, 0, kFoldChunk, red);
-  }
+  hadamard128_warp(v, lane);
+  __half2* out2 = reinterpret_cast<__half2*>(out + (size_t)row * width + base);
+  out2[0] = __floats2half2_rn(v[0] * kHadamardScale, v[1] * kHadamardScale);
+  out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
 }
 
 unsigned warp_blocks(int64_t warps) { return (unsigned)((warps + kWarps - 1) / kWarps); }
 
-// Whether T's kernels have a FOLD instance (the LoRA fold is for float16 and bfloat16).
-template <typename T>
-constexpr bool kFolds = !std::is_same<T, float>::value;
-
 template <typename T>
 void run_norm(const void* x, int64_t row_stride, int x_cols, int width, const float* norm_w,
               float eps, bool unit_offset, const InParts& parts, int nparts, int rows,
-              void* normed, int64_t normed_stride, const LoraFold& fold, cudaStream_t stream) {
+              void* normed, int64_t normed_stride, cudaStream_t stream) {
   dim3 grid(warp_blocks(width / 128), nparts, rows);
-  auto kernel = norm_hadamard_kernel<T, false>;
-  if constexpr (kFolds<T>) {
-    if (fold.a != nullptr) {
-      kernel = norm_hadamard_kernel<T, true>;
-      grid.y = max(nparts, (fold.rank + kFoldChunk - 1) / kFoldChunk);
-    }
-  }
-  launch(kernel, grid, dim3(kWarps * 32), 0, stream, static_cast<const T*>(x), row_stride,
-         x_cols, width, norm_w, eps, unit_offset, parts, static_cast<T*>(normed),
-         normed_stride, fold);
+  launch(norm_hadamard_kernel<T>, grid, dim3(kWarps * 32), 0, stream, static_cast<const T*>(x),
+         row_stride, x_cols, width, norm_w, eps, unit_offset, parts, static_cast<T*>(normed),
+         normed_stride);
 }
 
 template <typename T>
@@ -335,35 +271,20 @@ template <typename T>
 void run_glu(const float* gate, const float* up, int splits, int width, const float* post_gate,
              const float* post_up, const float* bias_gate, const float* bias_up, int inter,
              int act, const float* pre, void* out, int rows, const LowRank& lora,
-             void* product, int64_t product_stride, const LoraFold& fold,
-             cudaStream_t stream) {
+             void* product, int64_t product_stride, cudaStream_t stream) {
   const bool extras = lora.low != nullptr || product != nullptr;
-  auto kernel = extras ? glu_hadamard_kernel<T, true, false> : glu_hadamard_kernel<T, false, false>;
-  dim3 grid(warp_blocks((int64_t)rows * (width / 128)));
-  if constexpr (kFolds<T>) {
-    if (fold.a != nullptr) {
-      kernel = glu_hadamard_kernel<T, true, true>;
-      grid = dim3(warp_blocks(width / 128), rows);
-    }
-  }
-  launch(kernel, grid, dim3(kWarps * 32), 0, stream, gate, up, splits, width, post_gate,
-         post_up, bias_gate, bias_up, inter, act, pre, static_cast<__half*>(out), rows, lora,
-         static_cast<T*>(product), product_stride, fold);
+  launch(extras ? glu_hadamard_kernel<T, true> : glu_hadamard_kernel<T, false>,
+         dim3(warp_blocks((int64_t)rows * (width / 128))),
+         dim3(kWarps * 32), 0, stream, gate, up, splits, width, post_gate, post_up, bias_gate,
+         bias_up, inter, act, pre, static_cast<__half*>(out), rows, lora,
+         static_cast<T*>(product), product_stride);
 }
 
 // A LowRank the kernels can use: none (low null), or every pointer set.
 bool lora_ok(const LowRank& lora) {
   return lora.low == nullptr ||
          (lora.bt != nullptr && lora.columns != nullptr && lora.slots != nullptr &&
-          lora.rank >= 0 && lora.slices >= 0);
-}
-
-// A LoraFold the kernels can use: none (a null), or a float16/bfloat16 fold of 1..128
-// rank columns with its workspace.
-bool fold_ok(const LoraFold& fold, int dtype) {
-  return fold.a == nullptr || ((dtype == DT_HALF || dtype == DT_BF16) && fold.rank >= 1 &&
-                               fold.rank <= kFoldMaxRank && fold.partial != nullptr &&
-                               fold.a_stride >= 0);
+          lora.rank >= 0);
 }
 
 }  // namespace
@@ -371,23 +292,20 @@ bool fold_ok(const LoraFold& fold, int dtype) {
 bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_cols,
                           int width, const float* norm_w, float eps, bool unit_offset,
                           int nparts, const float* const* pre, void* const* out, int rows,
-                          void* normed, int64_t normed_stride, const LoraFold& fold,
-                          cudaStream_t stream) {
-  if (width % 128 != 0 || x_cols > width || nparts < 1 || nparts > kMaxParts || rows < 0 ||
-      !fold_ok(fold, dtype))
+                          void* normed, int64_t normed_stride, cudaStream_t stream) {
+  if (width % 128 != 0 || x_cols > width || nparts < 1 || nparts > kMaxParts || rows < 0)
     return false;
   if (rows == 0) return true;
   InParts parts{};
-  parts.count = nparts;
   for (int p = 0; p < nparts; p++) {
     if (pre[p] == nullptr || out[p] == nullptr) return false;
     parts.pre[p] = pre[p];
     parts.out[p] = static_cast<__half*>(out[p]);
   }
   switch (dtype) {
-    case DT_HALF: run_norm<__half>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, fold, stream); return true;
-    case DT_BF16: run_norm<__nv_bfloat16>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, fold, stream); return true;
-    case DT_FLOAT: run_norm<float>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, fold, stream); return true;
+    case DT_HALF: run_norm<__half>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, stream); return true;
+    case DT_BF16: run_norm<__nv_bfloat16>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, stream); return true;
+    case DT_FLOAT: run_norm<float>(x, row_stride, x_cols, width, norm_w, eps, unit_offset, parts, nparts, rows, normed, normed_stride, stream); return true;
     default: return false;
   }
 }
@@ -415,16 +333,15 @@ bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int spli
                          int width, const float* post_gate, const float* post_up,
                          const float* bias_gate, const float* bias_up, int inter, int act,
                          const float* pre, void* out, int rows, const LowRank& lora,
-                         void* product, int64_t product_stride, const LoraFold& fold,
-                         cudaStream_t stream) {
+                         void* product, int64_t product_stride, cudaStream_t stream) {
   if (width % 128 != 0 || inter > width || splits < 1 || (act != 0 && act != 1) ||
-      pre == nullptr || rows < 0 || !lora_ok(lora) || !fold_ok(fold, dtype))
+      pre == nullptr || rows < 0 || !lora_ok(lora))
     return false;
   if (rows == 0) return true;
   switch (dtype) {
-    case DT_HALF: run_glu<__half>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, fold, stream); return true;
-    case DT_BF16: run_glu<__nv_bfloat16>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, fold, stream); return true;
-    case DT_FLOAT: run_glu<float>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, fold, stream); return true;
+    case DT_HALF: run_glu<__half>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
+    case DT_BF16: run_glu<__nv_bfloat16>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
+    case DT_FLOAT: run_glu<float>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
     default: return false;
   }
 }

@@ -12,18 +12,14 @@ the mix of adapters:
 
 so a row without an adapter adds exact zeros. The fused GPU decode layer
 (``fused_layer.py``) runs the same update inside its output kernels: it asks
-``low_rank(x_in)`` for the first matmul and the tensors the kernel masks and multiplies,
-or, where the kernel making x_in folds the first product (``fold``), ``folded(fold)``.
+``low_rank(x_in)`` for the first matmul and the tensors the kernel masks and multiplies.
 
 Public API:
 - ``RowSlots``: what supplies the rows' slots (``AdapterBank``): ``token_slots(rows)``
   (int64 [rows], a persistent buffer that captured CUDA graphs read) and
   ``row_mask(columns, rows, dtype)`` ([rows, R] of 0/1).
 - ``AdaptedLinear(inner, slots)``; ``set_adapters(a [R, in], b [out, R], columns [R])``;
-  ``forward(x)``; ``low_rank(x_in[rows, in]) -> layer_kernels.LowRank`` (with the
-  ``part_ranges`` of the inner linear's parts, found once in ``set_adapters``);
-  ``fold(rows_like, width) -> layer_kernels.LoraFold | None`` (layer_kernels.lora_fold
-  with A_all) and ``folded(fold) -> layer_kernels.LowRank`` (low: the fold's partials).
+  ``forward(x)``; ``low_rank(x_in[rows, in]) -> layer_kernels.LowRank``.
 """
 
 from __future__ import annotations
@@ -32,15 +28,8 @@ from typing import Protocol
 
 import torch
 
-from exl3cli.engine.layers.linear import FusedLinear, Linear
-from exl3cli.ops.layer_kernels import (
-    LoraFold,
-    LowRank,
-    lora_fold,
-    lora_low,
-    lora_workspace,
-    part_ranges,
-)
+from exl3cli.engine.layers.linear import Linear
+from exl3cli.ops.layer_kernels import LowRank, lora_low, lora_workspace
 
 
 class RowSlots(Protocol):
@@ -60,14 +49,11 @@ class AdaptedLinear(Linear):
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_bt", None, persistent=False)
         self.register_buffer("lora_columns", None, persistent=False)
-        self.lora_ranges: tuple[int, ...] | None = None  # layer_kernels.part_ranges
 
     def set_adapters(self, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor) -> None:
         """a [R, in], b [out, R] (scales folded in), columns [R] int64 (slot per rank)."""
         self.lora_a, self.lora_bt, self.lora_columns = a.contiguous(), b.t().contiguous(), columns
         lora_workspace(a.device)  # before any graph capture reads it
-        parts = self.inner.parts if isinstance(self.inner, FusedLinear) else [self.inner]
-        self.lora_ranges = part_ranges(self.lora_bt, [p.out_features for p in parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
@@ -81,16 +67,7 @@ class AdaptedLinear(Linear):
         (one matmul), B_all^T and the slots of the rank columns and of the rows."""
         low = lora_low(x_in, self.lora_a)
         return LowRank(low, self.lora_bt, self.lora_columns,
-                       self.bank.token_slots(x_in.shape[0]), self.lora_ranges)
-
-    def fold(self, rows_like: torch.Tensor, width: int) -> LoraFold | None:
-        """The first product folded into the kernel that makes the input (None: not here)."""
-        return lora_fold(rows_like, self.lora_a, width)
-
-    def folded(self, fold: LoraFold) -> LowRank:
-        """The update whose low values are `fold`'s partial sums (after its input kernel)."""
-        return LowRank(fold.partial, self.lora_bt, self.lora_columns,
-                       self.bank.token_slots(fold.partial.shape[1]), self.lora_ranges)
+                       self.bank.token_slots(x_in.shape[0]))
 
     def dense_weight(self) -> None:
         return None  # never folded: the update depends on the row

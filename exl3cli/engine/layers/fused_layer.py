@@ -24,16 +24,13 @@ Mixtral, Qwen3-MoE) takes the place of the last five launches: the norm, the rou
 ``MoEMLP`` (seven kernels), then the residual add.
 
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
-on this path: the first low-rank product ``x_in @ A_all^T`` (q|k|v and gate|up share
-theirs) is folded into the kernel that makes x_in (``norm_hadamard``: the normed rows
-for q|k|v and gate|up, the attention output for o; ``glu_hadamard``: act(gate) * up for
-down) as float32 partial sums, and the output kernel adds them, masks them by the rows'
-adapter slots, multiplies by B^T and adds the update after svh and bias, before rotary,
-the activation or the residual, as ``AdaptedLinear`` does: no launch of its own. Where
-the kernels do not fold (float32, CPU, ``EXL3_LORA_FOLD=0``) the input kernel writes
-x_in and ``lora_low`` makes the product: four more launches per adapted layer. The
-adapters' tensors and the rows' slots (a persistent buffer) are read at every forward,
-never kept.
+on this path: the first low-rank matmul ``x_in @ A_all^T`` is one torch matmul per
+input (q|k|v and gate|up share theirs), on the normed input that ``norm_hadamard``
+writes next to its Hadamard outputs (for down: act(gate) * up from ``glu_hadamard``),
+and the output kernel masks it by the rows' adapter slots, multiplies by B^T and adds
+it after svh and bias, before rotary, the activation or the residual, as
+``AdaptedLinear`` does: four more launches per adapted layer. The adapters' tensors and
+the rows' slots (a persistent buffer) are read at every forward, never kept.
 
 Public API:
 - ``FusedDecodeLayer.of(layer, force=False) -> FusedDecodeLayer | None``: the plan
@@ -216,31 +213,26 @@ class FusedDecodeLayer:
         x2 = x.reshape(rows, hidden)
         attended = self._attention(x2, step, batch, steps)
         h = x2.new_empty(rows, hidden)
-        fold = _fold(self.o_lora, attended, self.o.pad_in)
         self._project(self.o, layer_kernels.norm_hadamard(
-            attended, None, 0.0, False, self.o.pres, self.o.pad_in, fold=fold), [h],
-            residual=x2, lora=_low_rank(self.o_lora, attended, fold))
+            attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2,
+            lora=_low_rank(self.o_lora, attended))
         if self.moe is not None:
             return (h + self.moe(self.norm2(h))).view(batch, steps, hidden)
         mlp = self.gate_up
         assert mlp is not None and self.down is not None
-        fold = _fold(self.gate_up_lora, h, mlp.pad_in)
-        normed = _input_rows(self.gate_up_lora, fold, h, hidden)
+        normed = x2.new_empty(rows, hidden) if self.gate_up_lora is not None else None
         xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
                                              self.norm2.unit_offset, mlp.pres, mlp.pad_in,
-                                             normed=normed, fold=fold)
-        lora = _low_rank(self.gate_up_lora, normed, fold)
+                                             normed=normed)
+        lora = _low_rank(self.gate_up_lora, normed)
         gate, up = mlp.gemm([xg, xu])
         inter = mlp.widths[0]
-        fold = _fold(self.down_lora, h, self.down.pad_in)
-        product = _input_rows(self.down_lora, fold, h, inter)
+        product = x2.new_empty(rows, inter) if self.down_lora is not None else None
         xd = layer_kernels.glu_hadamard(gate, up, mlp.posts[0], mlp.posts[1], mlp.biases[0],
                                         mlp.biases[1], inter, self.activation,
-                                        self.down.pres[0], x.dtype, lora=lora, product=product,
-                                        fold=fold)
+                                        self.down.pres[0], x.dtype, lora=lora, product=product)
         out = x2.new_empty(rows, hidden)
-        self._project(self.down, [xd], [out], residual=h,
-                      lora=_low_rank(self.down_lora, product, fold))
+        self._project(self.down, [xd], [out], residual=h, lora=_low_rank(self.down_lora, product))
         return out.view(batch, steps, hidden)
 
     def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int,
@@ -250,12 +242,11 @@ class FusedDecodeLayer:
         attention = self.attention
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = x2.shape[0]
-        fold = _fold(self.qkv_lora, x2, self.qkv.pad_in)
-        normed = _input_rows(self.qkv_lora, fold, x2, x2.shape[1])
+        normed = x2.new_empty(x2.shape) if self.qkv_lora is not None else None
         xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
                                           self.norm1.unit_offset, self.qkv.pres,
-                                          self.qkv.pad_in, normed=normed, fold=fold)
-        lora = _low_rank(self.qkv_lora, normed, fold)
+                                          self.qkv.pad_in, normed=normed)
+        lora = _low_rank(self.qkv_lora, normed)
         qkv = x2.new_empty(rows, self.qkv_width)
         outs, start = [], 0
         for width in self.qkv.widths:
@@ -293,28 +284,12 @@ class FusedDecodeLayer:
                                    [0] * len(outs), residual=residual, lora=lora)
 
 
-def _fold(adapted: AdaptedLinear | None, rows_like: torch.Tensor, width: int
-          ) -> layer_kernels.LoraFold | None:
-    """The fold of `adapted`'s first product into its input kernel (None: none here)."""
-    return adapted.fold(rows_like, width) if adapted is not None else None
-
-
-def _input_rows(adapted: AdaptedLinear | None, fold: layer_kernels.LoraFold | None,
-                rows_like: torch.Tensor, cols: int) -> torch.Tensor | None:
-    """Where the input kernel writes `adapted`'s input rows: only when it does not fold."""
-    if adapted is None or fold is not None:
-        return None
-    return rows_like.new_empty(rows_like.shape[0], cols)
-
-
-def _low_rank(adapted: AdaptedLinear | None, x_in: torch.Tensor | None,
-              fold: layer_kernels.LoraFold | None = None) -> layer_kernels.LowRank | None:
+def _low_rank(adapted: AdaptedLinear | None, x_in: torch.Tensor | None
+              ) -> layer_kernels.LowRank | None:
     """The LoRA update of `adapted` for its input rows (None: not adapted)."""
-    if adapted is None:
+    if adapted is None or x_in is None:
         return None
-    if fold is not None:
-        return adapted.folded(fold)
-    return adapted.low_rank(x_in) if x_in is not None else None
+    return adapted.low_rank(x_in)
 
 
 def _padded_out(linear: Any) -> int:
