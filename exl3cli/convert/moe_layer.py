@@ -7,8 +7,10 @@ group every expert's down: they share the layer's bit width, but each expert is
 quantized on its own Hessian, built from the rows its router sent it. An expert that
 saw fewer rows than it has inputs would get a rank-deficient Hessian; it is topped up
 with the Hessian pooled over all rows of the block (``pooled_hessian``), weighted as
-the missing rows, so rarely chosen experts still quantize well. The router and the
-shared expert's sigmoid gate stay at 16 bits (tiny, and routing is sensitive).
+the missing rows, so rarely chosen experts still quantize well. The shared expert sees
+every row and is quantized on its own Hessian (its down projection may be wider than
+the routed experts', Qwen2-MoE). The router and the shared expert's sigmoid gate stay
+at 16 bits (tiny, and routing is sensitive).
 
 Public API:
 - ``layer_modules(spec, names, config, i) -> dict[group, list[module]]``
@@ -168,6 +170,9 @@ def quantize_experts(conv, i: int, hidden: torch.Tensor, dense: dict[str, tuple]
     results = []
     for modules, source in moe_units(conv.spec, conv.config, i, group):
         rows = seen.of(source)
-        h = pooled_hessian(rows, pool.hessian(), pool_rows.shape[-1])
+        # The shared expert sees every row (and its down projection may be wider than
+        # the routed experts', Qwen2-MoE): its own Hessian, as a dense MLP's.
+        h = (None if source[0] == "shared" else
+             pooled_hessian(rows, pool.hessian(), pool_rows.shape[-1]))
         results += conv.quantize(modules, rows, k_bits, hessian=h)
     return results, seen.token_counts()

@@ -123,9 +123,6 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
-        if self.spec.norm != "rms" or self.spec.parallel_block:
-            raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
-                                  "parallel-block families is not supported yet")
         # Fused q/k/v and gate/up (Phi-3, GLM-4) are converted as the split modules
         # EXL3 folders hold.
         self.reader, self.names = split_fused(self.reader, self.config, self.names)
@@ -187,8 +184,9 @@ class _Converter:
         """Layer `i`'s small tensors written as they are: norms, attention sinks and a
         router's choice bias."""
         t = self.names
-        names = [] if self.spec.post_norm else [t.input_norm.format(i=i),
-                                                 t.post_attention_norm.format(i=i)]
+        names = [] if self.spec.post_norm else [t.input_norm.format(i=i)]
+        if not (self.spec.post_norm or self.spec.parallel_block):  # one norm feeds both
+            names.append(t.post_attention_norm.format(i=i))
         if self.spec.sandwich_norm:
             names += [t.attention_out_norm.format(i=i), t.mlp_out_norm.format(i=i)]
         if self.spec.uses_qk_norm(self.config):
