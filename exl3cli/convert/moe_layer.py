@@ -20,6 +20,10 @@ Public API:
 - ``MoEInputs`` / ``capture_moe_inputs(engine, layer, hidden, group, attended=None)``:
   the rows each expert (and the shared expert) received, and the block's input rows.
 - ``pooled_hessian(rows, pool, features) -> Tensor``.
+- ``stored_name(spec, i, name) -> str``: the name a kept tensor of layer `i` is written
+  under: the router's choice bias as ExLlamaV3 stores it
+  (``<router>.e_score_correction_bias``; ERNIE 4.5 MoE checkpoints keep it in
+  ``mlp.moe_statics``), everything else as the checkpoint names it.
 - ``quantize_experts(conv, i, hidden, dense, group, k_bits, attended=None)
   -> (results, counts)``; ``attended`` as for ``EngineLayerForward.run``.
 """
@@ -81,6 +85,14 @@ def layer_modules(spec: ArchitectureSpec, names: TensorNames, config: ModelConfi
         for group in ("gate_up", "down"):
             modules[group] = [m for unit, _ in moe_units(spec, config, i, group) for m in unit]
     return modules
+
+
+def stored_name(spec: ArchitectureSpec, i: int, name: str) -> str:
+    """Where the EXL3 folder keeps layer `i`'s tensor `name` (module docstring)."""
+    moe = spec.moe
+    if moe is not None and moe.score_bias and name == moe.score_bias.format(i=i):
+        return moe.router.format(i=i) + ".e_score_correction_bias"
+    return name
 
 
 def kept_dense_modules(spec: ArchitectureSpec, config: ModelConfig, i: int) -> list[str]:

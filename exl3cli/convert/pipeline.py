@@ -52,7 +52,13 @@ from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
 from exl3cli.convert.mla_layer import latent_kept_modules, latent_norm_names, quantize_latent
-from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
+from exl3cli.convert.moe_layer import (
+    kept_dense_modules,
+    layer_modules,
+    moe_units,
+    quantize_experts,
+    stored_name,
+)
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
     QuantSettings,
@@ -72,7 +78,6 @@ from exl3cli.engine.models.vision.loader import stored_tensor_name
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.spec.architecture import get_architecture, load_family_config
 from exl3cli.engine.text.tokenizer import Tokenizer
-from exl3cli.errors import ConversionError
 
 _WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
 PLAN_FILE = "plan.json"
@@ -398,7 +403,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     for i in range(conv.config.num_layers):
         stored, _ = load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
         for name in conv.norm_names(i):
-            writer.add_tensor(name, conv.reader.get(name))
+            writer.add_tensor(stored_name(conv.spec, i, name), conv.reader.get(name))
         for modules in conv.layer_modules(i).values():
             for m in modules:
                 if plan.tensor_bits[m] > 8:
