@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from exl3cli.convert.moe_layer import stored_name
 from exl3cli.convert.pipeline import ConvertOptions, convert_model
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
+from exl3cli.engine.spec.architecture import get_architecture, load_family_config
 from tests.fixtures.convert_checks import eval_ids, logit_corr
 from tests.fixtures.tiny_store import write_tiny_chat_model
 
@@ -18,7 +20,8 @@ FAST = ConvertOptions(bits=4.0, head_bits=16, rows=8, cols=128, scale_search_til
 # Cohere: one LayerNorm for the parallel attention and MLP, per-head LayerNorm q/k
 # norms; Cohere2: sliding layers and a rope-less global one; EXAONE 4 and OLMo 2/3:
 # post-norm blocks; SmolLM3: a layer without rope; ERNIE 4.5: interleaved rope;
-# Qwen2-MoE: a shared expert wider than the routed ones, behind a sigmoid gate.
+# Qwen2-MoE: a shared expert wider than the routed ones, behind a sigmoid gate; ERNIE
+# 4.5 MoE: a dense layer 0, shared experts, the choice bias moved next to the router.
 CASES = {
     "cohere": {"use_qk_norm": True},
     "cohere2": {},
@@ -28,10 +31,11 @@ CASES = {
     "olmo3": {},
     "smollm3": {},
     "qwen2_moe": {},
+    "ernie4_5_moe": {},
 }
 # Measured at 4.0 bpw (rows 8 x 128): Cohere (q/k norms) 0.9985, Cohere2 0.9954,
 # ERNIE 4.5 0.9943, EXAONE 4 0.9972, OLMo 2 0.9971, OLMo 3 0.9959, SmolLM3 0.9930,
-# Qwen2-MoE 0.9965.
+# Qwen2-MoE 0.9965, ERNIE 4.5 MoE 0.9928.
 MIN_CORRELATION = 0.99
 # Norm tensors each family's layers keep at 16 bits (layer 0).
 NORMS = {
@@ -46,14 +50,20 @@ NORMS = {
               "self_attn.q_norm", "self_attn.k_norm"),
     "smollm3": ("input_layernorm", "post_attention_layernorm"),
     "qwen2_moe": ("input_layernorm", "post_attention_layernorm"),
+    "ernie4_5_moe": ("input_layernorm", "post_attention_layernorm"),
 }
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MLP = {"qwen2_moe": ("mlp.experts.3.gate_proj", "mlp.experts.3.down_proj",
-                     "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")}
 DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QWEN2_MOE = ("mlp.experts.3.gate_proj", "mlp.experts.3.down_proj",
+             "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+MLP = {  # by layer, where it is not the dense MLP
+    "qwen2_moe": {0: QWEN2_MOE, 1: QWEN2_MOE},
+    "ernie4_5_moe": {1: ("mlp.experts.3.up_proj", "mlp.experts.3.down_proj",
+                         "mlp.shared_experts.gate_proj", "mlp.shared_experts.down_proj")},
+}
 
 
-pytestmark = pytest.mark.slow  # eight conversions
+pytestmark = pytest.mark.slow  # nine conversions
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -78,17 +88,23 @@ def test_linears_are_quantized_and_norms_kept_under_the_checkpoint_names(convert
     arch = converted["arch"]
     source, reader = WeightReader(converted["src"]), WeightReader(converted["out"])
     for i in range(2):
-        for module in ATTENTION + MLP.get(arch, DENSE_MLP):
+        for module in ATTENTION + MLP.get(arch, {}).get(i, DENSE_MLP):
             name = f"model.layers.{i}.{module}"
             assert reader.has(name + ".trellis") and not reader.has(name + ".weight"), name
         for norm in NORMS[arch]:
             name = f"model.layers.{i}.{norm}.weight"
             assert reader.get(name).shape == source.get(name).shape, name
-    # Nothing of the checkpoint's layers is left out or renamed: every tensor the
-    # source has is in the folder, as a quantized linear or as itself.
-    stored = set(reader.keys())
+    # Nothing of the checkpoint's layers is left out: every tensor the source has is in
+    # the folder, as a quantized linear or as itself (a choice bias where ExLlamaV3
+    # reads it, moe_layer.stored_name).
+    stored, spec = set(reader.keys()), get_architecture(load_family_config(converted["src"])
+                                                        .architecture)
     for key in source.keys():
         module = key.rsplit(".", 1)[0]
-        assert key in stored or module + ".trellis" in stored, key
+        layer = int(key.split(".")[2]) if key.startswith("model.layers.") else -1
+        assert stored_name(spec, layer, key) in stored or module + ".trellis" in stored, key
+    if arch == "ernie4_5_moe":
+        bias = reader.get("model.layers.1.mlp.gate.e_score_correction_bias")
+        assert bias.abs().max() > 0
     if arch.startswith("cohere"):  # one norm feeds both halves of the parallel block
         assert not any("post_attention_layernorm" in k for k in stored)
