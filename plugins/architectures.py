@@ -6,7 +6,7 @@ ArchitectureSpec; the forward pass lives once in the engine.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from exl3cli.engine.spec.architecture import ArchitectureSpec, MoESpec, TensorNames
 from exl3cli.hookspecs import hookimpl
@@ -93,8 +93,11 @@ PHI3 = ArchitectureSpec(
     ),
 )
 
-# ERNIE 4.5 (0.3B): Llama blocks with GPT-J-style interleaved rope pairs.
+# ERNIE 4.5 (0.3B): Llama blocks with GPT-J-style interleaved rope pairs. Its first
+# checkpoints (remote code) and the EXL3 folders made from them name the class
+# Ernie4_5_ForCausalLM, as ExLlamaV3 does; same config keys and tensors.
 ERNIE4_5 = ArchitectureSpec(name="Ernie4_5ForCausalLM", rope_interleaved=True)
+ERNIE4_5_REMOTE = replace(ERNIE4_5, name="Ernie4_5_ForCausalLM")
 
 # ERNIE 4.5 MoE (21B-A3B, 300B-A47B): ERNIE 4.5 attention; experts chosen by softmax
 # probability plus a per-expert correction bias (weights without it), renormalised;
@@ -275,7 +278,7 @@ MISTRAL3_MULTIMODAL = ArchitectureSpec(
 @hookimpl
 def exl3_architectures() -> dict[str, ArchitectureSpec]:
     specs = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, GEMMA3_MULTIMODAL, MIXTRAL,
-             QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_MOE, GLM4,
+             QWEN2_MOE, QWEN3_MOE, PHI3, ERNIE4_5, ERNIE4_5_REMOTE, ERNIE4_5_MOE, GLM4,
              GLM4_MOE, EXAONE4, OLMO2, OLMO3, SMOLLM3,
              COHERE, COHERE2, GPT_OSS, MINISTRAL3, MISTRAL3_MULTIMODAL,
              DEEPSEEK_V3, QWEN2_5_VL)

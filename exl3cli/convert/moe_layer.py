@@ -7,8 +7,10 @@ group every expert's down: they share the layer's bit width, but each expert is
 quantized on its own Hessian, built from the rows its router sent it. An expert that
 saw fewer rows than it has inputs would get a rank-deficient Hessian; it is topped up
 with the Hessian pooled over all rows of the block (``pooled_hessian``), weighted as
-the missing rows, so rarely chosen experts still quantize well. The router and the
-shared expert's sigmoid gate stay at 16 bits (tiny, and routing is sensitive).
+the missing rows, so rarely chosen experts still quantize well. The shared expert sees
+every row and is quantized on its own Hessian (its down projection may be wider than
+the routed experts', Qwen2-MoE). The router and the shared expert's sigmoid gate stay
+at 16 bits (tiny, and routing is sensitive).
 
 Public API:
 - ``layer_modules(spec, names, config, i) -> dict[group, list[module]]``
@@ -18,6 +20,10 @@ Public API:
 - ``MoEInputs`` / ``capture_moe_inputs(engine, layer, hidden, group, attended=None)``:
   the rows each expert (and the shared expert) received, and the block's input rows.
 - ``pooled_hessian(rows, pool, features) -> Tensor``.
+- ``stored_name(spec, i, name) -> str``: the name a kept tensor of layer `i` is written
+  under: the router's choice bias as ExLlamaV3 stores it
+  (``<router>.e_score_correction_bias``; ERNIE 4.5 MoE checkpoints keep it in
+  ``mlp.moe_statics``), everything else as the checkpoint names it.
 - ``quantize_experts(conv, i, hidden, dense, group, k_bits, attended=None)
   -> (results, counts)``; ``attended`` as for ``EngineLayerForward.run``.
 """
@@ -79,6 +85,14 @@ def layer_modules(spec: ArchitectureSpec, names: TensorNames, config: ModelConfi
         for group in ("gate_up", "down"):
             modules[group] = [m for unit, _ in moe_units(spec, config, i, group) for m in unit]
     return modules
+
+
+def stored_name(spec: ArchitectureSpec, i: int, name: str) -> str:
+    """Where the EXL3 folder keeps layer `i`'s tensor `name` (module docstring)."""
+    moe = spec.moe
+    if moe is not None and moe.score_bias and name == moe.score_bias.format(i=i):
+        return moe.router.format(i=i) + ".e_score_correction_bias"
+    return name
 
 
 def kept_dense_modules(spec: ArchitectureSpec, config: ModelConfig, i: int) -> list[str]:
@@ -168,6 +182,9 @@ def quantize_experts(conv, i: int, hidden: torch.Tensor, dense: dict[str, tuple]
     results = []
     for modules, source in moe_units(conv.spec, conv.config, i, group):
         rows = seen.of(source)
-        h = pooled_hessian(rows, pool.hessian(), pool_rows.shape[-1])
+        # The shared expert sees every row (and its down projection may be wider than
+        # the routed experts', Qwen2-MoE): its own Hessian, as a dense MLP's.
+        h = (None if source[0] == "shared" else
+             pooled_hessian(rows, pool.hessian(), pool_rows.shape[-1]))
         results += conv.quantize(modules, rows, k_bits, hessian=h)
     return results, seen.token_counts()

@@ -52,7 +52,13 @@ from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
 from exl3cli.convert.mla_layer import latent_kept_modules, latent_norm_names, quantize_latent
-from exl3cli.convert.moe_layer import kept_dense_modules, layer_modules, moe_units, quantize_experts
+from exl3cli.convert.moe_layer import (
+    kept_dense_modules,
+    layer_modules,
+    moe_units,
+    quantize_experts,
+    stored_name,
+)
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
     QuantSettings,
@@ -72,7 +78,6 @@ from exl3cli.engine.models.vision.loader import stored_tensor_name
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.spec.architecture import get_architecture, load_family_config
 from exl3cli.engine.text.tokenizer import Tokenizer
-from exl3cli.errors import ConversionError
 
 _WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
 PLAN_FILE = "plan.json"
@@ -123,9 +128,6 @@ class _Converter:
         self.reader = WeightReader(src)
         # A multimodal wrapper's text model (Gemma 3 4B+) is converted under its names.
         self.names = self.spec.tensor_names(self.reader.has)
-        if self.spec.norm != "rms" or self.spec.parallel_block:
-            raise ConversionError(f"{self.config.architecture}: converting LayerNorm / "
-                                  "parallel-block families is not supported yet")
         # Fused q/k/v and gate/up (Phi-3, GLM-4) are converted as the split modules
         # EXL3 folders hold.
         self.reader, self.names = split_fused(self.reader, self.config, self.names)
@@ -187,8 +189,9 @@ class _Converter:
         """Layer `i`'s small tensors written as they are: norms, attention sinks and a
         router's choice bias."""
         t = self.names
-        names = [] if self.spec.post_norm else [t.input_norm.format(i=i),
-                                                 t.post_attention_norm.format(i=i)]
+        names = [] if self.spec.post_norm else [t.input_norm.format(i=i)]
+        if not (self.spec.post_norm or self.spec.parallel_block):  # one norm feeds both
+            names.append(t.post_attention_norm.format(i=i))
         if self.spec.sandwich_norm:
             names += [t.attention_out_norm.format(i=i), t.mlp_out_norm.format(i=i)]
         if self.spec.uses_qk_norm(self.config):
@@ -400,7 +403,7 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     for i in range(conv.config.num_layers):
         stored, _ = load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
         for name in conv.norm_names(i):
-            writer.add_tensor(name, conv.reader.get(name))
+            writer.add_tensor(stored_name(conv.spec, i, name), conv.reader.get(name))
         for modules in conv.layer_modules(i).values():
             for m in modules:
                 if plan.tensor_bits[m] > 8:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exl3cli.convert.moe_layer import stored_name
 from exl3cli.convert.pipeline import ConvertOptions, _Converter, convert_model
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.weights import WeightReader
@@ -27,6 +28,11 @@ def test_the_choice_bias_is_kept_on_sparse_layers_only(tmp_path, arch):
     conv = _Converter(src, FAST, tmp_path / "work", lambda _event: None)
     assert BIAS[arch].format(i=1) in conv.norm_names(1)  # layer 1: experts
     assert not any("e_score_correction_bias" in n for n in conv.norm_names(0))  # dense
+    # Written where ExLlamaV3 reads it, next to the router (ERNIE's moe_statics moves).
+    assert (stored_name(conv.spec, 1, BIAS[arch].format(i=1))
+            == "model.layers.1.mlp.gate.e_score_correction_bias")
+    assert stored_name(conv.spec, 1, "model.layers.1.input_layernorm.weight") == (
+        "model.layers.1.input_layernorm.weight")
 
 
 def test_glm4_moe_converts_and_tracks_the_original(tmp_path):

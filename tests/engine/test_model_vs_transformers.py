@@ -232,3 +232,18 @@ def test_chunked_prefill_matches_one_shot(tmp_path):
     seqs = PagedSequences(model, 2, 15)
     chunks = [torch.stack(seqs.feed(ids[:, a:b])) for a, b in ((0, 5), (5, 12), (12, 15))]
     assert (torch.cat(chunks, dim=1) - model(ids)).abs().max() < TOLERANCE
+
+
+def test_ernie4_5_under_its_remote_code_class_name_matches_transformers(tmp_path):
+    """ERNIE 4.5's first checkpoints, and the EXL3 folders ExLlamaV3 made from them,
+    name the class Ernie4_5_ForCausalLM: the same model as transformers' Ernie4_5."""
+    import json
+
+    folder = write_tiny_model(tmp_path, "ernie4_5")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config,
+                                                    "architectures": ["Ernie4_5_ForCausalLM"]}))
+    model = load_causal_lm(folder, device="cpu")
+    prompt = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    ids, decoded_logits = greedy_decode(model, prompt, DECODE_STEPS)
+    assert (decoded_logits - reference_logits("ernie4_5", {}, ids)).abs().max() < TOLERANCE

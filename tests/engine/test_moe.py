@@ -344,3 +344,27 @@ def test_mxfp4_gpt_oss_experts_are_refused_in_one_line(tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="MXFP4") as info:
         load_causal_lm(folder, device="cpu")
     assert "\n" not in str(info.value)
+
+
+def test_ernie_choice_bias_under_exllamav3s_name_loads(tmp_path):
+    """ERNIE 4.5 MoE checkpoints keep the choice bias in mlp.moe_statics; ExLlamaV3
+    (and exl3 convert) write it next to the router weight, mlp.gate: both load, and a
+    folder with neither is refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    overrides = {"num_hidden_layers": 1, "moe_layer_start_index": 0}
+    folder = write_tiny_model(tmp_path, "ernie4_5_moe", **overrides)
+    ours, peers = ("model.layers.0.mlp.moe_statics.e_score_correction_bias",
+                   "model.layers.0.mlp.gate.e_score_correction_bias")
+    tensors = load_file(folder / "model.safetensors")
+    assert tensors[ours].abs().max() > 0  # the bias changes the choice of experts
+    ids = torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = tiny_reference_model("ernie4_5_moe", **overrides)(ids).logits.float()
+    save_file({(peers if k == ours else k): v for k, v in tensors.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    assert (load_causal_lm(folder, device="cpu")(ids) - expected).abs().max() < 1e-3
+    save_file({k: v for k, v in tensors.items() if k != ours}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="choice bias is missing: neither"):
+        load_causal_lm(folder, device="cpu")

@@ -55,7 +55,8 @@ FAMILY_TEMPLATES: dict[str, tuple[str, ...]] = {
 # Supported, but no published template of theirs was found on this machine (no network):
 # the hand-written fixtures of tests/data/chat_templates cover their template features.
 NO_REAL_TEMPLATE_OFFLINE = frozenset({
-    "Qwen2MoeForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM",
+    "Qwen2MoeForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
     "Glm4ForCausalLM", "Exaone4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
     "SmolLM3ForCausalLM",
 })

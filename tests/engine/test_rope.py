@@ -148,3 +148,39 @@ def test_mrope_sections_match_transformers_and_reduce_to_plain_rope():
     assert torch.equal(cos, plain_cos) and torch.equal(sin, plain_sin)
     with pytest.raises(UnsupportedArchitecture, match="do not cover"):
         rotary.lookup_sections(positions, 64, [2, 2, 2])
+
+
+def test_dynamic_ntk_prompt_and_decode_match_transformers_cached_decode(tmp_path):
+    """Dynamic NTK past the trained length (transformers reads it from
+    max_position_embeddings): the prompt and 20 greedy tokens through our paged cache
+    against transformers decoding through its own cache. Both rotate each new key with
+    the frequencies of the length so far (a full-sequence forward would re-rotate the
+    old keys too, so it is not the reference for a cached decode)."""
+    from exl3cli.engine.models.loader import load_causal_lm
+    from tests.fixtures.paged import PagedSequences
+    from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
+
+    overrides = {"max_position_embeddings": 8,
+                 "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
+    model = load_causal_lm(write_tiny_model(tmp_path, "llama", **overrides), device="cpu")
+    reference = tiny_reference_model("llama", **overrides)
+    prompt = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    seqs = PagedSequences(model, 1, 12 + 20)
+    ours = torch.stack(seqs.feed(prompt))
+    with torch.no_grad():
+        out = reference(prompt, use_cache=True)
+    theirs, past = out.logits.float(), out.past_key_values
+    worst = (ours - theirs).abs().max().item()
+    for _ in range(20):
+        token = ours[:, -1].argmax(-1, keepdim=True)
+        assert torch.equal(token, theirs[:, -1].argmax(-1, keepdim=True))
+        ours = torch.stack(seqs.feed(token))
+        with torch.no_grad():
+            out = reference(token, past_key_values=past, use_cache=True)
+        theirs, past = out.logits.float(), out.past_key_values
+        worst = max(worst, (ours - theirs).abs().max().item())
+    assert worst < 1e-3
+    # The scaling is in force: plain rope gives other logits over the same tokens.
+    plain = load_causal_lm(write_tiny_model(tmp_path / "plain", "llama",
+                                            max_position_embeddings=8), device="cpu")
+    assert (plain(prompt) - model(prompt)).abs().max() > 1e-2

@@ -235,6 +235,26 @@ def _grouped_prefill() -> bool:
 LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
 
 
+def _score_bias(moe: MoESpec, i: int,
+                tensor: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+    """Layer `i`'s choice bias under the family's name, else under ExLlamaV3's
+    (`<router>.e_score_correction_bias`: its ERNIE 4.5 MoE folders)."""
+    if not moe.score_bias:
+        return None
+    name = moe.score_bias.format(i=i)
+    peer = moe.router.format(i=i) + ".e_score_correction_bias"
+    try:
+        return tensor(name)
+    except ModelLoadError:
+        if peer == name:
+            raise
+    try:
+        return tensor(peer)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"the router's choice bias is missing: neither {name!r} nor "
+                             f"{peer!r} is in the folder") from exc
+
+
 def build_moe_mlp(config: ModelConfig, moe: MoESpec, i: int,
                   tensor: Callable[[str], torch.Tensor], linear: LinearFactory,
                   activation: str, bias: bool = False) -> MoEMLP:
@@ -264,7 +284,7 @@ def build_moe_mlp(config: ModelConfig, moe: MoESpec, i: int,
     router = Router(
         linear([moe.router.format(i=i)], [(hidden, num_experts)], moe.router_bias),
         moe.top_k(config), moe.scoring, normalize,
-        tensor(moe.score_bias.format(i=i)) if moe.score_bias else None,
+        _score_bias(moe, i, tensor),
         int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1),
         float(raw.get("routed_scaling_factor") or 1.0),
     )
