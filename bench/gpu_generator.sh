@@ -117,7 +117,8 @@ if [[ " $STAGES " == *" ab "* ]]; then
   # parallel first). AB_BENCH picks what runs per variant: "attention" (default;
   # bench/attention_bench.py --quick), "gemm" (bench/gemm_sweep.py at AB_ROWS rows and
   # AB_KS bits, default splits), each AB_ROUNDS times (default 2) with the variants in
-  # turn; then AB_TESTS (pytest arguments: cuda test files, -k ...) on every variant;
+  # turn; then AB_TESTS (pytest arguments: cuda test files, -k ...) on every variant (the
+  # variants' test processes run at the same time);
   # "gen": the 8B generator at AB_GEN_JOBS jobs (fp16 cache) for the variant indexes in
   # AB_GEN (default all). Tables last (attention below, bench/gemm_ab_table.py for gemm).
   IFS='|' read -ra variants <<< "${AB_FLAGS:-|}"
@@ -148,10 +149,15 @@ print('BUILD', k.available(), k.unavailable_reason(), 'gemm variant', k.gemm_var
     done
     stamp "ab round $round done"
   done
+  # The variants' tests at once (correctness only; the timings above ran alone).
   for i in "${!variants[@]}"; do
     [ -n "${AB_TESTS:-}" ] || break
-    EXL3_NVCC_FLAGS="${variants[$i]}" timeout 150 python3 -m pytest -q -m cuda -p no:randomly \
-      $AB_TESTS >"$OUT/ab-tests-$i.log" 2>&1
+    EXL3_NVCC_FLAGS="${variants[$i]}" timeout 200 python3 -m pytest -q -m cuda -p no:randomly \
+      $AB_TESTS >"$OUT/ab-tests-$i.log" 2>&1 &
+  done
+  wait
+  for i in "${!variants[@]}"; do
+    [ -n "${AB_TESTS:-}" ] || break
     stamp "ab variant $i ('${variants[$i]}') tests: $(tail -1 "$OUT/ab-tests-$i.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/ab-tests-$i.log" | head -6
   done
