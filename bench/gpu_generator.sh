@@ -22,15 +22,17 @@ STAGES=${STAGES:-"tests ours unfused peer profile cli"}
 PEER_KV=${PEER_KV:-"16"}  # "16 4": also the peer with a 4-bit cache
 PROFILE_JOBS=${PROFILE_JOBS:-"1 64"}
 JOBS=${JOBS:-1,16,64}
-MODELS=${MODELS:-"8b 1b"}  # which shapes the "ours" stage measures
+MODELS=${MODELS:-"8b 1b"}  # which synthetic shapes are written and measured
 M8=/tmp/exl3-llama3-8b-4.0 M1=/tmp/exl3-llama3.2-1b-4.0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \
   | tee "$OUT/env.txt"
 . bench/device_install.sh >"$OUT/install.log" 2>&1
 # The synthetic folders (CPU work) while the kernels build.
-for spec in "llama3-8b $M8" "llama3.2-1b $M1"; do
+for spec in "8b llama3-8b $M8" "1b llama3.2-1b $M1"; do
   set -- $spec
+  [[ " $MODELS " == *" $1 "* ]] || continue  # MODELS=8b: no 1B folder (and no 1B stages)
+  shift
   [ -f "$2/config.json" ] || python3 bench/synthetic_model.py "$1" -b 4.0 --head-bits 6 \
     --out "$2" >"$OUT/synthetic-$1.log" 2>&1 &
 done
@@ -78,6 +80,7 @@ if [[ " $STAGES " == *" pdl "* ]]; then
   # Programmatic dependent launch (EXL3_PDL=1) against the plain launches of "ours".
   for m in "8b $M8" "1b $M1"; do
     set -- $m
+    [[ " $MODELS " == *" $1 "* ]] || continue
     EXL3_PDL=1 timeout 200 python3 bench/generator_throughput.py "$2" --device cuda \
       --jobs "$JOBS" --prompt 128 --gen 64 --kv fp16,q4 --repeat 3 --json \
       >"$OUT/ours-$1-pdl.json" 2>"$OUT/ours-$1-pdl.err" \
@@ -110,23 +113,65 @@ fi
 
 if [[ " $STAGES " == *" ab "* ]]; then
   # A/B of kernel builds in one call: AB_FLAGS="|-DEXL3_PA_UNPACK=1" (variants split by
-  # "|", empty = the default build; each is its own EXL3_NVCC_FLAGS build), the attention
-  # bench twice per variant in turn, then AB_TESTS (cuda test files) on every variant.
+  # "|", empty = the default build; each is its own EXL3_NVCC_FLAGS build, all built in
+  # parallel first). AB_BENCH picks what runs per variant: "attention" (default;
+  # bench/attention_bench.py --quick), "gemm" (bench/gemm_sweep.py at AB_ROWS rows and
+  # AB_KS bits, default splits), each AB_ROUNDS times (default 2) with the variants in
+  # turn; then AB_TESTS (pytest arguments: cuda test files, -k ...) on every variant (the
+  # variants' test processes run at the same time);
+  # "gen": the 8B generator at AB_GEN_JOBS jobs (fp16 cache) for the variant indexes in
+  # AB_GEN (default all). Tables last (attention below, bench/gemm_ab_table.py for gemm).
   IFS='|' read -ra variants <<< "${AB_FLAGS:-|}"
-  for round in 1 2; do
-    for i in "${!variants[@]}"; do
-      EXL3_NVCC_FLAGS="${variants[$i]}" timeout 200 python3 bench/attention_bench.py --quick \
-        --json "$OUT/ab-$i-$round.json" >"$OUT/ab-$i-$round.txt" 2>"$OUT/ab-$i-$round.err" \
-        || { echo "FAIL: ab variant $i round $round"; tail -5 "$OUT/ab-$i-$round.err"; }
-    done
+  AB_BENCH=${AB_BENCH:-attention}
+  for i in "${!variants[@]}"; do
+    EXL3_NVCC_FLAGS="${variants[$i]}" MAX_JOBS=$(( MAX_JOBS / ${#variants[@]} + 1 )) python3 -c "
+from exl3cli.ops import cuda_kernels as k
+print('BUILD', k.available(), k.unavailable_reason(), 'gemm variant', k.gemm_variant())
+" >"$OUT/ab-build-$i.log" 2>&1 &
   done
+  wait
+  for i in "${!variants[@]}"; do
+    stamp "ab variant $i ('${variants[$i]}') build: $(tail -1 "$OUT/ab-build-$i.log")"
+  done
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for i in "${!variants[@]}"; do
+      if [[ " $AB_BENCH " == *" attention "* ]]; then
+        EXL3_NVCC_FLAGS="${variants[$i]}" timeout 200 python3 bench/attention_bench.py --quick \
+          --json "$OUT/ab-$i-$round.json" >"$OUT/ab-$i-$round.txt" 2>"$OUT/ab-$i-$round.err" \
+          || { echo "FAIL: ab variant $i round $round"; tail -5 "$OUT/ab-$i-$round.err"; }
+      fi
+      if [[ " $AB_BENCH " == *" gemm "* ]]; then
+        EXL3_NVCC_FLAGS="${variants[$i]}" timeout 200 python3 bench/gemm_sweep.py --warps 0 \
+          --rows "${AB_ROWS:-1,16}" --ks "${AB_KS:-2,3,4,5,6}" --json "$OUT/ab-gemm-$i-$round.json" \
+          >"$OUT/ab-gemm-$i-$round.txt" 2>"$OUT/ab-gemm-$i-$round.err" \
+          || { echo "FAIL: ab gemm variant $i round $round"; tail -5 "$OUT/ab-gemm-$i-$round.err"; }
+      fi
+    done
+    stamp "ab round $round done"
+  done
+  # The variants' tests at once (correctness only; the timings above ran alone).
   for i in "${!variants[@]}"; do
     [ -n "${AB_TESTS:-}" ] || break
-    EXL3_NVCC_FLAGS="${variants[$i]}" timeout 150 python3 -m pytest -q -m cuda -p no:randomly \
-      $AB_TESTS >"$OUT/ab-tests-$i.log" 2>&1
-    stamp "ab variant $i ('${variants[$i]}') tests: $(tail -1 "$OUT/ab-tests-$i.log")"
+    EXL3_NVCC_FLAGS="${variants[$i]}" timeout 200 python3 -m pytest -q -m cuda -p no:randomly \
+      $AB_TESTS >"$OUT/ab-tests-$i.log" 2>&1 &
   done
-  python3 - "$OUT" "${#variants[@]}" <<'PY'
+  wait
+  for i in "${!variants[@]}"; do
+    [ -n "${AB_TESTS:-}" ] || break
+    stamp "ab variant $i ('${variants[$i]}') tests: $(tail -1 "$OUT/ab-tests-$i.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/ab-tests-$i.log" | head -6
+  done
+  if [[ " $AB_BENCH " == *" gen "* ]]; then
+    for i in ${AB_GEN:-${!variants[@]}}; do
+      EXL3_NVCC_FLAGS="${variants[$i]}" timeout 150 python3 bench/generator_throughput.py "$M8" \
+        --device cuda --jobs "${AB_GEN_JOBS:-1,16}" --prompt 128 --gen 64 --kv fp16 --repeat 2 \
+        --json >"$OUT/ab-gen-$i.json" 2>"$OUT/ab-gen-$i.err" \
+        || { echo "FAIL: ab gen variant $i"; tail -5 "$OUT/ab-gen-$i.err"; }
+      stamp "ab gen variant $i done"
+    done
+  fi
+  if [[ " $AB_BENCH " == *" attention "* ]]; then
+    python3 - "$OUT" "${#variants[@]}" <<'PY'
 import json, sys
 out, n = sys.argv[1], int(sys.argv[2])
 runs = {(i, r): json.load(open(f"{out}/ab-{i}-{r}.json")) for i in range(n) for r in (1, 2)
@@ -137,6 +182,8 @@ for k, key in enumerate(keys):
     print(f"{key[0]:5}{key[1]:>4}{key[2]:>4}{key[3]:>6}",
           " ".join(f"{runs[ir][k]['attention_us']:7.1f}" for ir in sorted(runs)))
 PY
+  fi
+  python3 bench/gemm_ab_table.py "$OUT" | tee "$OUT/gemm-ab.txt"
   stamp "ab done"
 fi
 
@@ -144,6 +191,7 @@ if [[ " $STAGES " == *" unfused "* ]]; then
   # Before/after of the fused decode layer (engine/layers/fused_layer.py), same call.
   for m in "8b $M8" "1b $M1"; do
     set -- $m
+    [[ " $MODELS " == *" $1 "* ]] || continue
     EXL3_FUSED_LAYER=0 timeout 120 python3 bench/generator_throughput.py "$2" --device cuda \
       --jobs "${UNFUSED_JOBS:-1,16}" --prompt 128 --gen 64 --kv fp16 --repeat 2 --json \
       >"$OUT/ours-$1-unfused.json" 2>"$OUT/ours-$1-unfused.err" \
@@ -156,6 +204,7 @@ if [[ " $STAGES " == *" peer "* ]] && grep -q "peer install ok" "$OUT/peer-insta
   PEER_JOBS=$(echo "$JOBS" | sed 's/\([0-9]*\)/\1,\1,\1/g')
   for m in "8b $M8" "1b $M1"; do
     set -- $m
+    [[ " $MODELS " == *" $1 "* ]] || continue
     for kv in $PEER_KV; do
       bits=$([ "$kv" = 16 ] && echo "" || echo "$kv")
       (cd /tmp && PYTHONPATH=/tmp/peer EX3_KV_BITS=$bits timeout 150 python3 \

@@ -14,8 +14,11 @@ Public API:
   -> y``: ``y = x @ W + bias`` with ``W = diag(suh)·Hblk·Ŵ·Hblk·diag(svh)``, in x's dtype.
   1..64 rows: fused decode-GEMM kernel; more rows: decode + cuBLAS.
 - ``hadamard128(x, pre=None, post=None, bias=None, out_dtype=None) -> Tensor``.
+- ``gemm_variant() -> int | None``: the fused GEMM's build-time variant (0 = default).
 Environment: ``EXL3_NO_EXT=1`` forces the fallback; ``EXL3_KERNEL_CACHE`` sets the
-build cache folder (default ``~/.cache/exl3/kernels``).
+build cache folder (default ``~/.cache/exl3/kernels``); ``EXL3_NVCC_FLAGS`` adds nvcc
+flags (part of the cache key), e.g. ``-DEXL3_GEMM_VARIANT=N`` for a variant of the fused
+GEMM (csrc/ops/cuda/gemm_lean.cuh; bench/NOTES-gpu.md).
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def _build() -> ModuleType:
     return build_extension(
         "exl3_kernels", [CUDA_DIR / s for s in _SOURCES],
         f"{torch.__version__}|{torch.version.cuda}",
-        hashed=[*(CUDA_DIR / h for h in ("exl3_ops.h", "gemm_impl.cuh", "exl3_convert.cuh",
+        hashed=[*(CUDA_DIR / h for h in ("exl3_ops.h", "gemm_impl.cuh", "gemm_lean.cuh",
+                                         "exl3_convert.cuh",
                                          "exl3_launch.cuh", "exl3_lora.cuh", "exl3_moe.cuh",
                                          "moe_gemm_impl.cuh", "bindings_util.h")),
                 *(CSRC / "codec" / h for h in ("exl3_trellis.cuh", "exl3_hadamard.cuh"))],
@@ -106,6 +110,13 @@ def unavailable_reason() -> str | None:
     """Why the kernels are not in use, or None when they are."""
     _extension()
     return _EXTENSION.reason
+
+
+def gemm_variant() -> int | None:
+    """The fused GEMM's build-time variant (``EXL3_GEMM_VARIANT``, 0 = the default kernel),
+    or None without the extension."""
+    ext = _extension()
+    return None if ext is None else int(ext.gemm_variant())
 
 
 def _k2(k: float) -> int:

@@ -216,6 +216,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("partials"));
   exl3_bind::define_layer_ops(m);  // layer_bindings.cpp
   exl3_bind::define_moe_ops(m);    // moe_bindings.cpp
+  m.def("gemm_variant", &exl3::gemm_variant,
+        "the fused GEMM's build-time variant (EXL3_GEMM_VARIANT; 0 = default)");
   m.def("hadamard", &hadamard,
         "out = H128(sum_s x[s] * pre) * post + bias, per 128 columns over width",
         py::arg("x"), py::arg("pre"), py::arg("post"), py::arg("bias"), py::arg("out"),

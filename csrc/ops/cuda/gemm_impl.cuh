@@ -275,23 +275,43 @@ __device__ __forceinline__ void gemm_warp(const __half* __restrict__ xh,
   }
 }
 
+}  // namespace gemm
+}  // namespace exl3
+
+#include "gemm_lean.cuh"  // build-time variants (EXL3_GEMM_VARIANT, default 0: gemm_kernel)
+
+namespace exl3 {
+namespace gemm {
+
 template <int K2, int CB>
 void run_gemm(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t stream) {
-  const size_t smem = (size_t)kWarps * kStages * kTN * TileBits<K2>::kWords * 4;
-  int nb_max = 0;
-  for (int p = 0; p < parts.count; p++) nb_max = max(nb_max, parts.part[p].nb);
-  const int groups = (nb_max + kTN - 1) / kTN;
-  const int kb_per_split = (kb + splits - 1) / splits;
-  dim3 grid((groups + kWarps - 1) / kWarps, splits, parts.count);
-  if (rows <= 8)
-    launch(gemm_kernel<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
-           kb_per_split);
-  else if (rows <= 32)
-    launch(gemm_kernel<K2, CB, 4>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
-           kb_per_split);
-  else
-    launch(gemm_kernel<K2, CB, 8>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
-           kb_per_split);
+  if constexpr (lean::kAllRows) {
+    lean::run<K2, CB>(parts, rows, kb, splits, stream);
+    return;
+  }
+  if constexpr (EXL3_GEMM_VARIANT >= 1) {
+    if (rows <= 8) {
+      lean::run<K2, CB>(parts, rows, kb, splits, stream);
+      return;
+    }
+  }
+  if constexpr (!lean::kAllRows) {
+    const size_t smem = (size_t)kWarps * kStages * kTN * TileBits<K2>::kWords * 4;
+    int nb_max = 0;
+    for (int p = 0; p < parts.count; p++) nb_max = max(nb_max, parts.part[p].nb);
+    const int groups = (nb_max + kTN - 1) / kTN;
+    const int kb_per_split = (kb + splits - 1) / splits;
+    dim3 grid((groups + kWarps - 1) / kWarps, splits, parts.count);
+    if (rows <= 8)
+      launch(gemm_kernel<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
+             kb_per_split);
+    else if (rows <= 32)
+      launch(gemm_kernel<K2, CB, 4>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
+             kb_per_split);
+    else
+      launch(gemm_kernel<K2, CB, 8>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
+             kb_per_split);
+  }
 }
 
 }  // namespace gemm

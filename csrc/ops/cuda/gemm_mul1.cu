@@ -8,3 +8,8 @@
 #define EXL3_MUL1_K2(X) EXL3_FOR_INTEGER_K2(X) EXL3_FOR_HALF_K2(X)
 
 EXL3_DEFINE_GEMM_LAUNCHER(mul1, CB_MUL1, EXL3_MUL1_K2)
+
+// Which build-time variant of the fused GEMM this extension runs (gemm_lean.cuh).
+namespace exl3 {
+int gemm_variant() { return EXL3_GEMM_VARIANT; }
+}  // namespace exl3
