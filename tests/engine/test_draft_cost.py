@@ -10,7 +10,12 @@ import types
 import pytest
 
 from exl3cli.engine.generation import generator as generator_module
-from exl3cli.engine.generation.draft_policy import DraftBackoff, PlainStepClock
+from exl3cli.engine.generation.draft_policy import (
+    FIRST_BATCH_PAUSE,
+    DraftBackoff,
+    PlainStepClock,
+    charge_step,
+)
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.generation.speculative import VerifyingBatch
@@ -137,3 +142,47 @@ def test_a_job_keeps_drafting_when_passes_pay(text_model, monkeypatch, answer):
     # After the prefill's token: one plain step timing the reference, then 4 drafts
     # kept a pass (the last pass drafts what the budget leaves): 23 * 4 + 2.
     assert handle.final.draft_accepted == 94
+
+
+def _fake_jobs(count: int) -> list:
+    return [types.SimpleNamespace(produced=10, drafter=object(), backoff=DraftBackoff())
+            for _ in range(count)]
+
+
+def test_a_batch_whose_drafting_does_not_pay_pauses_every_job():
+    """Every job of a pass waits for it: a job whose own drafts pay (2 tokens in 1.5
+    plain steps) pauses too when the batch emits less than plain steps would."""
+    clock = PlainStepClock()
+    clock.observe(4, 1_000)
+    jobs = _fake_jobs(4)
+    fed = [(job, [1, 2, 3]) for job in jobs]
+    before = [(job.produced, True) for job in jobs]
+    for job, emitted in zip(jobs, (2, 1, 1, 1), strict=True):
+        job.produced += emitted
+    charge_step(clock, fed, True, 1_500, before)  # batch: 5 tokens in 1.5 steps of 4
+    assert jobs[0].backoff.cost_pauses == 0  # its own gain, 2 / 1.5, pays
+    assert all(not job.backoff.may_draft(job.produced) for job in jobs)
+    assert jobs[0].backoff.paused_until == jobs[0].produced + FIRST_BATCH_PAUSE
+    # The probe after the pause fails again: the pause doubles; one that pays resets it.
+    before = [(job.produced, True) for job in jobs]
+    for job in jobs:
+        job.produced += 1
+    charge_step(clock, fed, True, 1_500, before)
+    assert jobs[0].backoff.paused_until == jobs[0].produced + 2 * FIRST_BATCH_PAUSE
+    paying = _fake_jobs(4)
+    before = [(job.produced, True) for job in paying]
+    for job in paying:
+        job.produced += 3
+    charge_step(clock, [(job, [1, 2, 3]) for job in paying], True, 1_500, before)
+    assert all(job.backoff.may_draft(job.produced) for job in paying)
+    assert clock.batch_pause(4, True) == 0
+
+
+def test_one_job_is_judged_by_its_own_rule_only():
+    clock = PlainStepClock()
+    clock.observe(1, 1_000)
+    job = _fake_jobs(1)[0]
+    before = [(job.produced, True)]
+    job.produced += 2
+    charge_step(clock, [(job, [1, 2, 3])], True, 1_500, before)
+    assert job.backoff.may_draft(job.produced) and job.backoff.pauses == 0
