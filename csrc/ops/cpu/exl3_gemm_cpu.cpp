@@ -690,6 +690,17 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const a
   return y;
 }
 
+std::string exl3_gemv_kind(double k_bits, int64_t rows) {
+  const int half_k = static_cast<int>(std::lround(2 * k_bits));
+  TORCH_CHECK(std::abs(2 * k_bits - half_k) < 1e-9 && valid_half_k(half_k),
+              "exl3: unsupported bits per weight ", k_bits);
+  if (rows > kGemvRows) return "strips";
+#if defined(EXL3_FP16_PATH)
+  if (rows <= kStepRows && table_for(half_k).order.ok && !step_order_disabled()) return "steps";
+#endif
+  return kSimd ? "rows" : "scalar";
+}
+
 }  // namespace exl3_cpu
 
 TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
@@ -697,6 +708,9 @@ TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
   m.def("exl3_matmul(Tensor xh, Tensor trellis_t, float k_bits, int codebook, Tensor? lut) -> Tensor");
   m.def("exl3_linear(Tensor x, Tensor trellis_t, Tensor suh, Tensor svh, Tensor? bias, "
         "float k_bits, int codebook, int n, Tensor? lut) -> Tensor");
+  // Which product serves `rows` rows: "steps" (trellis-step order), "rows" (row pairs),
+  // "scalar" (codebook table) or "strips" (decoded strips and at::mm).
+  m.def("exl3_gemv_kind(float k_bits, int rows) -> str", &exl3_cpu::exl3_gemv_kind);
 }
 
 TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) {

@@ -33,6 +33,12 @@ struct StepOrderTable {
   alignas(64) int16_t first[256];
   alignas(64) int16_t second[256];
   alignas(64) int16_t offset[256];
+  // The VBMI form: lanes 4g..4g+3 of vector v gather the four ring words from the first
+  // one of step 32v + 4g on, most significant word last (one 64-bit number, ring bits
+  // from the top), and vpmultishiftqb cuts each state out of it (shift: the two byte
+  // offsets of each lane).
+  alignas(64) int16_t gather[256];
+  alignas(64) uint8_t shift[512];
   int32_t base[8] = {};
   int words16 = 0;
   bool ok = false;
@@ -77,6 +83,38 @@ inline StepOrderTable make_step_table(const int* start, int words16) {
       t.second[s] = static_cast<int16_t>(index(sw[s]));
     }
   }
+  // The VBMI tables: qword g of vector v holds ring words c_g .. c_g + 3 (mod the ring).
+  const int ring_bits = 16 * words16;
+  for (int v = 0; v < 8; ++v)
+    for (int g = 0; g < 8; ++g) {
+      const int s0 = 32 * v + 4 * g, c = start[s0] >> 4;
+      int p[4];
+      for (int d = 0; d < 4; ++d) {
+        p[d] = ((start[s0 + d] - 16 * c) % ring_bits + ring_bits) % ring_bits;
+        ok = ok && p[d] <= 48;
+        t.shift[2 * (s0 + d)] = static_cast<uint8_t>(48 - p[d]);
+        t.shift[2 * (s0 + d) + 1] = static_cast<uint8_t>(56 - p[d]);
+      }
+      for (int j = 0; j < 4; ++j) {  // lane 4g + j: ring word c + 3 - j
+        const int k = 3 - j;
+        bool needed = false;  // by a state: bits [p, p + 16) meet word k's [16 k, 16 k + 16)
+        for (int d = 0; d < 4; ++d) needed = needed || (p[d] < 16 * k + 16 && p[d] + 16 > 16 * k);
+        const int chunk = (c + k) % words16, w = chunk ^ 1;
+        int index;
+        if (!needed) {
+          index = 0;
+        } else if (!wide || v > 0) {
+          index = w - t.base[v];
+          ok = ok && index >= 0 && index < 32;
+        } else if (w < 32) {
+          index = w;
+        } else {
+          ok = ok && w >= words16 - 32;
+          index = 32 + w - (words16 - 32);
+        }
+        t.gather[s0 + j] = static_cast<int16_t>(index);
+      }
+    }
   t.ok = ok;
   return t;
 }
@@ -123,6 +161,36 @@ inline __m512i funnel16(__m512i a, __m512i b, __m512i offset) {
 #endif
 }
 
+// The 32 states of vector v of a tile (head/tail: its ring's first and last 32 words).
+template <bool WIDE>
+inline __m512i step_states(const int16_t* tile, __m512i head, __m512i tail,
+                           const StepOrderTable& t, int v) {
+#if defined(__AVX512VBMI__) && !defined(EXL3_CPU_NO_VBMI)
+  const __m512i gi = _mm512_load_si512(t.gather + 32 * v);
+  __m512i words;
+  if (!WIDE) words = _mm512_permutexvar_epi16(gi, head);
+  else if (v == 0) words = _mm512_permutex2var_epi16(head, gi, tail);
+  else words = _mm512_permutexvar_epi16(gi, _mm512_loadu_si512(tile + t.base[v]));
+  return _mm512_multishift_epi64_epi8(_mm512_load_si512(t.shift + 64 * v), words);
+#else
+  const __m512i fi = _mm512_load_si512(t.first + 32 * v);
+  const __m512i si = _mm512_load_si512(t.second + 32 * v);
+  __m512i a, b;
+  if (!WIDE) {
+    a = _mm512_permutexvar_epi16(fi, head);
+    b = _mm512_permutexvar_epi16(si, head);
+  } else if (v == 0) {
+    a = _mm512_permutex2var_epi16(head, fi, tail);
+    b = _mm512_permutex2var_epi16(head, si, tail);
+  } else {
+    const __m512i window = _mm512_loadu_si512(tile + t.base[v]);
+    a = _mm512_permutexvar_epi16(fi, window);
+    b = _mm512_permutexvar_epi16(si, window);
+  }
+  return funnel16(a, b, _mm512_load_si512(t.offset + 32 * v));
+#endif
+}
+
 // xs (rows, kb, 32): x of each 16-row block in step-lane order (kLaneRow).
 inline void step_lanes_x(const float* xh, int64_t ldx, int64_t rows, int64_t kb, float* xs) {
   for (int64_t m = 0; m < rows; ++m)
@@ -154,21 +222,7 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
     }
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
-      const __m512i fi = _mm512_load_si512(t.first + 32 * v);
-      const __m512i si = _mm512_load_si512(t.second + 32 * v);
-      __m512i a, b;
-      if (!WIDE) {
-        a = _mm512_permutexvar_epi16(fi, head);
-        b = _mm512_permutexvar_epi16(si, head);
-      } else if (v == 0) {
-        a = _mm512_permutex2var_epi16(head, fi, tail);
-        b = _mm512_permutex2var_epi16(head, si, tail);
-      } else {
-        const __m512i window = _mm512_loadu_si512(tile + t.base[v]);
-        a = _mm512_permutexvar_epi16(fi, window);
-        b = _mm512_permutexvar_epi16(si, window);
-      }
-      const __m512i state = funnel16(a, b, _mm512_load_si512(t.offset + 32 * v));
+      const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
       const __m512i bits = _mm512_castph_si512(codebook_ph<CB>(state));
       const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
       const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
