@@ -369,6 +369,14 @@ def exl3_decode_cpu(trellis_t: torch.Tensor, k_bits: float, codebook: str) -> to
                               _scalar_lut(codebook))
 
 
+def exl3_gemv_kind(k_bits: float, rows: int) -> str:
+    """Which product the kernel runs for ``rows`` rows at K = ``k_bits``: "steps" (the
+    trellis-step-order GEMV, AVX512-FP16 builds, 1-2 rows), "rows" (tile row pairs /
+    rows), "scalar" (the codebook table, CPUs without AVX-512) or "strips" (more than 8
+    rows: decoded strips and a matrix product)."""
+    return _ops().exl3_gemv_kind(float(k_bits), int(rows))
+
+
 def exl3_matmul_cpu(xh: torch.Tensor, trellis_t: torch.Tensor, k_bits: float,
                     codebook: str) -> torch.Tensor:
     """``exl3_matmul_reference`` with each tile decoded in registers (<= 8 rows) or in

@@ -69,6 +69,43 @@ def test_kernel_matmul_matches_reference(k: float, codebook: str) -> None:
         torch.testing.assert_close(fast, twin, rtol=1e-5, atol=1e-5)
 
 
+GEMV_CASES = [(k, cb) for k in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8) for cb in ("mul1", "mcg", "3inst")
+              if cb == "mul1" or float(k).is_integer()]
+
+
+def _has_avx512_fp16() -> bool:
+    try:
+        return "avx512_fp16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("k,codebook", GEMV_CASES, ids=lambda v: str(v))
+def test_kernel_decode_gemv_odd_shapes(k: float, codebook: str) -> None:
+    """The 1-2 row GEMV (trellis-step order on AVX512-FP16 builds: one window per 32
+    steps, the ring's end wrapping into vector 0, a fold of 8 accumulators per strip) on
+    one-tile, one-strip and odd-sized trellises, on one and two threads."""
+    _kernel_required()
+    # The build is -march=native: a CPU with AVX512-FP16 must take the step-order path.
+    expected_kind = "steps" if _has_avx512_fp16() else (
+        "rows" if cpu_kernels.simd_level() == "avx512" else "scalar")
+    assert [cpu_kernels.exl3_gemv_kind(k, r) for r in (1, 2, 9)] == [expected_kind] * 2 + [
+        "strips"]
+    g = _fresh()
+    threads = torch.get_num_threads()
+    try:
+        for kb, nb, n_threads in ((1, 1, 1), (1, 7, 1), (7, 1, 1), (5, 9, 2), (13, 3, 2)):
+            torch.set_num_threads(n_threads)
+            trellis_t = _random_trellis(kb, nb, k, g).transpose(0, 1).contiguous()
+            for rows in (1, 2, 3):
+                xh = torch.randn(rows, 16 * kb, generator=g)
+                fast = cpu_kernels.exl3_matmul_cpu(xh, trellis_t, k, codebook)
+                twin = cpu_kernels.exl3_matmul_reference(xh, trellis_t, k, codebook)
+                torch.testing.assert_close(fast, twin, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # (rows, in, out, K): logical sizes below the padded ones (trimmed), several strips.
 LINEAR_SHAPES = [(1, 576, 960, 4), (3, 100, 250, 2), (8, 256, 128, 6), (12, 128, 384, 3),
                  (1, 1536, 576, 5)]

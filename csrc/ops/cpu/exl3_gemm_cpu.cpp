@@ -40,13 +40,22 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+#define EXL3_FP16_PATH 1
+#endif
 
 namespace {
+#if defined(EXL3_FP16_PATH)
+#include "exl3_step_gemv.h"
+#endif
 
 constexpr int kSteps = 256;
 constexpr int64_t kGemvRows = 8;
@@ -59,13 +68,15 @@ struct StepTable {
   alignas(64) int32_t second[kSteps];
   alignas(64) int32_t offset[kSteps];
   alignas(64) int32_t rest[kSteps];  // 32 - offset
-  // The same in 16-bit ring words (file word index, offset, 16 - offset) for the
+  // The same in 16-bit ring words (file word index, offset) for the
   // AVX512-FP16 path, which decodes two tile rows (32 positions) per vector.
   alignas(64) int16_t first16[kSteps];
   alignas(64) int16_t second16[kSteps];
   alignas(64) int16_t offset16[kSteps];
-  alignas(64) int16_t rest16[kSteps];
   int words32 = 0;
+#if defined(EXL3_FP16_PATH)
+  StepOrderTable order;  // the step-order GEMV's (exl3_step_gemv.h)
+#endif
 };
 
 // Tile position (16 * row + col) of trellis step p (codec/tiles.py).
@@ -86,10 +97,11 @@ StepTable make_table(int half_k) {
     ring += per_step[i];
   }
   table.words32 = ring / 32;
-  int end = 0;
+  int end = 0, starts[kSteps];
   for (int p = 0; p < kSteps; ++p) {
     end += per_step[p];
     const int start = ((end - 16) % ring + ring) % ring;
+    starts[p] = start;
     const int q = position_of_step(p);
     table.first[q] = start >> 5;
     table.second[q] = (table.first[q] + 1) % table.words32;
@@ -101,8 +113,10 @@ StepTable make_table(int half_k) {
     table.first16[q] = static_cast<int16_t>(chunk ^ 1);
     table.second16[q] = static_cast<int16_t>(((chunk + 1) % chunks) ^ 1);
     table.offset16[q] = static_cast<int16_t>(start & 15);
-    table.rest16[q] = static_cast<int16_t>(16 - (start & 15));
   }
+#if defined(EXL3_FP16_PATH)
+  table.order = make_step_table(starts, 2 * table.words32);
+#endif
   return table;
 }
 
@@ -286,7 +300,7 @@ void strip_rows_any(const float* xh, int64_t ldx, int64_t rows, const int16_t* s
   }
 }
 
-#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+#if defined(EXL3_FP16_PATH)
 // Two tile rows per vector in 16-bit lanes: vpermw/vpermt2w fetch the ring words, the
 // hash state * m (mod 2^32) is kept as its two 16-bit halves, and the codebook is
 // evaluated in float16 for 32 values at once.
@@ -324,37 +338,8 @@ inline void decode_pair(const Ring16<MODE>& ring, const StepTable& t, int p, __m
   const int q = 32 * p;
   const __m512i a = ring.get(_mm512_load_si512(t.first16 + q));
   const __m512i b = ring.get(_mm512_load_si512(t.second16 + q));
-  const __m512i state =
-      _mm512_or_si512(_mm512_sllv_epi16(a, _mm512_load_si512(t.offset16 + q)),
-                      _mm512_srlv_epi16(b, _mm512_load_si512(t.rest16 + q)));
-  constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
-  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
-  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
-  __m512i lo = _mm512_mullo_epi16(state, ml);
-  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
-  if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
-    constexpr uint32_t add = 64248484u;
-    const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
-    const __mmask32 carry = _mm512_cmplt_epu16_mask(sum, lo);
-    hi = _mm512_add_epi16(hi, _mm512_set1_epi16(static_cast<int16_t>(add >> 16)));
-    hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
-    lo = sum;
-  }
-  __m512h v;
-  if constexpr (CB == 2) {  // (1024 + byte sum) * a + b, one float16 rounding
-    const __m512i ones = _mm512_set1_epi8(1);
-    const __m512i n = _mm512_add_epi16(
-        _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones)),
-        _mm512_set1_epi16(1024));
-    v = _mm512_fmadd_ph(_mm512_cvtepi16_ph(n), _mm512_set1_ph(static_cast<_Float16>(1774.f / 262144.f)),
-                        _mm512_set1_ph(static_cast<_Float16>(-10.3828125f)));
-  } else {
-    const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
-    const __m512i flip = _mm512_set1_epi16(0x3B60);
-    v = _mm512_add_ph(_mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(lo, mask), flip)),
-                      _mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(hi, mask), flip)));
-  }
-  const __m512i bits = _mm512_castph_si512(v);
+  const __m512i state = funnel16(a, b, _mm512_load_si512(t.offset16 + q));
+  const __m512i bits = _mm512_castph_si512(codebook_ph<CB>(state));
   row0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
   row1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
 }
@@ -415,7 +400,7 @@ template <typename F>
 void dispatch(int64_t codebook, int words32, F&& f) {
   auto by_mode = [&](auto cb) {
     constexpr int CB = decltype(cb)::value;
-#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+#if defined(EXL3_FP16_PATH)
     if (words32 <= 16) f(strip_rows16_any<CB, 0>, strip_decode16<CB, 0>);
     else if (words32 <= 32) f(strip_rows16_any<CB, 1>, strip_decode16<CB, 1>);
     else f(strip_rows16_any<CB, 2>, strip_decode16<CB, 2>);
@@ -429,6 +414,36 @@ void dispatch(int64_t codebook, int words32, F&& f) {
   else if (codebook == 1) by_mode(std::integral_constant<int, 1>{});
   else by_mode(std::integral_constant<int, 2>{});
 }
+#if defined(EXL3_FP16_PATH)
+constexpr int64_t kStepRows = 2;  // rows the step-order GEMV takes (its accumulators: 8 per row)
+
+// EXL3_CPU_STEP_GEMV=0 turns the step-order GEMV off (A/B runs), read once.
+bool step_order_disabled() {
+  static const bool off = [] {
+    const char* v = std::getenv("EXL3_CPU_STEP_GEMV");
+    return v && std::string(v) == "0";
+  }();
+  return off;
+}
+
+// f(strip_steps<CB, WIDE, MR>) for a layer's codebook, ring length and rows (1..kStepRows).
+template <typename F>
+void dispatch_steps(int64_t codebook, bool wide, int64_t rows, F&& f) {
+  auto by_rows = [&](auto cb, auto w) {
+    constexpr int CB = decltype(cb)::value;
+    constexpr bool W = decltype(w)::value;
+    if (rows == 1) f(strip_steps<CB, W, 1>);
+    else f(strip_steps<CB, W, 2>);
+  };
+  auto by_wide = [&](auto cb) {
+    if (wide) by_rows(cb, std::true_type{});
+    else by_rows(cb, std::false_type{});
+  };
+  if (codebook == 0) by_wide(std::integral_constant<int, 0>{});
+  else if (codebook == 1) by_wide(std::integral_constant<int, 1>{});
+  else by_wide(std::integral_constant<int, 2>{});
+}
+#endif
 #else
 constexpr bool kSimd = false;
 #endif
@@ -536,6 +551,20 @@ Layer check_layer(const at::Tensor& trellis_t, double k_bits, int64_t codebook,
 // out (rows, 16 nb) = xh (rows, 16 kb) @ Ŵ, rows <= kGemvRows.
 void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
   const int64_t ldx = 16 * L.kb, ldo = 16 * L.nb, tile_words = L.kb * L.words;
+#if defined(EXL3_FP16_PATH)
+  if (rows <= kStepRows && L.table->order.ok && !step_order_disabled()) {
+    std::vector<float> xs(static_cast<size_t>(rows * L.kb * 32));
+    step_lanes_x(xh, ldx, rows, L.kb, xs.data());
+    dispatch_steps(L.codebook, L.table->order.words16 > 32, rows, [&](auto fn) {
+      at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j)
+          fn(xs.data(), L.kb, L.trellis + j * tile_words, L.words, L.table->order, out + 16 * j,
+             ldo);
+      });
+    });
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   dispatch(L.codebook, L.table->words32, [&](auto rows_fn, auto) {
     at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
@@ -661,6 +690,17 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const a
   return y;
 }
 
+std::string exl3_gemv_kind(double k_bits, int64_t rows) {
+  const int half_k = static_cast<int>(std::lround(2 * k_bits));
+  TORCH_CHECK(std::abs(2 * k_bits - half_k) < 1e-9 && valid_half_k(half_k),
+              "exl3: unsupported bits per weight ", k_bits);
+  if (rows > kGemvRows) return "strips";
+#if defined(EXL3_FP16_PATH)
+  if (rows <= kStepRows && table_for(half_k).order.ok && !step_order_disabled()) return "steps";
+#endif
+  return kSimd ? "rows" : "scalar";
+}
+
 }  // namespace exl3_cpu
 
 TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
@@ -668,6 +708,9 @@ TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
   m.def("exl3_matmul(Tensor xh, Tensor trellis_t, float k_bits, int codebook, Tensor? lut) -> Tensor");
   m.def("exl3_linear(Tensor x, Tensor trellis_t, Tensor suh, Tensor svh, Tensor? bias, "
         "float k_bits, int codebook, int n, Tensor? lut) -> Tensor");
+  // Which product serves `rows` rows: "steps" (trellis-step order), "rows" (row pairs),
+  // "scalar" (codebook table) or "strips" (decoded strips and at::mm).
+  m.def("exl3_gemv_kind(float k_bits, int rows) -> str", &exl3_cpu::exl3_gemv_kind);
 }
 
 TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) {

@@ -1,0 +1,249 @@
+// The decode GEMV of exl3_gemm_cpu.cpp in trellis-step order (AVX512-FP16 builds; included
+// by exl3_gemm_cpu.cpp only, inside its anonymous namespace).
+//
+// The row-pair kernel there decodes tile rows: the 32 states of two rows lie all over the
+// tile's ring (steps 8t + j with t spread over 0..31), so their words are fetched from the
+// whole ring (two vpermt2w up to K=4, four and a blend past it). Here one vector holds 32
+// CONSECUTIVE trellis steps 32v..32v+31 of a tile: their 16-bit windows lie in a stretch of
+// 2K+2 ring words, so one 32-word load and two vpermw fetch them for every K, and one
+// vpshldvw (VBMI2) makes the state. The price is that the vector's lanes are not one tile
+// row: steps 32v..32v+31 are all 16 rows of columns v and v+8 (codec/tiles.py's order).
+// So x is fed to the lanes through a per-call copy laid out the same way (xs: 32 floats per
+// 16-row block, lane l holding x of row kLaneRow[l]), every vector v has its own
+// accumulator, and a strip's 8 accumulators are folded to its 16 columns once at the end.
+//
+// The values are the codec's, bit for bit (same float16 rounding as decode_pair); only
+// the float32 summation order differs from the row-pair kernel.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+// Row of the tile for lane l of a step vector (the same for every v).
+constexpr int kLaneRow[32] = {0, 1, 8,  9,  0, 1, 8,  9,  2, 3, 10, 11, 2, 3, 10, 11,
+                              4, 5, 12, 13, 4, 5, 12, 13, 6, 7, 14, 15, 6, 7, 14, 15};
+
+// Per K: for step s (lane s % 32 of vector s / 32) the window indices of the word holding
+// its state's first bit and of the next word, and the bit offset; base[v] is the file word
+// that vector v's 32-word window starts at. Rings of up to 32 words (K <= 2) sit in one
+// register for all v. Longer rings: vector 0, whose first states wrap around the ring's
+// end, indexes two registers (the ring's first and last 32 words: index 32.. = the last).
+struct StepOrderTable {
+  alignas(64) int16_t first[256];
+  alignas(64) int16_t second[256];
+  alignas(64) int16_t offset[256];
+  // The VBMI form: lanes 4g..4g+3 of vector v gather the four ring words from the first
+  // one of step 32v + 4g on, most significant word last (one 64-bit number, ring bits
+  // from the top), and vpmultishiftqb cuts each state out of it (shift: the two byte
+  // offsets of each lane).
+  alignas(64) int16_t gather[256];
+  alignas(64) uint8_t shift[512];
+  int32_t base[8] = {};
+  int words16 = 0;
+  bool ok = false;
+};
+
+// start[s]: ring bit where step s's 16-bit window starts (bits most significant first;
+// ring 16-bit word c is file word c ^ 1).
+inline StepOrderTable make_step_table(const int* start, int words16) {
+  StepOrderTable t;
+  t.words16 = words16;
+  const bool wide = words16 > 32;
+  int fw[256], sw[256];
+  for (int s = 0; s < 256; ++s) {
+    const int chunk = start[s] >> 4, off = start[s] & 15;
+    fw[s] = chunk ^ 1;
+    sw[s] = off ? ((chunk + 1) % words16) ^ 1 : fw[s];  // offset 0: the second word is unused
+    t.offset[s] = static_cast<int16_t>(off);
+  }
+  bool ok = true;
+  for (int v = 0; v < 8; ++v) {
+    int lo = 1 << 30, hi = -1;
+    for (int l = 0; l < 32; ++l) {
+      const int s = 32 * v + l;
+      lo = std::min({lo, fw[s], sw[s]});
+      hi = std::max({hi, fw[s], sw[s]});
+    }
+    int base = 0;
+    if (wide && v > 0) {
+      base = std::min(lo, words16 - 32);
+      ok = ok && hi - base < 32 && base >= 0;
+    }
+    t.base[v] = base;
+    for (int l = 0; l < 32; ++l) {
+      const int s = 32 * v + l;
+      auto index = [&](int w) {
+        if (!wide || v > 0) return w - base;
+        if (w < 32) return w;                      // from the ring's first 32 words
+        ok = ok && w >= words16 - 32;
+        return 32 + w - (words16 - 32);            // from its last 32
+      };
+      t.first[s] = static_cast<int16_t>(index(fw[s]));
+      t.second[s] = static_cast<int16_t>(index(sw[s]));
+    }
+  }
+  // The VBMI tables: qword g of vector v holds ring words c_g .. c_g + 3 (mod the ring).
+  const int ring_bits = 16 * words16;
+  for (int v = 0; v < 8; ++v)
+    for (int g = 0; g < 8; ++g) {
+      const int s0 = 32 * v + 4 * g, c = start[s0] >> 4;
+      int p[4];
+      for (int d = 0; d < 4; ++d) {
+        p[d] = ((start[s0 + d] - 16 * c) % ring_bits + ring_bits) % ring_bits;
+        ok = ok && p[d] <= 48;
+        t.shift[2 * (s0 + d)] = static_cast<uint8_t>(48 - p[d]);
+        t.shift[2 * (s0 + d) + 1] = static_cast<uint8_t>(56 - p[d]);
+      }
+      for (int j = 0; j < 4; ++j) {  // lane 4g + j: ring word c + 3 - j
+        const int k = 3 - j;
+        bool needed = false;  // by a state: bits [p, p + 16) meet word k's [16 k, 16 k + 16)
+        for (int d = 0; d < 4; ++d) needed = needed || (p[d] < 16 * k + 16 && p[d] + 16 > 16 * k);
+        const int chunk = (c + k) % words16, w = chunk ^ 1;
+        int index;
+        if (!needed) {
+          index = 0;
+        } else if (!wide || v > 0) {
+          index = w - t.base[v];
+          ok = ok && index >= 0 && index < 32;
+        } else if (w < 32) {
+          index = w;
+        } else {
+          ok = ok && w >= words16 - 32;
+          index = 32 + w - (words16 - 32);
+        }
+        t.gather[s0 + j] = static_cast<int16_t>(index);
+      }
+    }
+  t.ok = ok;
+  return t;
+}
+
+// 32 states (16-bit lanes) -> their codebook values, rounded to float16 once like the
+// codec: the hash state * m (mod 2^32) kept as two 16-bit halves.
+template <int CB>
+inline __m512h codebook_ph(__m512i state) {
+  constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  __m512i lo = _mm512_mullo_epi16(state, ml);
+  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+  if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
+    constexpr uint32_t add = 64248484u;
+    const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
+    const __mmask32 carry = _mm512_cmplt_epu16_mask(sum, lo);
+    hi = _mm512_add_epi16(hi, _mm512_set1_epi16(static_cast<int16_t>(add >> 16)));
+    hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
+    lo = sum;
+  }
+  if constexpr (CB == 2) {
+    // (1024 + byte sum) * a + b = byte sum * a + (b + 1024 a), exactly (b + 1024 a =
+    // -3.453125 is a float16): one float16 FMA rounds once, as the codec does.
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
+    return _mm512_fmadd_ph(_mm512_cvtepi16_ph(n), _mm512_set1_ph(static_cast<_Float16>(1774.f / 262144.f)),
+                           _mm512_set1_ph(static_cast<_Float16>(-3.453125f)));
+  } else {
+    const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
+    const __m512i flip = _mm512_set1_epi16(0x3B60);
+    return _mm512_add_ph(_mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(lo, mask), flip)),
+                         _mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(hi, mask), flip)));
+  }
+}
+
+// (a:b) << offset, upper 16 bits, per 16-bit lane (offset 0..15).
+inline __m512i funnel16(__m512i a, __m512i b, __m512i offset) {
+#if defined(__AVX512VBMI2__)
+  return _mm512_shldv_epi16(a, b, offset);
+#else
+  const __m512i rest = _mm512_sub_epi16(_mm512_set1_epi16(16), offset);
+  return _mm512_or_si512(_mm512_sllv_epi16(a, offset), _mm512_srlv_epi16(b, rest));
+#endif
+}
+
+// The 32 states of vector v of a tile (head/tail: its ring's first and last 32 words).
+template <bool WIDE>
+inline __m512i step_states(const int16_t* tile, __m512i head, __m512i tail,
+                           const StepOrderTable& t, int v) {
+#if defined(__AVX512VBMI__) && !defined(EXL3_CPU_NO_VBMI)
+  const __m512i gi = _mm512_load_si512(t.gather + 32 * v);
+  __m512i words;
+  if (!WIDE) words = _mm512_permutexvar_epi16(gi, head);
+  else if (v == 0) words = _mm512_permutex2var_epi16(head, gi, tail);
+  else words = _mm512_permutexvar_epi16(gi, _mm512_loadu_si512(tile + t.base[v]));
+  return _mm512_multishift_epi64_epi8(_mm512_load_si512(t.shift + 64 * v), words);
+#else
+  const __m512i fi = _mm512_load_si512(t.first + 32 * v);
+  const __m512i si = _mm512_load_si512(t.second + 32 * v);
+  __m512i a, b;
+  if (!WIDE) {
+    a = _mm512_permutexvar_epi16(fi, head);
+    b = _mm512_permutexvar_epi16(si, head);
+  } else if (v == 0) {
+    a = _mm512_permutex2var_epi16(head, fi, tail);
+    b = _mm512_permutex2var_epi16(head, si, tail);
+  } else {
+    const __m512i window = _mm512_loadu_si512(tile + t.base[v]);
+    a = _mm512_permutexvar_epi16(fi, window);
+    b = _mm512_permutexvar_epi16(si, window);
+  }
+  return funnel16(a, b, _mm512_load_si512(t.offset + 32 * v));
+#endif
+}
+
+// xs (rows, kb, 32): x of each 16-row block in step-lane order (kLaneRow).
+inline void step_lanes_x(const float* xh, int64_t ldx, int64_t rows, int64_t kb, float* xs) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < kb; ++i)
+      for (int l = 0; l < 32; ++l) xs[(m * kb + i) * 32 + l] = xh[m * ldx + 16 * i + kLaneRow[l]];
+}
+
+// out[m][0..16) = the strip's 16 columns for rows m < MR; xs from step_lanes_x.
+template <int CB, bool WIDE, int MR>
+void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t words,
+                 const StepOrderTable& t, float* out, int64_t ldo) {
+  __m512 acc[MR][8];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 8; ++v) acc[m][v] = _mm512_setzero_ps();
+  const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  for (int64_t i = 0; i < kb; ++i) {
+    const int16_t* tile = strip + i * words;
+    __m512 x0[MR], x1[MR];
+    for (int m = 0; m < MR; ++m) {
+      x0[m] = _mm512_loadu_ps(xs + (m * kb + i) * 32);
+      x1[m] = _mm512_loadu_ps(xs + (m * kb + i) * 32 + 16);
+    }
+    __m512i head, tail;
+    if constexpr (WIDE) {
+      head = _mm512_loadu_si512(tile);
+      tail = _mm512_loadu_si512(tile + t.words16 - 32);
+    } else {
+      head = tail = _mm512_maskz_loadu_epi16(narrow, tile);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
+      const __m512i bits = _mm512_castph_si512(codebook_ph<CB>(state));
+      const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+      const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+      for (int m = 0; m < MR; ++m)
+        acc[m][v] = _mm512_fmadd_ps(x1[m], w1, _mm512_fmadd_ps(x0[m], w0, acc[m][v]));
+    }
+  }
+  // Lanes 0-3 and 8-11 of acc[v] are column v, lanes 4-7 and 12-15 column v + 8.
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float folded[8][16];
+    for (int v = 0; v < 8; ++v) {
+      __m512 a = acc[m][v];
+      a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0x4E));     // + lanes l ^ 8
+      a = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));           // + lanes l ^ 1
+      a = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4E));           // + lanes l ^ 2
+      _mm512_store_ps(folded[v], a);
+    }
+    float* o = out + m * ldo;
+    for (int v = 0; v < 8; ++v) {
+      o[v] = folded[v][0];
+      o[v + 8] = folded[v][4];
+    }
+  }
+}
