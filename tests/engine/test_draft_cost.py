@@ -19,6 +19,7 @@ from exl3cli.engine.generation.draft_policy import (
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.generation.speculative import VerifyingBatch
+from tests.fixtures.drafters import OracleDrafter
 
 GREEDY = {"temperature": 0}
 PROMPT = [5, 9, 14, 3, 77, 120, 8, 19, 33, 250, 41, 7]
@@ -73,17 +74,6 @@ def test_plain_step_clock_asks_for_a_timing_when_missing_or_stale():
     assert clock.wants_plain(1)
 
 
-class _Oracle:
-    """Drafts what plain greedy decoding will say: every draft is accepted."""
-
-    def __init__(self, prompt: list[int], answer: list[int]):
-        self.prompt, self.answer = list(prompt), list(answer)
-
-    def propose(self, history: list[int], count: int) -> list[int]:
-        done = len(history) - len(self.prompt)
-        return self.answer[done : done + count]
-
-
 class _Timed:
     """The model, with each forward advancing `clock.now`: `verify_ns` for a pass with
     drafts (a VerifyingBatch), `plain_ns` otherwise."""
@@ -108,7 +98,7 @@ def _drafted_run(text_model, monkeypatch, verify_ns: int, answer: list[int]):
     generator = Generator(model, text_model.tokenizer, max_batch=1, num_ctx=512,
                           decode_mode="off", draft_cost=True)
     handle = generator.submit(GenerationJob(PROMPT, GREEDY, num_predict=len(answer),
-                                            drafter=_Oracle(PROMPT, answer), draft_tokens=4))
+                                            drafter=OracleDrafter(PROMPT, answer), draft_tokens=4))
     generator.step()
     (active,) = generator._active
     generator.run_until_done()

@@ -18,6 +18,7 @@ from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.generation.speculative import VerifyingBatch, make_drafter
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable
+from tests.fixtures.drafters import OracleDrafter
 
 GREEDY = {"temperature": 0}
 
@@ -146,17 +147,6 @@ def test_run_feeds_writes_every_row_and_commits_nothing(text_model):
     assert [t.length for t in tables] == [3, 254]
 
 
-class _Oracle:
-    """Drafts what plain greedy decoding will say (every draft is kept)."""
-
-    def __init__(self, prompt: list[int], answer: list[int]):
-        self.prompt, self.answer = list(prompt), list(answer)
-
-    def propose(self, history: list[int], count: int) -> list[int]:
-        done = len(history) - len(self.prompt)
-        return self.answer[done : done + count]
-
-
 def test_drafts_are_shortened_so_a_pass_fits_the_fixed_step(text_model):
     prompts = _prompts(7, 3)
     want, _, _, _ = _run(text_model, [GenerationJob(p, GREEDY, num_predict=24)
@@ -165,7 +155,7 @@ def test_drafts_are_shortened_so_a_pass_fits_the_fixed_step(text_model):
                           decode_mode="static", draft_cost=False)
     generator.decode.max_rows = 8  # 3 jobs of 1 + 6 tokens would be 21 rows
     handles = [generator.submit(GenerationJob(p, GREEDY, num_predict=24,
-                                              drafter=_Oracle(p, answer), draft_tokens=6))
+                                              drafter=OracleDrafter(p, answer), draft_tokens=6))
                for p, answer in zip(prompts, want, strict=True)]
     rows = []
     while generator.has_work:
@@ -201,7 +191,7 @@ def test_graph_mode_is_kept_with_drafting_jobs_and_gives_offs_tokens(tmp_path):
         generator.decode.run_feeds = lambda f: feeds.append(len(f)) or run_feeds(f)
         handles = [generator.submit(GenerationJob(
             p, GREEDY, num_predict=40, ignore_eos=True,
-            drafter=_Oracle(p, answers[i]) if answers and i != 1 else None,  # job 1: plain
+            drafter=OracleDrafter(p, answers[i]) if answers and i != 1 else None,  # job 1: plain
             draft_tokens=4 if answers and i != 1 else 0)) for i, p in enumerate(prompts)]
         generator.run_until_done()
         assert generator.decode.mode == mode
