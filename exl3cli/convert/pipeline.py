@@ -21,7 +21,11 @@ Public API:
   ``out_scales`` "fisher" (output-channel scales from the same pass's Fisher
   information, quantize_layer.fisher_out_scales, at ``fisher_strength`` 0.5: half-way,
   geometrically, from the RMS to the optimum for the measured F, which lost KL at 4 bpw
-  on the CPU benchmark, bench/NOTES-quant-quality.md) or "rms" (the column RMS).
+  on the CPU benchmark, bench/NOTES-quant-quality.md) or "rms" (the column RMS);
+  ``scale_refit`` rounds of the least-squares refit of every quantized linear's
+  suh/svh once its trellis is searched (scale_refit.py; 0: none); ``embed_bits`` 1..8
+  stores the token embedding trellis-quantized as ExLlamaV3 does (embed_quant.py; the
+  layers are calibrated on the decoded table), 16 keeps it.
 - ``convert_model(src, out_dir, options, work_dir, resume=False, progress=None)
   -> ConversionSummary`` (``progress`` receives each ``LayerReport`` and status strings).
 """

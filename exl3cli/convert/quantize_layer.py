@@ -11,7 +11,11 @@ Everything random comes from generators seeded by ``(seed, name)``: the same inp
 give the same bits, which is what lets ``--resume`` reproduce an uninterrupted run.
 
 Public API:
-- ``QuantSettings(k_bits, codebook="mul1", damping=0.02, scale_search_tiles=16, seed=0)``
+- ``QuantSettings(k_bits, codebook="mul1", damping=0.02, scale_search_tiles=16, seed=0,
+  fisher_strength=1.0, refit_rounds=0)``: ``refit_rounds`` > 0 refits each tensor's
+  suh/svh to its searched trellis (scale_refit.py, on the damped Hessian, output
+  channels weighed by their Fisher information when given), so the tensors of a group
+  then carry suh vectors of their own.
 - ``QuantizedLinear``: ``name``, ``tensors`` (suffix -> stored tensor: trellis int16,
   suh/svh float16, codebook marker, bias), ``weight`` (float32 (in, out), the stored
   tensors dequantized exactly as a loader sees them), ``proxy_error``.

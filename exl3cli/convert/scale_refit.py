@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 # Ridge added to the row system's diagonal, relative to its mean: keeps dead inputs
-# (an all-zero Hessian row) solvable without moving any real row's fit.
+# (an all-zero Hessian row) solvable, at factor 1, without moving any real row's fit.
 _RIDGE = 1e-6
+_FLOAT64_LIMIT = 1 << 24  # elements of the weight
 
 
 def _usable(x: torch.Tensor) -> torch.Tensor:
@@ -46,27 +47,33 @@ def refit_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Input- and output-side factors ``(r, c)`` that lower ``L`` (module docstring) for
     ``weight`` and ``quantized`` (in, out) under ``hessian`` (in, in)."""
-    h = hessian.to(weight.device, torch.float64)
-    w = weight.to(torch.float64)
-    q = quantized.to(torch.float64)
+    # float64 unless the matrices are large (a head of 100k+ columns): the sums below
+    # are float64 either way, and the one solve is.
+    work = torch.float64 if weight.numel() <= _FLOAT64_LIMIT else torch.float32
+    h = hessian.to(weight.device, work)
+    w = weight.to(work)
+    q = quantized.to(work)
     in_f, out_f = w.shape
-    r = torch.ones(in_f, dtype=torch.float64, device=w.device)
-    c = torch.ones(out_f, dtype=torch.float64, device=w.device)
+    f64 = torch.float64
+    r = torch.ones(in_f, dtype=work, device=w.device)
+    c = torch.ones(out_f, dtype=work, device=w.device)
     hw = h @ w
     g = None
     if column_weights is not None:
-        g = column_weights.to(w.device, torch.float64).clamp_min(0)
+        g = column_weights.to(w.device, work).clamp_min(0)
         g = g / g.mean().clamp_min(1e-30)
     for _ in range(max(0, rounds)):
         current = q * r[:, None] * c[None, :]
-        num = (current * hw).sum(0)
-        den = (current * (h @ current)).sum(0)
-        c = c * _usable(num / den.clamp_min(1e-30))
+        num = (current * hw).sum(0, dtype=f64)
+        den = (current * (h @ current)).sum(0, dtype=f64)
+        c = c * _usable(num / den.clamp_min(1e-30)).to(work)
         current = q * r[:, None] * c[None, :]  # rows: solve for a factor on top of r
         weighted = current if g is None else current * g[None, :]
-        system = (weighted @ current.T) * h
-        rhs = (weighted * hw).sum(1)
-        system.diagonal().add_(_RIDGE * system.diagonal().mean().clamp_min(1e-30))
-        step = torch.linalg.solve(system, rhs)
-        r = r * _usable(step)
+        system = ((weighted @ current.T) * h).to(f64)
+        rhs = (weighted * hw).sum(1, dtype=f64)
+        # The ridge pulls towards "no change" (a step of 1), not towards 0.
+        ridge = _RIDGE * system.diagonal().mean().clamp_min(1e-30)
+        system.diagonal().add_(ridge)
+        step = torch.linalg.solve(system, rhs + ridge)
+        r = r * _usable(step).to(work)
     return r.to(torch.float32), c.to(torch.float32)
