@@ -23,7 +23,7 @@ Public API:
   geometrically, from the RMS to the optimum for the measured F, which lost KL at 4 bpw
   on the CPU benchmark, bench/NOTES-quant-quality.md) or "rms" (the column RMS);
   ``scale_refit`` rounds of the least-squares refit of every quantized linear's
-  suh/svh once its trellis is searched (scale_refit.py; 0: none); ``embed_bits`` 1..8
+  suh/svh once its trellis is searched (scale_refit.py; default 2, 0: none); ``embed_bits`` 1..8
   stores the token embedding trellis-quantized as ExLlamaV3 does (embed_quant.py; the
   layers are calibrated on the decoded table), 16 keeps it.
 - ``convert_model(src, out_dir, options, work_dir, resume=False, progress=None)
@@ -103,7 +103,7 @@ class ConvertOptions:
     allocation_unit: str = "tensor"  # or "group": q/k/v and gate/up share their bits
     out_scales: str = "fisher"  # or "rms"
     fisher_strength: float = 0.5  # fisher_out_scales: 1 = the optimum for the measured F
-    scale_refit: int = 0  # rounds of the suh/svh refit after the search (scale_refit.py)
+    scale_refit: int = 2  # rounds of the suh/svh refit after the search (scale_refit.py)
     embed_bits: int = 16  # the token embedding table: 1..8 trellis bits (embed_quant.py)
 
 
