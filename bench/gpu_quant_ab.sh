@@ -12,20 +12,25 @@
 # is written as soon as it exists, so a run cut short still reports what finished.
 #
 # Artefacts as for bench/gpu_real_quality.sh (bench/real_models/make_artefacts.sh, run
-# here first), three calls back to back on one warm machine:
+# here first). On one warm machine, calls back to back (the stash lives in its /tmp):
 #   bash bench/gpu_real_models.sh stash      carry: [".real/s/c1"]
 #   bash bench/gpu_real_models.sh stash      carry: [".real/s/c2"]
-#   bash bench/gpu_quant_ab.sh               carry: [".whl"]
+#   VARIANTS="final=" bash bench/gpu_quant_ab.sh        carry: [".whl"]   (ours + the peer)
+#   PEER_BITS= VARIANTS="norefit=--set scale_refit=0;rms=--set scale_refit=0 --set out_scales=rms" \
+#     TIMING=1 bash bench/gpu_quant_ab.sh                carry: []        (the ablations)
+# (on nvidia-h200-x4 the last two are one call: `TIMING=1 bash bench/gpu_quant_ab.sh`).
 # VARIANTS: "name=convert_quality.py arguments" separated by ';'. The default is the
-# final default, each change switched off in turn, and the Fisher scales at full strength:
-#   final   (measured allocation, Fisher output scales at strength 0.5)
-#   rms     --set out_scales=rms              before/after of the Fisher scales: rms -> final
-#   old     --allocation fixed --set out_scales=rms   the first H200 table's settings;
-#                                             before/after of the measured allocation: old -> rms
-#   full    --set fisher_strength=1.0         output scales at the optimum for the measured F
+# final default and each change of issue 20 switched off in turn:
+#   final   defaults: measured allocation, Fisher output scales at strength 0.5, the
+#           suh/svh refit (2 rounds, scale_refit.py)
+#   norefit --set scale_refit=0               the refit's before/after: norefit -> final
+#   rms     --set scale_refit=0 --set out_scales=rms   the Fisher scales': rms -> norefit
+#   old     --allocation fixed --set out_scales=rms --set scale_refit=0   the first H200
+#           table's settings; the measured allocation's before/after: old -> rms
 # Conversion seconds come from processes running side by side: compare them with each
 # other (same load), not with the 46 s of the first table. TIMING=1 adds, if time is
-# left, one conversion of "final" and one of "old" at 4.0 bpw alone (clean seconds).
+# left, one conversion of "final" and one of "norefit" (today's defaults before the
+# refit) at 4.0 bpw alone (clean seconds: the 1.2x criterion).
 # Outputs ($OUT): quality-<variant>.json, quality-peer.json, table.txt, logs.tgz.
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-quant-out}
@@ -36,7 +41,7 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( T0 + ${BUDGET:-510} - $(date +%s) )); }
 STASH=${STASH:-/tmp/real-stash} REAL=${REAL:-/tmp/real}
 BITS=${BITS-"4 3 2 5"} PEER_BITS=${PEER_BITS-"4 3 2 5"} WINDOWS=${WINDOWS:-100}
-VARIANTS=${VARIANTS-"final=;rms=--set out_scales=rms;old=--allocation fixed --set out_scales=rms;full=--set fisher_strength=1.0"}
+VARIANTS=${VARIANTS-"final=;norefit=--set scale_refit=0;rms=--set scale_refit=0 --set out_scales=rms;old=--allocation fixed --set out_scales=rms --set scale_refit=0"}
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=16 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
 
@@ -121,7 +126,7 @@ for spec in "${specs[@]}"; do
 done
 
 if [ -n "${TIMING:-}" ]; then
-  for spec in "final=" "old=--allocation fixed --set out_scales=rms"; do
+  for spec in "final=" "norefit=--set scale_refit=0"; do
     name=${spec%%=*} args=${spec#*=}
     [ "$(left)" -lt 80 ] && { echo "timing: no time left for $name"; break; }
     # shellcheck disable=SC2086

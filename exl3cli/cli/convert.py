@@ -24,6 +24,9 @@ def _default_work_dir(store_root: Path, src: str, bits: float | str | None) -> P
               help="Write the EXL3 folder here.")
 @click.option("--head-bits", type=click.IntRange(1, 16), default=6, show_default=True,
               help="Bits of the output head (16 keeps it unquantized).")
+@click.option("--embed-bits", type=click.IntRange(1, 16), default=16, show_default=True,
+              help="Bits of the token embedding table: 1..8 stores it trellis-quantized "
+                   "as ExLlamaV3 does (.trellis + .signs), 16 keeps it as it is.")
 @click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False, exists=True),
               default=None,
               help="YAML/JSON file of tensor-name patterns -> bits (1..8, 16 = keep "
@@ -61,7 +64,7 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
             calib_rows: int | None, calib_cols: int | None, scale_search_tiles: int,
             device: str | None, recipe_file: str | None = None,
             allocation: str = "measured", allocation_unit: str = "tensor",
-            out_scales: str = "fisher") -> None:
+            out_scales: str = "fisher", embed_bits: int = 16) -> None:
     """Quantize SRC (HF folder, GGUF file, store or hub name) to EXL3."""
     from exl3cli.cli.progress import ProgressPrinter
     from exl3cli.convert.calibration import DEFAULT_COLS, DEFAULT_ROWS
@@ -73,6 +76,9 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
 
     if name is None and out_dir is None:
         raise click.UsageError("give -o NAME:TAG, --out DIR, or both")
+    if 8 < embed_bits < 16:
+        raise click.BadParameter("1..8 (trellis bits) or 16 (kept as it is)",
+                                 param_hint="--embed-bits")
     if bits is None and recipe_file is None:
         raise click.UsageError("give -b BPW (or a --recipe that sets every tensor)")
     recipe = ()
@@ -96,6 +102,7 @@ def convert(src: str, bits: float, name: str | None, out_dir: str | None, head_b
         calib_path=str(Path(calib).resolve()) if calib else None,
         scale_search_tiles=scale_search_tiles, device=device, recipe=recipe,
         allocation=allocation, allocation_unit=allocation_unit, out_scales=out_scales,
+        embed_bits=embed_bits,
     )
     target = Path(out_dir) if out_dir else work.with_name(work.name + "-out")
 

@@ -17,7 +17,8 @@ Public API:
   (a 16-bit layer: ``.weight`` float16 in HF orientation (out, in)),
   ``.add_linear_tensors(name, tensors_by_suffix)`` (the dict that
   ``quantize_linear_plain`` or the converter returns), ``.add_tensor(full_name, tensor)``
-  (embeddings, norms: bfloat16 kept, float32 -> float16),
+  (embeddings, norms: bfloat16 kept, float32 -> float16), ``.add_table(name, trellis,
+  signs)`` (a trellis-quantized embedding, codec/table.py),
   ``.close(quantization_config: dict) -> Path``. Shards are cut at module boundaries;
   one shard is ``model.safetensors``, several are ``model-0000i-of-0000N.safetensors``
   with ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
@@ -43,6 +44,7 @@ from safetensors.torch import save_file
 
 from exl3cli.codec.bitstream import k_bits_from_words, words_per_tile
 from exl3cli.codec.codebooks import CODEBOOKS, MARKER_VALUES
+from exl3cli.codec.table import table_k_bits
 from exl3cli.errors import ModelLoadError
 
 FORMAT_VERSION = "0.0.1"  # writer version recorded in quantization_config
@@ -232,6 +234,14 @@ class Exl3FolderWriter:
     def add_tensor(self, full_name: str, tensor: torch.Tensor) -> None:
         """An unquantized tensor (embedding, norm) under its full checkpoint name."""
         self._add_module(_module_of(full_name), {full_name: _store_dtype(tensor)}, bits=None)
+
+    def add_table(self, name: str, trellis: torch.Tensor, signs: torch.Tensor) -> None:
+        """A trellis-quantized embedding table (codec/table.py): ``name.trellis`` and
+        ``name.signs``, no ``.weight``."""
+        table_k_bits(trellis, signs)  # refuses shapes a loader would refuse
+        self._add_module(name, {f"{name}.trellis": trellis.detach().cpu().contiguous(),
+                                f"{name}.signs": signs.detach().to("cpu", torch.float16)
+                                .contiguous()}, bits=None)
 
     def add_linear_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """A quantized linear given as suffix -> tensor (e.g. from ``quantize_linear``)."""

@@ -2,7 +2,9 @@
 
 1. The recipe (``--recipe``, recipe.py) fixes the tensors its patterns match (the head
    too, by its module name, e.g. ``lm_head``; else ``--head-bits``). 16 = unquantized:
-   such tensors are outside the bit budget, like the head.
+   such tensors are outside the bit budget, like the head. The token embedding
+   (``--embed-bits``, default 16) is set only by an entry naming it exactly
+   (``model.embed_tokens``): a wildcard that happens to match it leaves it alone.
 2. The other layer tensors share what is left of the budget ``bpw x stored weights of
    all quantized layer tensors``:
    - "measured" (default): each tensor's cost comes from a sensitivity pass over a few
@@ -23,10 +25,10 @@
    reproduces the files. Mixtures of experts keep RMS output scales.
 
 Public API:
-- ``BitPlan(tensor_bits, head_bits, average, method, fisher={})``; ``.to_dict()``,
-  ``.from_dict(d)``, ``.recipe_bits(head_name) -> dict[name, bits]`` (what
-  ``write_recipe`` writes: every tensor, then the head).
-- ``make_plan(conv, shapes, tokens, head_name, head_weight) -> BitPlan``
+- ``BitPlan(tensor_bits, head_bits, average, method, fisher={}, embed_bits=16)``;
+  ``.to_dict()``, ``.from_dict(d)``, ``.recipe_bits(head_name, embed_name=None) ->
+  dict[name, bits]`` (what ``write_recipe`` writes: the embedding, every tensor, the head).
+- ``make_plan(conv, shapes, tokens, head_name, head_weight, embed_name=None) -> BitPlan``
   (``head_weight(conv) -> (in, out)`` tensor, only called for a measurement).
 - ``representative_bits(layer_modules, bits) -> dict[group, int]``: per group the most
   bits of its quantized tensors (16 when all are kept).
@@ -59,18 +61,21 @@ class BitPlan:
     average: float
     method: str
     fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # not in to_dict
+    embed_bits: int = 16  # the token embedding table (16: kept as it is)
 
     def to_dict(self) -> dict:
         return {"tensor_bits": self.tensor_bits, "head_bits": self.head_bits,
-                "average": self.average, "method": self.method}
+                "average": self.average, "method": self.method, "embed_bits": self.embed_bits}
 
     @classmethod
     def from_dict(cls, data: dict) -> BitPlan:
         return cls({k: int(v) for k, v in data["tensor_bits"].items()}, int(data["head_bits"]),
-                   float(data["average"]), str(data["method"]))
+                   float(data["average"]), str(data["method"]),
+                   embed_bits=int(data.get("embed_bits", 16)))
 
-    def recipe_bits(self, head_name: str) -> dict[str, int]:
-        return {**self.tensor_bits, head_name: self.head_bits}
+    def recipe_bits(self, head_name: str, embed_name: str | None = None) -> dict[str, int]:
+        embed = {} if embed_name is None else {embed_name: self.embed_bits}
+        return {**embed, **self.tensor_bits, head_name: self.head_bits}
 
 
 def representative_bits(layer_modules: dict[str, list[str]],
@@ -123,8 +128,21 @@ def _by_group(conv, costs: dict[str, float], sizes: dict[str, int], bpw: float,
     return {m: b for key, b in chosen.items() for m in members.get(key, [key])}
 
 
+def _embed_bits(recipe: tuple, embed_name: str | None, default: int) -> tuple[tuple, int]:
+    """The recipe without its embedding entries, and the embedding's bits: set only by
+    an entry that names the table exactly (a pattern such as "*" leaves it alone, as
+    ``--embed-bits`` does); 1..8 or 16."""
+    bits, rest = default, []
+    for pattern, value in recipe:
+        if embed_name is not None and pattern == embed_name:
+            bits = value
+        else:
+            rest.append((pattern, value))
+    return tuple(rest), bits
+
+
 def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: str,
-              head_weight: Callable) -> BitPlan:
+              head_weight: Callable, embed_name: str | None = None) -> BitPlan:
     options = conv.options
     if options.allocation not in ALLOCATIONS:
         raise ConversionError(f"allocation must be one of {', '.join(ALLOCATIONS)}, "
@@ -132,11 +150,15 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
     if options.out_scales not in OUT_SCALES:
         raise ConversionError(f"out_scales must be one of {', '.join(OUT_SCALES)}, "
                               f"got {options.out_scales!r}")
+    if getattr(options, "embed_bits", 16) not in (*range(1, 9), 16):
+        raise ConversionError(f"embed_bits must be 1..8 or 16, got {options.embed_bits!r}")
     sizes = _sizes(conv)
     names = list(sizes)
-    fixed = resolve(tuple(options.recipe), [*names, head_name])
-    if options.recipe:
-        unused = unused_patterns(tuple(options.recipe), [*names, head_name])
+    recipe, embed_bits = _embed_bits(tuple(options.recipe), embed_name,
+                                     getattr(options, "embed_bits", 16))
+    fixed = resolve(recipe, [*names, head_name])
+    if recipe:
+        unused = unused_patterns(recipe, [*names, head_name])
         if unused:
             raise ConversionError(f"recipe pattern(s) match no tensor of this model: "
                                   f"{', '.join(unused)} (names look like {names[0]})")
@@ -171,7 +193,8 @@ def make_plan(conv, shapes: list[GroupShape], tokens: torch.Tensor, head_name: s
         method = "measurement" + (" and recipe" if fixed else "")
     bits = {m: bits[m] for m in names}
     fisher = sensitivity.fisher if sensitivity and options.out_scales == "fisher" else {}
-    return BitPlan(bits, int(head_bits), average_tensor_bits(bits, sizes), method, fisher)
+    return BitPlan(bits, int(head_bits), average_tensor_bits(bits, sizes), method, fisher,
+                   int(embed_bits))
 
 
 def _measure(conv, tokens: torch.Tensor, head_weight: Callable, count: int):

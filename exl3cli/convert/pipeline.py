@@ -21,7 +21,11 @@ Public API:
   ``out_scales`` "fisher" (output-channel scales from the same pass's Fisher
   information, quantize_layer.fisher_out_scales, at ``fisher_strength`` 0.5: half-way,
   geometrically, from the RMS to the optimum for the measured F, which lost KL at 4 bpw
-  on the CPU benchmark, bench/NOTES-quant-quality.md) or "rms" (the column RMS).
+  on the CPU benchmark, bench/NOTES-quant-quality.md) or "rms" (the column RMS);
+  ``scale_refit`` rounds of the least-squares refit of every quantized linear's
+  suh/svh once its trellis is searched (scale_refit.py; default 2, 0: none); ``embed_bits`` 1..8
+  stores the token embedding trellis-quantized as ExLlamaV3 does (embed_quant.py; the
+  layers are calibrated on the decoded table), 16 keeps it.
 - ``convert_model(src, out_dir, options, work_dir, resume=False, progress=None)
   -> ConversionSummary`` (``progress`` receives each ``LayerReport`` and status strings).
 """
@@ -48,6 +52,7 @@ from exl3cli.convert.calibration import (
     calibration_tokens,
     read_calibration_text,
 )
+from exl3cli.convert.embed_quant import EMBED_FILE, embed_checkpoint
 from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
@@ -103,6 +108,8 @@ class ConvertOptions:
     allocation_unit: str = "tensor"  # or "group": q/k/v and gate/up share their bits
     out_scales: str = "fisher"  # or "rms"
     fisher_strength: float = 0.5  # fisher_out_scales: 1 = the optimum for the measured F
+    scale_refit: int = 2  # rounds of the suh/svh refit after the search (scale_refit.py)
+    embed_bits: int = 16  # the token embedding table: 1..8 trellis bits (embed_quant.py)
 
 
 Progress = Callable[[LayerReport | str], None]
@@ -136,6 +143,7 @@ class _Converter:
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.engine_layers = EngineLayerForward(self.config, self.spec, self.names, self.device)
         self.out_fisher: dict[str, torch.Tensor] = {}  # module -> F per output channel
+        self.embed_table: torch.Tensor | None = None  # the quantized table, decoded
 
     def weight(self, module: str) -> torch.Tensor:
         """(in, out) float32 on the working device."""
@@ -151,7 +159,7 @@ class _Converter:
     def settings(self, k_bits: int) -> QuantSettings:
         o = self.options
         return QuantSettings(k_bits, o.codebook, o.damping, o.scale_search_tiles, o.seed,
-                             o.fisher_strength)
+                             o.fisher_strength, o.scale_refit)
 
     def quantize(self, modules: list[str], x: torch.Tensor, k_bits: int | list[int],
                  hessian: torch.Tensor | None = None) -> list[QuantizedLinear]:
@@ -206,7 +214,8 @@ class _Converter:
         return names
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.engine_layers.embed(tokens, self.tensor(self.names.embed))
+        table = self.embed_table if self.embed_table is not None else self.tensor(self.names.embed)
+        return self.engine_layers.embed(tokens, table)
 
     def run_layer(self, i: int, hidden: torch.Tensor, dense: dict[str, tuple]) -> torch.Tensor:
         """Layer `i`'s output for `hidden`, with the linears in `dense`."""
@@ -285,6 +294,12 @@ def convert_model(
     plan = _load_or_make_plan(conv, shapes, tokens, work_dir, resume)
     conv.out_fisher = plan.fisher
     bits = plan.tensor_bits
+    extra = {}
+    if plan.embed_bits <= 8:  # the layers are calibrated on the table a loader decodes
+        table = embed_checkpoint(conv, work_dir, resume, plan.embed_bits)
+        conv.embed_table = table["decoded"].to(conv.device, torch.float32)
+        progress(f"embedding {plan.embed_bits}b {table['error']:.2e}")
+        extra = {"embed_bits": plan.embed_bits, "embed_error": table["error"]}
     hidden = conv.embeddings(tokens)
     target = options.bits if options.bits is not None else round(plan.average, 3)
     progress(f"quantizing {conv.config.num_layers} layers to {target} bits per "
@@ -321,7 +336,7 @@ def convert_model(
     return ConversionSummary(
         reports, plan.head_bits, head_error, plan.average,
         time.perf_counter() - started, out_dir,
-        extra={"allocation": plan.method, "recipe": str(out_dir / RECIPE_FILE)},
+        extra={"allocation": plan.method, "recipe": str(out_dir / RECIPE_FILE), **extra},
     )
 
 
@@ -340,7 +355,7 @@ def _load_or_make_plan(conv: _Converter, shapes: list[GroupShape], tokens: torch
         if fisher_path.is_file():
             plan.fisher = load_checkpoint(fisher_path)[0]
         return plan
-    plan = make_plan(conv, shapes, tokens, _head_name(conv), _head_weight)
+    plan = make_plan(conv, shapes, tokens, _head_name(conv), _head_weight, _embed_name(conv))
     if plan.fisher:
         atomic_save(plan.fisher, fisher_path, {"report": "{}"})
     tmp = path.with_name(path.name + ".tmp")
@@ -351,6 +366,10 @@ def _load_or_make_plan(conv: _Converter, shapes: list[GroupShape], tokens: torch
 
 def _head_name(conv: _Converter) -> str:
     return conv.names.lm_head.removesuffix(".weight")
+
+
+def _embed_name(conv: _Converter) -> str:
+    return conv.names.embed.removesuffix(".weight")
 
 
 def _head_weight(conv: _Converter) -> torch.Tensor:
@@ -399,7 +418,11 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
     shutil.rmtree(building, ignore_errors=True)
     writer = Exl3FolderWriter(building, raw)
     t = conv.names
-    writer.add_tensor(t.embed, conv.reader.get(t.embed))
+    if plan.embed_bits <= 8:
+        stored, _ = load_checkpoint(work_dir / EMBED_FILE)
+        writer.add_table(_embed_name(conv), stored["trellis"], stored["signs"])
+    else:
+        writer.add_tensor(t.embed, conv.reader.get(t.embed))
     for i in range(conv.config.num_layers):
         stored, _ = load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
         for name in conv.norm_names(i):
@@ -427,9 +450,10 @@ def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: Conv
         plan.average, plan.head_bits, options.codebook,
         {"rows": options.rows, "cols": options.cols},
         tensor_bits=dict(plan.tensor_bits),
+        **({"embed_bits": plan.embed_bits} if plan.embed_bits <= 8 else {}),
     )
     writer.close(qconfig)
-    write_recipe(building / RECIPE_FILE, plan.recipe_bits(head),
+    write_recipe(building / RECIPE_FILE, plan.recipe_bits(head, _embed_name(conv)),
                  note="bits per tensor of this conversion: edit, then pass this file to "
                       "`exl3 convert --recipe` (later entries override earlier ones)")
     for path in sorted(conv.src.iterdir()):

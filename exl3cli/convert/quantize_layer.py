@@ -11,7 +11,11 @@ Everything random comes from generators seeded by ``(seed, name)``: the same inp
 give the same bits, which is what lets ``--resume`` reproduce an uninterrupted run.
 
 Public API:
-- ``QuantSettings(k_bits, codebook="mul1", damping=0.02, scale_search_tiles=16, seed=0)``
+- ``QuantSettings(k_bits, codebook="mul1", damping=0.02, scale_search_tiles=16, seed=0,
+  fisher_strength=1.0, refit_rounds=0)``: ``refit_rounds`` > 0 refits each tensor's
+  suh/svh to its searched trellis (scale_refit.py, on the damped Hessian, output
+  channels weighed by their Fisher information when given), so the tensors of a group
+  then carry suh vectors of their own.
 - ``QuantizedLinear``: ``name``, ``tensors`` (suffix -> stored tensor: trellis int16,
   suh/svh float16, codebook marker, bias), ``weight`` (float32 (in, out), the stored
   tensors dequantized exactly as a loader sees them), ``proxy_error``.
@@ -40,6 +44,7 @@ from exl3cli.codec.format import padded_size
 from exl3cli.codec.tiles import matrix_to_tiles, tile_to_steps
 from exl3cli.convert.hessian import damp_hessian, pad_hessian, proxy_error, rotate_hessian
 from exl3cli.convert.ldlq import ldlq, trellis_block_quantizer
+from exl3cli.convert.scale_refit import refit_scales
 from exl3cli.ops.viterbi import viterbi_states
 
 # Divisors of the unit-RMS rotated weight tried by the global scale search; the codec's
@@ -55,6 +60,7 @@ class QuantSettings:
     scale_search_tiles: int = 16
     seed: int = 0
     fisher_strength: float = 1.0  # fisher_out_scales' strength, when out_weights are given
+    refit_rounds: int = 0  # scale_refit.refit_scales rounds after the search (0: none)
 
 
 @dataclass
@@ -267,6 +273,7 @@ def quantize_group(
     _, payloads = ldlq(target, h_rot, trellis_block_quantizer(settings.k_bits, settings.codebook))
     trellis = torch.cat(payloads, dim=0)  # (in_pad/16, total_out/16, words)
 
+    fisher_of = {} if out_weights is None else dict(zip(names, out_weights, strict=True))
     results, col_start = [], 0
     for name, w, b, svh in zip(names, weights, biases, svh_list, strict=True):
         tiles = svh.numel() // 16
@@ -283,8 +290,31 @@ def quantize_group(
         if b is not None:
             tensors["bias"] = b.to(torch.float16)
         dense = dequantize_linear(tensors, w.shape[0], w.shape[1])
+        if settings.refit_rounds > 0:
+            tensors, dense = _refit(tensors, w, dense, hessian, settings, fisher_of.get(name))
         results.append(QuantizedLinear(
             name=name, tensors=tensors, weight=dense,
             proxy_error=proxy_error(hessian.to(device), w, dense),
         ))
     return results
+
+
+def _refit(tensors: dict[str, torch.Tensor], w: torch.Tensor, dense: torch.Tensor,
+           hessian: torch.Tensor, settings: QuantSettings,
+           fisher: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The tensors with suh/svh refitted to the searched trellis (scale_refit.py), on the
+    damped Hessian; the output channels weighed by their Fisher information, as
+    hedged as the output scales are (``fisher_strength``)."""
+    weights = None
+    if fisher is not None:
+        f = fisher.to(w.device, torch.float64).clamp_min(0)
+        if torch.isfinite(f).all() and float(f.mean()) > 0:
+            weights = (f / f.mean() + FISHER_FLOOR).pow(settings.fisher_strength)
+    h = damp_hessian(hessian.to(w.device, torch.float64), settings.damping)
+    r, c = refit_scales(w, dense, h, settings.refit_rounds, weights)
+    suh, svh = tensors["suh"].float(), tensors["svh"].float()
+    r = torch.nn.functional.pad(r, (0, suh.numel() - r.numel()), value=1.0)
+    c = torch.nn.functional.pad(c, (0, svh.numel() - c.numel()), value=1.0)
+    refitted = {**tensors, "suh": (suh * r).to(torch.float16),
+                "svh": (svh * c).to(torch.float16)}
+    return refitted, dequantize_linear(refitted, w.shape[0], w.shape[1])

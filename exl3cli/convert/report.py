@@ -130,6 +130,9 @@ class ConversionSummary:
         head = "16 (not quantized)" if self.head_error is None else (
             f"{self.head_bits}  error {self.head_error:.3e}")
         rows.append(f"head     {head}")
+        if "embed_bits" in self.extra:
+            rows.append(f"embed    {self.extra['embed_bits']}  error "
+                        f"{self.extra['embed_error']:.3e}")
         counts = [n for r in self.layers for n in (r.expert_tokens or [])]
         if counts:
             rows.append(f"expert calibration tokens: min {min(counts)}  max {max(counts)}  "
