@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from exl3cli.engine.generation.generator import Generator, GeneratorThread
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.generator_thread import GeneratorThread
 from exl3cli.engine.generation.jobs import GenerationJob, JobHandle
 from exl3cli.engine.generation.speculative import DEFAULT_DRAFT_TOKENS, make_drafter, resolve_draft
 from exl3cli.engine.generation.textmodel import TextModel

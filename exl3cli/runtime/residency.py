@@ -250,7 +250,8 @@ class InferenceRunner:
         """The model's generator, built on first use and rebuilt for a longer context
         or another cache type once no job runs on it (requests wait until then).
         Called with the lock held."""
-        from exl3cli.engine.generation.generator import Generator, GeneratorThread
+        from exl3cli.engine.generation.generator import Generator
+        from exl3cli.engine.generation.generator_thread import GeneratorThread
 
         def unfit(generator: Any) -> bool:
             return (generator is None or generator.num_ctx < num_ctx

@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from exl3cli.engine.generation.generator import Generator, GeneratorThread
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.generator_thread import GeneratorThread
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.generation.textmodel import TextModel
 from exl3cli.errors import ContextOverflow, GeneratorBusy
