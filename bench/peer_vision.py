@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vision_image import chat_text, synthetic_image  # noqa: E402
+from vision_image import chat_summary, chat_text, synthetic_image  # noqa: E402
 
 ALIAS = "<$IMAGE$>"
 
@@ -123,14 +123,7 @@ def run(folder: Path, size: int, gen: int, repeat: int, chats: int) -> dict[str,
         one_chat(vision, tokenizer, generator, synthetic_image(size, seed=99), gen)  # warm-up
         chat_runs = [one_chat(vision, tokenizer, generator, synthetic_image(size, seed=100 + i),
                               gen) for i in range(chats)]
-        result.update({
-            "ttft_s": median(r["ttft_s"] for r in chat_runs),
-            "ttft_runs": [r["ttft_s"] for r in chat_runs],
-            "prompt_s": median(r["prompt_s"] for r in chat_runs),
-            "prompt_tokens": chat_runs[0]["prompt_tokens"],
-            "decode_tok_s": median(r["decode_tok_s"] for r in chat_runs),
-            "gen_tokens": chat_runs[0]["gen_tokens"],
-        })
+        result.update(chat_summary(chat_runs))
     except Exception as error:  # reported in the JSON and the table
         import traceback
 

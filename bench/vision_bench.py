@@ -35,7 +35,7 @@ import torch
 import exl3cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vision_image import QUESTION, chat_text, synthetic_image  # noqa: E402
+from vision_image import QUESTION, chat_summary, chat_text, synthetic_image  # noqa: E402
 
 from exl3cli.engine.generation.generator import Generator  # noqa: E402
 from exl3cli.engine.generation.jobs import GenerationJob  # noqa: E402
@@ -136,14 +136,7 @@ def run(folder: Path, device: str | None, size: int, gen: int, repeat: int,
         one_chat(text_model, generator, synthetic_image(size, seed=99), gen)  # warm-up
         chat_runs = [one_chat(text_model, generator, synthetic_image(size, seed=100 + i), gen)
                      for i in range(chats)]
-        result.update({
-            "ttft_s": median(r["ttft_s"] for r in chat_runs),
-            "ttft_runs": [r["ttft_s"] for r in chat_runs],
-            "prompt_s": median(r["prompt_s"] for r in chat_runs),
-            "prompt_tokens": chat_runs[0]["prompt_tokens"],
-            "decode_tok_s": median(r["decode_tok_s"] for r in chat_runs),
-            "gen_tokens": chat_runs[0]["gen_tokens"],
-        })
+        result.update(chat_summary(chat_runs))
     except Exception as error:  # reported in the JSON and the table
         import traceback
 

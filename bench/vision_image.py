@@ -5,6 +5,8 @@ JPEG. Only numpy and Pillow, so the peer's script can import it too."""
 from __future__ import annotations
 
 import io
+import statistics
+from typing import Any
 
 import numpy as np
 
@@ -35,3 +37,17 @@ def chat_text(image_marker: str) -> str:
     system prompt, a user turn with the image ahead of QUESTION, the assistant's turn."""
     return ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
             f"<|im_start|>user\n{image_marker}{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def chat_summary(chat_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat figures both benchmarks report: medians over the measured chats' TTFT,
+    prompt time and decode rate (and the TTFT of each run), token counts of the first."""
+    median = statistics.median
+    return {
+        "ttft_s": median(r["ttft_s"] for r in chat_runs),
+        "ttft_runs": [r["ttft_s"] for r in chat_runs],
+        "prompt_s": median(r["prompt_s"] for r in chat_runs),
+        "prompt_tokens": chat_runs[0]["prompt_tokens"],
+        "decode_tok_s": median(r["decode_tok_s"] for r in chat_runs),
+        "gen_tokens": chat_runs[0]["gen_tokens"],
+    }
