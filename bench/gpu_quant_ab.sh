@@ -45,17 +45,7 @@ VARIANTS=${VARIANTS-"final=;norefit=--set scale_refit=0;rms=--set scale_refit=0 
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=16 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
 
-[ -d .real/s ] && python3 bench/real_models/pack.py stash .real/s "$STASH"
-if ls "$STASH"/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$STASH"/wheels/*.whl >"$OUT/wheels.log" 2>&1 || echo "FAIL: wheels"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-. bench/device_install.sh >"$OUT/install.log" 2>&1
-python3 bench/real_models/pack.py assemble "$STASH" "$REAL" | grep smollm2
-SRC=$REAL/smollm2-hf
-[ -f "$SRC/config.json" ] || python3 bench/real_models/source_folder.py "$REAL/smollm2.gguf" "$SRC"
-TEXT=$STASH/text/test.txt CALIB=$STASH/text/valid.txt
+. bench/real_models/smollm2_source.sh
 [ -f "$SRC/config.json" ] && [ -f "$TEXT" ] || { echo "FAIL: source or text missing (stash calls?)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 

@@ -26,17 +26,7 @@ STASH=${STASH:-/tmp/real-stash} REAL=${REAL:-/tmp/real}
 OURS_BITS=${OURS_BITS-"2 3 4 5"} PEER_BITS=${PEER_BITS-"2"}
 WINDOWS=${WINDOWS:-100}
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
-[ -d .real/s ] && python3 bench/real_models/pack.py stash .real/s "$STASH"
-if ls "$STASH"/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$STASH"/wheels/*.whl >"$OUT/wheels.log" 2>&1 || echo "FAIL: wheels"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-. bench/device_install.sh >"$OUT/install.log" 2>&1
-python3 bench/real_models/pack.py assemble "$STASH" "$REAL" | grep smollm2
-SRC=$REAL/smollm2-hf
-[ -f "$SRC/config.json" ] || python3 bench/real_models/source_folder.py "$REAL/smollm2.gguf" "$SRC"
-TEXT=$STASH/text/test.txt CALIB=$STASH/text/valid.txt
+. bench/real_models/smollm2_source.sh
 
 # The peer: install (no compile: its prebuilt extension) and the padded copy.
 if [ -n "$PEER_BITS" ] && ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
