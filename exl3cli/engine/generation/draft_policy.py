@@ -221,7 +221,7 @@ def charge_step(clock: PlainStepClock, fed: Sequence[tuple[Any, list[int]]], dra
             pause = clock.batch_pause(jobs, gain >= BATCH_MIN_GAIN)
             if pause:
                 for active, _ in fed:
-                    if getattr(active, "drafter", None) is not None:
+                    if active.drafter is not None:
                         active.backoff.pause_for(active.produced, pause)
     return clock.wants_plain(jobs)
 

@@ -45,9 +45,10 @@ from exl3cli.engine.spec.architecture import MoESpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
 from exl3cli.ops import moe_kernels
+from exl3cli.ops.cuda_kernels import FUSED_MAX_ROWS
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
-KERNEL_CHUNK_ROWS = 64  # the MoE decode kernels' largest call (ops FUSED_MAX_ROWS)
+KERNEL_CHUNK_ROWS = FUSED_MAX_ROWS  # the MoE decode kernels' largest call
 
 
 class Router(nn.Module):
@@ -144,13 +145,10 @@ class MoEMLP(nn.Module):
         rows = x.reshape(-1, shape[-1])
         tables = self.kernel_tables(rows)
         if tables is not None:
-            if rows.shape[0] <= KERNEL_CHUNK_ROWS:
-                out = self._on_kernels(rows, tables)
-            else:
-                out = torch.empty_like(rows)
-                for start in range(0, rows.shape[0], KERNEL_CHUNK_ROWS):
-                    end = start + KERNEL_CHUNK_ROWS
-                    self._on_kernels(rows[start:end], tables, out[start:end])
+            out = rows.new_empty(rows.shape)  # contiguous: the kernels' output layout
+            for start in range(0, rows.shape[0], KERNEL_CHUNK_ROWS):
+                end = start + KERNEL_CHUNK_ROWS
+                self._on_kernels(rows[start:end], tables, out[start:end])
             return self._add_shared(rows, out).view(shape)
         weights, chosen = self.router(rows)
         if self.stacked is not None and chosen.numel() <= SYNC_FREE_MAX_PAIRS:
@@ -160,17 +158,16 @@ class MoEMLP(nn.Module):
         return self._add_shared(rows, out).view(shape)
 
     def _on_kernels(self, rows: torch.Tensor, tables: moe_kernels.ExpertTables,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts of <= 64 rows on the MoE decode kernels (router fused into
-        the routing kernel when it is a plain softmax)."""
+                    out: torch.Tensor) -> None:
+        """The routed experts of <= 64 rows on the MoE decode kernels, into `out` (router
+        fused into the routing kernel when it is a plain softmax)."""
         router = self.router
         if router.plain_softmax:
-            result, _, _ = moe_kernels.moe_experts_routed(
-                rows, router.gate(rows), router.top_k, router.normalize, router.scale,
-                tables, out=out)
-            return result
-        weights, chosen = router(rows)
-        return moe_kernels.moe_experts(rows, weights, chosen, tables, out=out)
+            moe_kernels.moe_experts_routed(rows, router.gate(rows), router.top_k,
+                                           router.normalize, router.scale, tables, out=out)
+        else:
+            weights, chosen = router(rows)
+            moe_kernels.moe_experts(rows, weights, chosen, tables, out=out)
 
     def _add_shared(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
