@@ -112,9 +112,15 @@ def unavailable_reason() -> str | None:
     return _EXTENSION.reason
 
 
+# The fused GEMM's build-time variant when EXL3_NVCC_FLAGS names none: the lean loop at
+# every row count, tensor-core byte sums at 9-64 rows (csrc/ops/cuda/gemm_lean.cuh; 0 is
+# the previous kernel, kept for A/B). tests/kernels/test_gemm_default.py checks the header.
+DEFAULT_GEMM_VARIANT = 4
+
+
 def gemm_variant() -> int | None:
-    """The fused GEMM's build-time variant (``EXL3_GEMM_VARIANT``, 0 = the default kernel),
-    or None without the extension."""
+    """The fused GEMM's build-time variant (``EXL3_GEMM_VARIANT``, default
+    ``DEFAULT_GEMM_VARIANT``), or None without the extension."""
     ext = _extension()
     return None if ext is None else int(ext.gemm_variant())
 

@@ -12,6 +12,7 @@ import pytest
 from exl3cli.engine.generation import generator as generator_module
 from exl3cli.engine.generation.draft_policy import (
     FIRST_BATCH_PAUSE,
+    MIN_COST_PASSES,
     DraftBackoff,
     PlainStepClock,
     charge_step,
@@ -46,10 +47,40 @@ def test_passes_that_pay_keep_drafting_and_marginal_ones_pause_briefly():
         backoff.record(4, 4, produced)
         backoff.record_cost(5, pass_ns=1_300, plain_ns=1_000, produced=produced)
     assert backoff.pauses == 0 and backoff.may_draft(500)
-    # 2 tokens per pass at 2.2x a plain step: a loss, but a small one: a short pause.
+    # 2 tokens per pass at 2.2x a plain step: a loss, but a small one: judged over
+    # MIN_COST_PASSES passes, then a short pause.
     marginal = DraftBackoff()
-    marginal.record_cost(2, pass_ns=2_200, plain_ns=1_000, produced=10)
+    for n in range(MIN_COST_PASSES):
+        assert marginal.cost_pauses == 0
+        marginal.record_cost(2, pass_ns=2_200, plain_ns=1_000, produced=10 + 2 * n)
     assert marginal.cost_pauses == 1 and marginal.pause == max(8, math.ceil(0.2 / 0.03))
+
+
+def test_one_pass_that_kept_nothing_is_not_a_verdict():
+    # Run 27 on the H200 (one job, grounded prompts): passes at 1.08x a plain step that
+    # kept 4 of 4 drafts, now and then one that kept none; pausing at each of those lost
+    # a quarter of the speed-up. The window's gain stays far above 1.
+    backoff = DraftBackoff()
+    produced = 0
+    for n in range(40):
+        kept = 0 if n % 5 == 2 else 4
+        backoff.record(4, kept, produced)
+        produced += kept + 1
+        backoff.record_cost(kept + 1, pass_ns=1_080, plain_ns=1_000, produced=produced)
+    assert backoff.cost_pauses == 0 and backoff.may_draft(produced)
+    # Passes that keep nothing, one after another, are a verdict after MIN_COST_PASSES.
+    failing = DraftBackoff()
+    for n in range(MIN_COST_PASSES):
+        assert failing.cost_pauses == 0
+        failing.record_cost(1, pass_ns=1_080, plain_ns=1_000, produced=n + 1)
+    assert failing.cost_pauses == 1 and not failing.may_draft(MIN_COST_PASSES + 1)
+    # After a run of good passes the decayed sums turn the verdict within a few dozen
+    # failing passes (each loses only 0.08 of a plain step).
+    for n in range(40):
+        backoff.record_cost(1, pass_ns=1_080, plain_ns=1_000, produced=produced + n)
+        if backoff.cost_pauses:
+            break
+    assert backoff.cost_pauses == 1 and n >= MIN_COST_PASSES
 
 
 def test_cost_is_not_charged_twice_after_an_acceptance_pause():

@@ -27,9 +27,10 @@ CASES = [(4, "mul1"), (2, "mul1"), (3, "mul1"), (6, "mul1"), (8, "mul1"), (2.5, 
 
 
 def requested_variant() -> int:
-    """The variant EXL3_NVCC_FLAGS asks for (the last -DEXL3_GEMM_VARIANT=N; default 0)."""
+    """The variant EXL3_NVCC_FLAGS asks for (the last -DEXL3_GEMM_VARIANT=N; else the
+    default)."""
     found = re.findall(r"-DEXL3_GEMM_VARIANT=(\d+)", os.environ.get("EXL3_NVCC_FLAGS", ""))
-    return int(found[-1]) if found else 0
+    return int(found[-1]) if found else kernels.DEFAULT_GEMM_VARIANT
 
 
 def _ext():

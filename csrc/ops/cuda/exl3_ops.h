@@ -37,7 +37,7 @@ bool launch_gemm_mcg(const GemmParts& parts, int rows, int kb, int k2, int split
                      cudaStream_t stream);
 bool launch_gemm_3inst(const GemmParts& parts, int rows, int kb, int k2, int splits,
                        cudaStream_t stream);
-// The fused GEMM's build-time variant (EXL3_GEMM_VARIANT, gemm_lean.cuh; 0 = default).
+// The fused GEMM's build-time variant (EXL3_GEMM_VARIANT, gemm_lean.cuh; default 4).
 int gemm_variant();
 
 // out[r, c] = (H128(sum_s x[s, r, :] * pre)[c]) * post[c] + bias[c] for c < out_cols,

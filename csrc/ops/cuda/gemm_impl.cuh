@@ -278,7 +278,7 @@ __device__ __forceinline__ void gemm_warp(const __half* __restrict__ xh,
 }  // namespace gemm
 }  // namespace exl3
 
-#include "gemm_lean.cuh"  // build-time variants (EXL3_GEMM_VARIANT, default 0: gemm_kernel)
+#include "gemm_lean.cuh"  // build-time variants (EXL3_GEMM_VARIANT, default 4; 0: gemm_kernel alone)
 
 namespace exl3 {
 namespace gemm {

@@ -19,13 +19,17 @@
 //   2 mma instead of 8 dp4a per tile, exact (integer sums, C = 0x6400 as dp4a's addend).
 // 3: 2 at every row count (9-64 rows: the loop kept rolled; 127-160 registers at 9-32
 //   rows and 236-242 at 33-64 against gemm_kernel's 96 and 168-178, no spills).
+// 4 (the default): the lean loop at every row count, the tensor-core byte sums only at
+//   9-64 rows: run 28 measured 1 over 2 at one row (1.13-1.56x over 0, 2 at 1.03-1.41x)
+//   and 3 over 0-2 at 16 rows (1.07-1.60x; 1 and 2 run gemm_kernel there).
+// 5: the lean loop at every row count, never the tensor-core sums (4's A/B at 9-64 rows).
 #pragma once
 
 #ifndef EXL3_GEMM_VARIANT
-#define EXL3_GEMM_VARIANT 0
+#define EXL3_GEMM_VARIANT 4
 #endif
-#if EXL3_GEMM_VARIANT < 0 || EXL3_GEMM_VARIANT > 3
-#error "EXL3_GEMM_VARIANT must be 0, 1, 2 or 3"
+#if EXL3_GEMM_VARIANT < 0 || EXL3_GEMM_VARIANT > 5
+#error "EXL3_GEMM_VARIANT must be 0 to 5"
 #endif
 
 namespace exl3 {
@@ -140,7 +144,8 @@ __device__ __forceinline__ void warp_gemm(const __half* __restrict__ xh,
                                           uint32_t* ring, int lane) {
   using B = TileBits<K2>;
   using L = Lane<K2>;
-  constexpr bool kTC = EXL3_GEMM_VARIANT >= 2 && CB == CB_MUL1;
+  constexpr bool kTC = CB == CB_MUL1 && (EXL3_GEMM_VARIANT == 2 || EXL3_GEMM_VARIANT == 3 ||
+                                         (EXL3_GEMM_VARIANT == 4 && NG > 1));
   constexpr int W = B::kWords;
   constexpr int kStageWords = kTN * W;
   constexpr int kChunks = kStageWords / 4;  // 16-byte pieces per full stage
@@ -303,7 +308,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // Variants 1 and 2 run 1-8 rows (gemm_kernel the rest: more row groups cost the lean loop
-// 128-160 and 220-240 registers against gemm_kernel's 96 and 168-178); 3 runs all rows.
+// 128-160 and 220-240 registers against gemm_kernel's 96 and 168-178); 3-5 run all rows.
 constexpr bool kAllRows = EXL3_GEMM_VARIANT >= 3;
 
 template <int K2, int CB>

@@ -324,12 +324,19 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Args a) {
       }
     }
   }
+  // The warps' sums added in warp order, not by atomics: the same float order on every
+  // run, so two generations of one model give the same tokens (atomics made near-tied
+  // greedy tokens flip between runs; bench/NOTES-gpu.md, run 27).
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
 #pragma unroll
-  for (int g = 0; g < kMaxG; ++g)
-    if (g < G)
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < G)
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) atomicAdd(&red[g * D + c0 + i], acc[g][i]);
-  __syncthreads();
+          for (int i = 0; i < CPL; ++i) red[g * D + c0 + i] += acc[g][i];
+    }
+    __syncthreads();
+  }
 
   // Un-rotate quantized values per 32 channels, then write the row or the chunk's part.
   for (int i = threadIdx.x; i < G * D; i += kThreads) {

@@ -10,9 +10,12 @@ it replaces (a verify pass on a slow path, a device where extra rows are not fre
 - acceptance: a running rate (kept / drafted, an exponential average over
   verification passes); below `min_rate` drafting pauses;
 - cost (`record_cost`, when the generator has timed a plain step at this batch size):
-  a running gain, tokens the pass emitted times (a plain step's wall time / the pass's
-  wall time), i.e. tokens per plain-step time; below `min_gain` (1: plain decoding
-  emits one token per step) drafting pauses.
+  a running gain, tokens the passes emitted over their wall time in plain-step units
+  (both sums decayed by COST_DECAY per pass), i.e. tokens per plain-step time; below
+  `min_gain` (1: plain decoding emits one token per step) drafting pauses, once
+  MIN_COST_PASSES passes were judged or their loss passed MAX_EARLY_LOSS plain steps.
+  One pass that kept nothing is not a verdict: at 1.08x a plain step it lost 0.08 of a
+  step, and pausing for it cost run 27 a quarter of the one-job speed-up.
 
 A pause lasts `pause` tokens, after which one probe pass drafts again. Each failed
 probe doubles the pause (up to `max_pause`); a probe that brings the measure back ends
@@ -45,6 +48,9 @@ SMOOTHING = 0.5  # weight of the newest pass in the running rate and gain
 DEFAULT_MIN_GAIN = 1.0
 PROBE_OVERHEAD = 0.03  # a cost probe may lose at most this share of the paused time
 MAX_COST_PAUSE = 2048
+COST_DECAY = 0.75  # weight of the older passes in the cost sums
+MIN_COST_PASSES = 4  # passes judged together before a small loss pauses drafting
+MAX_EARLY_LOSS = 2.0  # plain steps a window may lose before MIN_COST_PASSES is reached
 
 
 @dataclass
@@ -59,6 +65,9 @@ class DraftBackoff:
     max_cost_pause: int = MAX_COST_PAUSE
     rate: float = 1.0  # running acceptance; optimistic start so the first drafts run
     gain: float | None = None  # running tokens per plain-step time of drafting passes
+    cost_emitted: float = 0.0  # decayed tokens of the passes judged since the last verdict
+    cost_steps: float = 0.0  # their decayed wall time, in plain steps
+    cost_passes: int = 0  # passes judged since the last verdict
     paused_until: int = 0  # no drafts before this many tokens were produced
     pause: int = 0  # the current pause length (0: not backing off)
     pauses: int = 0  # how many times drafting was paused (for either reason)
@@ -94,20 +103,30 @@ class DraftBackoff:
             return
         if produced < self.paused_until:
             return  # already paused (by acceptance) after this pass
-        measured = emitted * plain_ns / pass_ns
-        self.gain = measured if self.gain is None else (
-            (1 - SMOOTHING) * self.gain + SMOOTHING * measured)
+        steps = pass_ns / plain_ns
+        self.cost_emitted = COST_DECAY * self.cost_emitted + emitted
+        self.cost_steps = COST_DECAY * self.cost_steps + steps
+        self.cost_passes += 1
+        self.gain = self.cost_emitted / self.cost_steps
         if self.gain >= self.min_gain:
             if self.rate >= self.min_rate:
                 self.pause = 0
             return
+        if (self.cost_passes < MIN_COST_PASSES
+                and self.cost_steps - self.cost_emitted < MAX_EARLY_LOSS):
+            return  # a small loss over few passes: not yet a verdict
         # The probe's loss, in plain steps: what the pass took beyond the tokens it gave.
-        loss = max(0.0, pass_ns / plain_ns - emitted)
+        loss = max(0.0, steps - emitted)
         floor = min(self.max_cost_pause, math.ceil(loss / self.probe_overhead))
         doubled = min(self.max_pause, self.pause * 2 if self.pause else self.first_pause)
         self._pause(produced, max(doubled, floor))
         self.cost_pauses += 1
-        self.gain = self.min_gain  # the probe is judged on its own
+        self._reset_cost()  # the probe is judged on its own
+
+    def _reset_cost(self) -> None:
+        self.gain = None
+        self.cost_emitted = self.cost_steps = 0.0
+        self.cost_passes = 0
 
     def pause_for(self, produced: int, length: int) -> None:
         """Pause drafting for `length` tokens from `produced` (the batch-level gate,
@@ -115,7 +134,7 @@ class DraftBackoff:
         if produced + length > self.paused_until:
             self._pause(produced, length)
             self.rate = self.min_rate  # the probe after the pause is judged on its own
-            self.gain = None
+            self._reset_cost()
 
     def _pause(self, produced: int, length: int) -> None:
         self.pause = max(1, length)
