@@ -11,8 +11,9 @@ the mix of adapters:
     y = inner(x) + h @ B_all^T
 
 so a row without an adapter adds exact zeros. The fused GPU decode layer
-(``fused_layer.py``) runs the same update inside its output kernels: it asks
-``low_rank(x_in)`` for the first matmul and the tensors the kernel masks and multiplies.
+(``fused_layer.py``) runs the same update inside its output kernels: it makes the first
+product in the GEMM's launch and asks ``low_rank_of(low)`` for the tensors the kernel
+masks and multiplies (``low_rank(x_in)``: the same with the product made here).
 
 Public API:
 - ``RowSlots``: what supplies the rows' slots (``AdapterBank``): ``token_slots(rows)``
