@@ -184,7 +184,8 @@ def test_the_product_rides_in_the_gemm_launch(dtype, rows, rank, k):
     wide[:, :k] = x
     xs = wide[:, :k]  # a row-strided view (the kernel reads x_stride)
     bare = layer_kernels.gemm_parts(xhs, trellises, 8, "mul1", 4)
-    partials, low, guards = _run_poisoned(xhs, trellises, 8, 2, 4, xs, a)
+    partials, low, guards = _run_poisoned(xhs, trellises, 8, cuda_kernels._codebook_id("mul1", 8),
+                                          4, xs, a)
     for got, want in zip(partials, bare, strict=True):
         assert torch.equal(got, want)  # the GEMM blocks are the bare launch's
     _check_low(low, x, a)
@@ -196,11 +197,11 @@ def test_the_product_rides_in_the_gemm_launch(dtype, rows, rank, k):
 
 
 @cuda
-@pytest.mark.parametrize("k2, codebook, cb", [(4, "mul1", 2), (5, "mul1", 2), (6, "mcg", 1),
-                                              (10, "3inst", 0)])
+@pytest.mark.parametrize("k2, codebook", [(4, "mul1"), (5, "mul1"), (6, "mcg"), (10, "3inst")])
 @pytest.mark.parametrize("rows", [1, 16, 40])
-def test_every_codebook_and_row_group_carries_the_product(k2, codebook, cb, rows):
+def test_every_codebook_and_row_group_carries_the_product(k2, codebook, rows):
     _require_kernels()
+    cb = cuda_kernels._codebook_id(codebook, k2)
     gen = _gen(10 * k2 + rows)
     xhs, trellises = _gemm_inputs(rows, k2, gen, kb=32, nbs=(32, 8))
     xhs, trellises = [t.cuda() for t in xhs], [t.cuda() for t in trellises]

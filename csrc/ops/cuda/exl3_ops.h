@@ -41,6 +41,7 @@ struct GemmLora {
   int k_dim;
   int rank;
   int dtype;
+  int y0;  // set by the launcher: the grid rows from y0 on (at z = 0) make the product
 };
 struct GemmParts {
   GemmPart part[kMaxParts];

@@ -42,21 +42,21 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 }
 
 // NG: groups of 8 rows handled (1 for rows <= 8, 4 for rows <= 32, 8 for rows <= 64).
-// LORA: the launch carries a LoRA product (gemm_lora.cuh) in grid layer z = 0, the parts
-// follow; its own instance, so the bare one keeps its code and registers.
+// LORA: the launch carries a LoRA product (gemm_lora.cuh) in the grid rows from
+// parts.lora.y0 on; its own instance, so the bare one keeps its code and registers.
 template <int K2, int CB, int NG, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     gemm_kernel(const __grid_constant__ GemmParts parts, int rows, int kb_total,
                 int kb_per_split) {
   extern __shared__ __align__(16) uint32_t smem[];
   if constexpr (LORA) {
-    if (blockIdx.z == 0) {
+    if ((int)blockIdx.y >= parts.lora.y0) {
       pdl_trigger();
-      lora_layer<kWarps>(parts.lora, rows, reinterpret_cast<float*>(smem));
+      lora_rows<kWarps>(parts.lora, rows, reinterpret_cast<float*>(smem));
       return;
     }
   }
-  const GemmPart& mine = parts.part[blockIdx.z - (LORA ? 1 : 0)];
+  const GemmPart& mine = parts.part[blockIdx.z];
   const __half* __restrict__ xh = static_cast<const __half*>(mine.xh);
   const uint32_t* __restrict__ trellis = static_cast<const uint32_t*>(mine.trellis);
   float* __restrict__ partial = mine.partial;
@@ -312,11 +312,14 @@ void run_gemm(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t
     for (int p = 0; p < parts.count; p++) nb_max = max(nb_max, parts.part[p].nb);
     const int groups = (nb_max + kTN - 1) / kTN;
     const int kb_per_split = (kb + splits - 1) / splits;
-    dim3 grid((groups + kWarps - 1) / kWarps, splits, parts.count + (parts.lora.x ? 1 : 0));
+    const unsigned grid_x = (groups + kWarps - 1) / kWarps;
+    GemmParts with = parts;
+    with.lora.y0 = splits;
+    const dim3 grid(grid_x, splits + lora_grid_rows(parts.lora, rows, grid_x), parts.count);
     const bool lora = parts.lora.x != nullptr;
 #define EXL3_GEMM_LAUNCH(NG_)                                                              \
   launch(lora ? gemm_kernel<K2, CB, NG_, true> : gemm_kernel<K2, CB, NG_, false>, grid,    \
-         dim3(kWarps * 32), smem, stream, parts, rows, kb, kb_per_split)
+         dim3(kWarps * 32), smem, stream, with, rows, kb, kb_per_split)
     if (rows <= 8)
       EXL3_GEMM_LAUNCH(1);
     else if (rows <= 32)

@@ -3,12 +3,13 @@
 //
 // Run as its own product it was a launch per adapted input on the step's critical path
 // (lora_low.cu: ~6 us each, 128 per 8B step; cuBLAS at 5-64 rows: more). Here the GEMM's
-// grid gets one more z layer (z = 0, dispatched first) whose blocks compute the product
-// while the GEMM's blocks stream the quantized weights: A is 0.1-0.5 MB against the
-// GEMM's 8-60 MB, so the product hides under the weights' time and the output kernel
-// (the next launch, which waits for the whole grid) reads `low` as before.
+// grid gets lora_grid_rows() more rows in y (after the splits; the blocks at z = 0 make
+// the product, one block per task, those at z > 0 leave at once), which compute the
+// product while the GEMM's blocks stream the quantized weights: A is 0.1-0.5 MB against
+// the GEMM's 8-60 MB, so the product hides under the weights' time, and the output
+// kernel (the next launch, which waits for the whole grid) reads `low` as before.
 //
-// A task is (4 rows, 2 rank columns); a block's 4 warps take interleaved 256-column
+// A task is (4 rows, 1 rank column); a block's 4 warps take interleaved 256-column
 // vectors of K (one 16-byte load of x per row and of A per rank column and lane), sum in
 // float32, reduce over the warp and then over the 4 warps in order through shared memory
 // (the GEMM's dynamic ring, unused by these blocks): deterministic, no atomics, no
@@ -26,12 +27,19 @@ namespace exl3 {
 namespace gemm {
 
 constexpr int kLoraRows = 4;   // rows of one task
-constexpr int kLoraRanks = 2;  // rank columns of one task
+constexpr int kLoraRanks = 1;  // rank columns of one task (2: 64 registers at 1-8 rows, not 56)
 constexpr int kLoraVec = 8;    // values per 16-byte load
 
-// The tasks of a product (rows <= 64, rank <= kGemmLoraMaxRank): the host's grid check.
+// The tasks of a product (rows <= 64, rank <= kGemmLoraMaxRank).
 __host__ __device__ inline int lora_tasks(int rows, int rank) {
   return ((rows + kLoraRows - 1) / kLoraRows) * ((rank + kLoraRanks - 1) / kLoraRanks);
+}
+
+// The grid rows a product adds to a GEMM grid `grid_x` blocks wide: a block per task.
+inline int lora_grid_rows(const GemmLora& lora, int rows, int grid_x) {
+  if (lora.x == nullptr) return 0;
+  const int tasks = lora_tasks(rows, lora.rank);
+  return (tasks + grid_x - 1) / grid_x;
 }
 
 __device__ __forceinline__ float lora_warp_sum(float v) {
@@ -107,12 +115,13 @@ __device__ __forceinline__ void lora_product(const GemmLora& lora, int rows, int
   }
 }
 
-// The z = 0 layer of a GEMM grid that carries a product: its blocks, in x-then-y order.
+// A block of the grid rows from lora.y0 on: at z = 0 its share of the product.
 template <int WARPS>
-__device__ __forceinline__ void lora_layer(const GemmLora& lora, int rows, float* red) {
+__device__ __forceinline__ void lora_rows(const GemmLora& lora, int rows, float* red) {
+  if (blockIdx.z != 0) return;
   pdl_wait();  // x is the previous kernel's output; low may still be read by an older one
-  const int block = blockIdx.y * gridDim.x + blockIdx.x;
-  const int blocks = gridDim.x * gridDim.y;
+  const int block = (blockIdx.y - lora.y0) * gridDim.x + blockIdx.x;
+  const int blocks = (gridDim.y - lora.y0) * gridDim.x;
   if (lora.dtype == DT_HALF)
     lora_product<__half, WARPS>(lora, rows, block, blocks, red);
   else
