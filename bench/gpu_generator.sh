@@ -9,7 +9,8 @@
 # the peer's wheels, its prebuilt extension (*.so.xz) and peer_exllamav3_jobs.py
 # (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" picks stages
 # ("unfused": the 1/16-job points again with EXL3_FUSED_LAYER=0, the before of the
-# fused decode layer; "ab": kernel build variants, see below).
+# fused decode layer; "ab": kernel build variants, see below). OURS_KV="fp16": the "ours"
+# stage's caches (default fp16,q4).
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-gen-out}
 mkdir -p "$OUT"
@@ -70,7 +71,7 @@ if [[ " $STAGES " == *" ours "* ]]; then
     set -- $m
     [[ " $MODELS " == *" $1 "* ]] || continue
     timeout 200 python3 bench/generator_throughput.py "$2" --device cuda --jobs "$JOBS" \
-      --prompt 128 --gen 64 --kv fp16,q4 --repeat 3 --json >"$OUT/ours-$1.json" \
+      --prompt 128 --gen 64 --kv "${OURS_KV:-fp16,q4}" --repeat 3 --json >"$OUT/ours-$1.json" \
       2>"$OUT/ours-$1.err" || { echo "FAIL: ours $1"; tail -8 "$OUT/ours-$1.err"; }
     stamp "ours $1 done"
   done
@@ -91,7 +92,8 @@ fi
 
 if [[ " $STAGES " == *" lora "* ]]; then
   # One random rank-16 LoRA adapter on all projections, every job using it (issue 16).
-  # LORA_VARIANTS="torch:EXL3_LORA_LOW=torch ...": more runs, each NAME:ENV=VALUE[,ENV=VALUE].
+  # LORA_VARIANTS="old:EXL3_LORA_GEMM=0 ...": more runs, each NAME:ENV=VALUE[,ENV=VALUE]
+  # (EXL3_LORA_GEMM=0: the first product as its own launch; EXL3_LORA_LOW=torch: by cuBLAS).
   for variant in "lora:" ${LORA_VARIANTS:-}; do
     name=${variant%%:*} envs=${variant#*:}
     [ "$name" = lora ] || name="lora-$name"
@@ -235,9 +237,11 @@ if [[ " $STAGES " == *" profile "* ]]; then
   for jobs in $PROFILE_JOBS; do
     for kv in ${PROFILE_KV:-fp16}; do
       suffix=$([ "$kv" = fp16 ] && echo "" || echo "-$kv")
-      timeout 90 python3 bench/decode_profile.py "$M8" --jobs "$jobs" --kv "$kv" --json \
+      # PROFILE_BARE=0: only the adapted step (PROFILE_LORA), not the bare one.
+      [ "${PROFILE_BARE:-1}" = 1 ] && { timeout 90 python3 bench/decode_profile.py "$M8" \
+        --jobs "$jobs" --kv "$kv" --json \
         >"$OUT/profile-$jobs$suffix.json" 2>"$OUT/profile-$jobs$suffix.err" \
-        || { echo "FAIL: profile $jobs jobs $kv"; tail -5 "$OUT/profile-$jobs$suffix.err"; }
+        || { echo "FAIL: profile $jobs jobs $kv"; tail -5 "$OUT/profile-$jobs$suffix.err"; }; }
       # PROFILE_LORA=R: the same step with every job on a random rank-R adapter (issue 16).
       [ -n "${PROFILE_LORA:-}" ] && timeout 90 python3 bench/decode_profile.py "$M8" \
         --jobs "$jobs" --kv "$kv" --lora-rank "$PROFILE_LORA" --json \

@@ -86,7 +86,7 @@ def _build() -> ModuleType:
         "exl3_kernels", [CUDA_DIR / s for s in _SOURCES],
         f"{torch.__version__}|{torch.version.cuda}",
         hashed=[*(CUDA_DIR / h for h in ("exl3_ops.h", "gemm_impl.cuh", "gemm_lean.cuh",
-                                         "exl3_convert.cuh",
+                                         "exl3_convert.cuh", "gemm_lora.cuh",
                                          "exl3_launch.cuh", "exl3_lora.cuh", "exl3_moe.cuh",
                                          "moe_gemm_impl.cuh", "bindings_util.h")),
                 *(CSRC / "codec" / h for h in ("exl3_trellis.cuh", "exl3_hadamard.cuh"))],

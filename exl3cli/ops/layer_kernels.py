@@ -11,8 +11,9 @@ share each launch.
 An adapted projection (``engine/adapters/lora.py``) adds its LoRA update in the output
 side, where ``AdaptedLinear`` adds it: ``y = round(round(H128(sum) * svh + bias) +
 delta)``, then rotary, the activation or the residual; ``delta`` comes from a
-``LowRank`` (``low = x_in @ A^T`` made by one matmul per input, and B^T of all the
-input's parts), with the masking by the rows' adapter slots done in the kernel.
+``LowRank`` (``low = x_in @ A^T``, made inside the input's GEMM launch by
+``gemm_parts_low``, and B^T of all the input's parts), with the masking by the rows'
+adapter slots done in the kernel.
 
 Public API (``x``: activations in the model dtype; ``partials``: float32
 (splits, rows, width); every list has one entry per part):
@@ -26,6 +27,11 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
   None; ``normed`` (rows, cols) in x's dtype receives ``norm(x)`` (a LoRA's input).
 - ``gemm_parts(xhs, trellises, k2, codebook, splits) -> list[partials]``: ``xh @ Ŵ``
   (the reference returns one split).
+- ``gemm_parts_low(xhs, trellises, k2, codebook, splits, x, a) -> (partials, low)``:
+  ``gemm_parts`` and ``low = x @ a^T`` (an adapted projection's first LoRA product, in
+  a's dtype), in the GEMM's own launch on CUDA when ``low_in_gemm(x, a)`` (its own blocks
+  of the grid, csrc/ops/cuda/gemm_lora.cuh; ``EXL3_LORA_GEMM=0``: never), else
+  ``gemm_parts`` then ``lora_low``; x/A that do not fit the parts: ValueError first.
 - ``hadamard_out(partials, posts, biases, outs, rope_cols, residual=None, cos=None,
   sin=None, head_dim=0, lora=None)``: writes ``outs[p] = H128(sum partial) * post +
   bias`` (rounded to the output dtype) plus part p's columns of the LoRA delta, its
@@ -113,11 +119,66 @@ def lora_low(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
             and x.dtype in (torch.float16, torch.bfloat16)
             and 1 <= rows <= min(_LORA_KERNEL_ROWS, kernels.FUSED_MAX_ROWS)
             and rank <= _LORA_MAX_RANK
-            and x.stride(-1) == 1 and a.is_contiguous()):
+            and x.stride(-1) == 1 and a.is_contiguous()
+            and x.data_ptr() % 16 == 0 and a.data_ptr() % 16 == 0):  # 16-byte loads
         low = torch.empty(rows, rank, dtype=a.dtype, device=x.device)
         if ext.lora_low(x, a, low, *workspace):
             return low
     return x @ a.t()
+
+
+# EXL3_LORA_GEMM=0: the first LoRA product as its own launch (lora_low / torch's matmul,
+# before NOTES-gpu "LoRA, session 8") instead of inside the projection's GEMM launch.
+_LORA_IN_GEMM = os.environ.get("EXL3_LORA_GEMM", "1") != "0"
+_GEMM_LORA_MAX_RANK = 128  # exl3_ops.h kGemmLoraMaxRank
+
+
+def low_in_gemm(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``x @ a^T`` can ride in the GEMM launch (gemm_parts_low): CUDA, float16
+    or bfloat16 in one dtype, 1..64 rows, rank <= 128, whole aligned 16-byte loads."""
+    if not (_LORA_IN_GEMM and x.is_cuda and a.device == x.device):
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16) or a.dtype != x.dtype:
+        return False
+    rows, k_dim = x.shape
+    return (1 <= rows <= kernels.FUSED_MAX_ROWS and 1 <= a.shape[0] <= _GEMM_LORA_MAX_RANK
+            and k_dim >= 8 and k_dim % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and a.is_contiguous() and x.data_ptr() % 16 == 0 and a.data_ptr() % 16 == 0)
+
+
+def _check_low_inputs(xhs: Sequence[torch.Tensor], x: torch.Tensor, a: torch.Tensor) -> None:
+    """ValueError (before any launch) unless x (rows, K) and a (rank, K) fit the parts."""
+    if x.dim() != 2 or a.dim() != 2:
+        raise ValueError(f"LoRA product: x and A must be 2-D, got {tuple(x.shape)} and "
+                         f"{tuple(a.shape)}")
+    if x.shape[0] != xhs[0].shape[0]:
+        raise ValueError(f"LoRA product: x has {x.shape[0]} rows, the projection's input "
+                         f"{xhs[0].shape[0]}")
+    if a.shape[1] != x.shape[1] or a.shape[0] < 1:
+        raise ValueError(f"LoRA product: A is {tuple(a.shape)} (rank, K), x has K = "
+                         f"{x.shape[1]} columns")
+    if x.device != xhs[0].device or a.device != x.device:
+        raise ValueError(f"LoRA product: x on {x.device}, A on {a.device}, the projection "
+                         f"on {xhs[0].device}")
+
+
+def gemm_parts_low(xhs: Sequence[torch.Tensor], trellises: Sequence[torch.Tensor], k2: int,
+                   codebook: str, splits: int, x: torch.Tensor, a: torch.Tensor
+                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``gemm_parts`` and an adapted projection's ``low = x @ a^T`` (``lora_low``'s
+    result): one launch on CUDA when ``low_in_gemm`` takes it, else both as before."""
+    _check_low_inputs(xhs, x, a)
+    x = x.to(a.dtype)
+    ext = _ext(xhs[0])
+    rows = xhs[0].shape[0]
+    if ext is not None and hasattr(ext, "gemm_parts_low") and low_in_gemm(x, a):
+        partials = [torch.empty(splits, rows, 16 * t.shape[1], dtype=torch.float32,
+                                device=xhs[0].device) for t in trellises]
+        low = torch.empty(rows, a.shape[0], dtype=a.dtype, device=x.device)
+        ext.gemm_parts_low(list(xhs), list(trellises), k2, kernels._codebook_id(codebook, k2),
+                           partials, x, a, low)
+        return partials, low
+    return gemm_parts(xhs, trellises, k2, codebook, splits), lora_low(x, a)
 
 
 def _ext(*tensors: torch.Tensor):

@@ -160,3 +160,51 @@ def test_adapted_decode_graphs_give_the_eager_tokens_in_float32(folder):
     bare = tokens("graph", [None] * len(names))
     for mine, base, adapter in zip(got, bare, names, strict=True):
         assert (mine != base) == (adapter is not None)  # bare rows: the base model's tokens
+
+
+class _CountingExt:
+    """The kernel extension, counting its gemm_parts_low launches."""
+
+    def __init__(self, ext):
+        self.ext, self.low_launches = ext, 0
+
+    def __getattr__(self, name: str):
+        target = getattr(self.ext, name)
+        if name != "gemm_parts_low":
+            return target
+
+        def counted(*args):
+            self.low_launches += 1
+            return target(*args)
+        return counted
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_first_product_rides_in_each_gemm_launch(folder, dtype, monkeypatch):
+    # Every adapted input's x @ A^T is made by its GEMM's launch (four per layer: q|k|v,
+    # o, gate|up, down), and the logits are the separate product's (EXL3_LORA_GEMM=0).
+    from exl3cli.ops import layer_kernels
+
+    model, bank = _adapted(folder, dtype)
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 7, 8]], device="cuda").expand(len(ROWS), -1)
+    ids = ids.contiguous()
+    real = layer_kernels._ext
+    counting = _CountingExt(real(ids))
+    monkeypatch.setattr(layer_kernels, "_ext", lambda *t: counting if real(*t) else None)
+
+    def logits() -> torch.Tensor:
+        bank.select_rows(ROWS, [ids.shape[1]] * len(ROWS))
+        try:
+            return model(ids).float()
+        finally:
+            bank.release()
+
+    in_gemm = logits()
+    assert _fused_with_adapters(model)
+    assert counting.low_launches == 4 * len(model.layers)
+    monkeypatch.setattr(layer_kernels, "_LORA_IN_GEMM", False)
+    separate = logits()
+    assert counting.low_launches == 4 * len(model.layers)
+    scale = separate.abs().max().item()
+    assert (in_gemm - separate).abs().max().item() <= 3e-2 * scale
+    assert (in_gemm.argmax(-1) == separate.argmax(-1)).float().mean().item() >= 0.9

@@ -38,14 +38,17 @@ void decode(const at::Tensor& trellis, int64_t k2, int64_t cb, at::Tensor& out) 
                "exl3 decode");
 }
 
-// One launch over parts with the same rows, kb, K and codebook (exl3_ops.h GemmParts).
-void gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& trellises,
-                int64_t k2, int64_t cb, const std::vector<at::Tensor>& partials) {
+// One launch over parts with the same rows, kb, K and codebook (exl3_ops.h GemmParts),
+// with `lora`'s product (none: x null) in the same launch.
+void run_gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& trellises,
+                    int64_t k2, int64_t cb, const std::vector<at::Tensor>& partials,
+                    const exl3::GemmLora& lora) {
   const size_t n = xhs.size();
   TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && trellises.size() == n &&
                   partials.size() == n, "1..", exl3::kMaxParts, " parts, one xh, trellis and partial each");
   exl3::GemmParts parts{};
   parts.count = (int)n;
+  parts.lora = lora;
   int kb = -1, rows = -1, splits = -1;
   for (size_t p = 0; p < n; p++) {
     const at::Tensor& xh = xhs[p];
@@ -80,6 +83,47 @@ void gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor
   else if (cb == 1) ok = exl3::launch_gemm_mcg(parts, rows, kb, (int)k2, splits, stream);
   else if (cb == 0) ok = exl3::launch_gemm_3inst(parts, rows, kb, (int)k2, splits, stream);
   check_launch(ok, "exl3 gemm");
+}
+
+void gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& trellises,
+                int64_t k2, int64_t cb, const std::vector<at::Tensor>& partials) {
+  run_gemm_parts(xhs, trellises, k2, cb, partials, exl3::GemmLora{});
+}
+
+// gemm_parts plus low = x @ a^T in the same launch (exl3_ops.h GemmLora): x (rows, K) with
+// unit column stride, a (rank, K) contiguous, low (rows, rank) contiguous, one dtype
+// (float16 or bfloat16); rows those of the parts' xh. Every shape the kernel does not
+// take is refused here, before the launch.
+void gemm_parts_low(const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& trellises,
+                    int64_t k2, int64_t cb, const std::vector<at::Tensor>& partials,
+                    const at::Tensor& x, const at::Tensor& a, const at::Tensor& low) {
+  for (const auto* t : {&x, &a, &low}) check_cuda(*t, "gemm_parts_low: x, a and low");
+  TORCH_CHECK(!xhs.empty(), "gemm_parts_low: at least one part");
+  TORCH_CHECK(x.device() == xhs[0].device() && a.device() == x.device() &&
+                  low.device() == x.device(), "gemm_parts_low: x, a, low on the parts' device");
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "gemm_parts_low: x must be float16 or bfloat16");
+  TORCH_CHECK(a.scalar_type() == x.scalar_type() && low.scalar_type() == x.scalar_type(),
+              "gemm_parts_low: x, a and low in one dtype");
+  TORCH_CHECK(x.dim() == 2 && a.dim() == 2 && low.dim() == 2, "gemm_parts_low: 2-D x, a, low");
+  const int64_t rows = x.size(0), k_dim = x.size(1), rank = a.size(0);
+  TORCH_CHECK(rows == xhs[0].size(0), "gemm_parts_low: x has ", rows, " rows, the parts ",
+              xhs[0].size(0));
+  TORCH_CHECK(a.size(1) == k_dim, "gemm_parts_low: a has ", a.size(1), " columns, x ", k_dim);
+  TORCH_CHECK(rank >= 1 && rank <= exl3::kGemmLoraMaxRank, "gemm_parts_low: rank ", rank,
+              " outside 1..", exl3::kGemmLoraMaxRank);
+  TORCH_CHECK(k_dim >= 8 && k_dim % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                  x.stride(0) >= k_dim,
+              "gemm_parts_low: K and x's row stride must be multiples of 8, unit column stride");
+  TORCH_CHECK(a.is_contiguous() && low.is_contiguous() && low.size(0) == rows &&
+                  low.size(1) == rank,
+              "gemm_parts_low: a (rank, K) and low (rows, rank) contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0,
+              "gemm_parts_low: x and a must be 16-byte aligned");
+  exl3::GemmLora lora{x.data_ptr(), x.stride(0), a.data_ptr(), low.data_ptr(), (int)k_dim,
+                      (int)rank, dtype_code(x)};
+  run_gemm_parts(xhs, trellises, k2, cb, partials, lora);
 }
 
 void gemm_partial(const at::Tensor& xh, const at::Tensor& trellis, int64_t k2, int64_t cb,
@@ -214,6 +258,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gemm_partial for up to 4 parts (same rows, kb, K, codebook) in one launch",
         py::arg("xhs"), py::arg("trellises"), py::arg("k2"), py::arg("codebook"),
         py::arg("partials"));
+  m.def("gemm_parts_low", &gemm_parts_low,
+        "gemm_parts plus an adapted projection's low = x @ a^T in the same launch",
+        py::arg("xhs"), py::arg("trellises"), py::arg("k2"), py::arg("codebook"),
+        py::arg("partials"), py::arg("x"), py::arg("a"), py::arg("low"));
   exl3_bind::define_layer_ops(m);  // layer_bindings.cpp
   exl3_bind::define_moe_ops(m);    // moe_bindings.cpp
   m.def("gemm_variant", &exl3::gemm_variant,

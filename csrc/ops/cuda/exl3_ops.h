@@ -27,10 +27,36 @@ struct GemmPart {
   float* partial;
   int nb;
 };
+// The first LoRA product of an adapted projection run inside the same GEMM launch (its
+// own blocks, beside the GEMM's, while the weights stream): low = x @ A^T rounded to
+// dtype (DT_HALF or DT_BF16), x (rows, k_dim) with row stride x_stride, A (rank, k_dim)
+// contiguous, low (rows, rank) contiguous; k_dim and x_stride multiples of 8, x and A
+// 16-byte aligned, 1 <= rank <= kGemmLoraMaxRank. x == nullptr: no product.
+constexpr int kGemmLoraMaxRank = 128;
+struct GemmLora {
+  const void* x;
+  int64_t x_stride;
+  const void* a;
+  void* low;
+  int k_dim;
+  int rank;
+  int dtype;
+  int y0;  // set by the launcher: the grid rows from y0 on (at z = 0) make the product
+};
 struct GemmParts {
   GemmPart part[kMaxParts];
   int count;
+  GemmLora lora;  // zero-initialised: none
 };
+// Whether `lora` is none or a product the GEMM launch takes (the launchers refuse others).
+inline bool gemm_lora_ok(const GemmLora& lora) {
+  if (lora.x == nullptr) return true;
+  return lora.a != nullptr && lora.low != nullptr && (lora.dtype == DT_HALF ||
+         lora.dtype == DT_BF16) && lora.rank >= 1 && lora.rank <= kGemmLoraMaxRank &&
+         lora.k_dim >= 8 && lora.k_dim % 8 == 0 && lora.x_stride >= lora.k_dim &&
+         lora.x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(lora.x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(lora.a) % 16 == 0;
+}
 bool launch_gemm_mul1(const GemmParts& parts, int rows, int kb, int k2, int splits,
                       cudaStream_t stream);
 bool launch_gemm_mcg(const GemmParts& parts, int rows, int kb, int k2, int splits,

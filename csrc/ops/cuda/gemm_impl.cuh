@@ -7,11 +7,13 @@
 // x fragment of 8 rows (B = xhᵀ), accumulating in float32. Splits write separate
 // partial sums; the output Hadamard kernel adds them (deterministic, no atomics).
 // One launch may run several parts on the same rows and tile-row count (q/k/v, gate/up:
-// one xh, trellis and partial buffer each), blockIdx.z picking the part.
+// one xh, trellis and partial buffer each), blockIdx.z picking the part; an adapted
+// projection's first LoRA product may ride along in the same launch (gemm_lora.cuh).
 #pragma once
 
 #include "exl3_launch.cuh"
 #include "exl3_ops.h"
+#include "gemm_lora.cuh"
 #include "../../codec/exl3_trellis.cuh"
 
 namespace exl3 {
@@ -40,10 +42,20 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 }
 
 // NG: groups of 8 rows handled (1 for rows <= 8, 4 for rows <= 32, 8 for rows <= 64).
-template <int K2, int CB, int NG>
+// LORA: the launch carries a LoRA product (gemm_lora.cuh) in the grid rows from
+// parts.lora.y0 on; its own instance, so the bare one keeps its code and registers.
+template <int K2, int CB, int NG, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     gemm_kernel(const __grid_constant__ GemmParts parts, int rows, int kb_total,
                 int kb_per_split) {
+  extern __shared__ __align__(16) uint32_t smem[];
+  if constexpr (LORA) {
+    if ((int)blockIdx.y >= parts.lora.y0) {
+      pdl_trigger();
+      lora_rows<kWarps>(parts.lora, rows, reinterpret_cast<float*>(smem));
+      return;
+    }
+  }
   const GemmPart& mine = parts.part[blockIdx.z];
   const __half* __restrict__ xh = static_cast<const __half*>(mine.xh);
   const uint32_t* __restrict__ trellis = static_cast<const uint32_t*>(mine.trellis);
@@ -52,7 +64,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   pdl_trigger();
   constexpr int W = TileBits<K2>::kWords;
   constexpr int kStageWords = kTN * W;
-  extern __shared__ __align__(16) uint32_t smem[];
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int nb0 = (blockIdx.x * kWarps + warp) * kTN;
@@ -301,16 +312,21 @@ void run_gemm(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t
     for (int p = 0; p < parts.count; p++) nb_max = max(nb_max, parts.part[p].nb);
     const int groups = (nb_max + kTN - 1) / kTN;
     const int kb_per_split = (kb + splits - 1) / splits;
-    dim3 grid((groups + kWarps - 1) / kWarps, splits, parts.count);
+    const unsigned grid_x = (groups + kWarps - 1) / kWarps;
+    GemmParts with = parts;
+    with.lora.y0 = splits;
+    const dim3 grid(grid_x, splits + lora_grid_rows(parts.lora, rows, grid_x), parts.count);
+    const bool lora = parts.lora.x != nullptr;
+#define EXL3_GEMM_LAUNCH(NG_)                                                              \
+  launch(lora ? gemm_kernel<K2, CB, NG_, true> : gemm_kernel<K2, CB, NG_, false>, grid,    \
+         dim3(kWarps * 32), smem, stream, with, rows, kb, kb_per_split)
     if (rows <= 8)
-      launch(gemm_kernel<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
-             kb_per_split);
+      EXL3_GEMM_LAUNCH(1);
     else if (rows <= 32)
-      launch(gemm_kernel<K2, CB, 4>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
-             kb_per_split);
+      EXL3_GEMM_LAUNCH(4);
     else
-      launch(gemm_kernel<K2, CB, 8>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
-             kb_per_split);
+      EXL3_GEMM_LAUNCH(8);
+#undef EXL3_GEMM_LAUNCH
   }
 }
 
@@ -324,6 +340,7 @@ void run_gemm(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t
                           cudaStream_t stream) {                                           \
     if (rows < 1 || rows > 64 || splits < 1) return false;                                 \
     if (parts.count < 1 || parts.count > kMaxParts) return false;                          \
+    if (!gemm_lora_ok(parts.lora)) return false;                                           \
     switch (k2) {                                                                          \
       FOR_K2(EXL3_GEMM_CASE_##NAME)                                                        \
       default:                                                                             \

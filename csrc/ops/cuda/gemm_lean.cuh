@@ -271,13 +271,20 @@ __device__ __forceinline__ void warp_gemm(const __half* __restrict__ xh,
 
 // Column groups of kTN tiles of all parts in one flattened x dimension (blockIdx.x *
 // kWarps + warp), runs of tile rows in y; no block-wide barriers (warps leave early).
-template <int K2, int CB, int NG>
+// LORA: the grid rows from parts.lora.y0 on compute the launch's LoRA product (gemm_lora.cuh).
+template <int K2, int CB, int NG, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
     gemm_kernel_lean(const __grid_constant__ GemmParts parts, int rows, int kb_total,
                      int kb_per_split) {
   pdl_trigger();
   constexpr int kStageWords = kTN * TileBits<K2>::kWords;
   extern __shared__ __align__(16) uint32_t smem[];
+  if constexpr (LORA) {
+    if ((int)blockIdx.y >= parts.lora.y0) {
+      lora_rows<kWarps>(parts.lora, rows, reinterpret_cast<float*>(smem));
+      return;
+    }
+  }
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   int group = blockIdx.x * kWarps + warp;
@@ -317,18 +324,23 @@ void run(const GemmParts& parts, int rows, int kb, int splits, cudaStream_t stre
   int groups = 0;
   for (int p = 0; p < parts.count; p++) groups += (parts.part[p].nb + kTN - 1) / kTN;
   const int kb_per_split = (kb + splits - 1) / splits;
-  dim3 grid((groups + kWarps - 1) / kWarps, splits, 1);
+  const unsigned grid_x = (groups + kWarps - 1) / kWarps;
+  GemmParts with = parts;
+  with.lora.y0 = splits;
+  const dim3 grid(grid_x, splits + lora_grid_rows(parts.lora, rows, grid_x), 1);
+  const bool lora = parts.lora.x != nullptr;
+#define EXL3_LEAN_LAUNCH(NG_)                                                                 \
+  launch(lora ? gemm_kernel_lean<K2, CB, NG_, true> : gemm_kernel_lean<K2, CB, NG_, false>,   \
+         grid, dim3(kWarps * 32), smem, stream, with, rows, kb, kb_per_split)
   if (rows <= 8) {
-    launch(gemm_kernel_lean<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, rows, kb,
-           kb_per_split);
+    EXL3_LEAN_LAUNCH(1);
   } else if constexpr (kAllRows) {
     if (rows <= 32)
-      launch(gemm_kernel_lean<K2, CB, 4>, grid, dim3(kWarps * 32), smem, stream, parts, rows,
-             kb, kb_per_split);
+      EXL3_LEAN_LAUNCH(4);
     else
-      launch(gemm_kernel_lean<K2, CB, 8>, grid, dim3(kWarps * 32), smem, stream, parts, rows,
-             kb, kb_per_split);
+      EXL3_LEAN_LAUNCH(8);
   }
+#undef EXL3_LEAN_LAUNCH
 }
 
 }  // namespace lean

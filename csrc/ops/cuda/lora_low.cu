@@ -121,8 +121,9 @@ bool launch_lora_low(int dtype, const void* x, int64_t x_stride, const void* a, 
                      int rank, int rows, float* partial, unsigned* ticket, void* low,
                      cudaStream_t stream) {
   if (k_dim % kVec || rank < 1 || rank > kLoraLowMaxRank || rows < 1 ||
-      rows > kLoraLowMaxRows || x_stride % kVec)
-    return false;
+      rows > kLoraLowMaxRows || x_stride % kVec ||
+      reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(a) % 16)
+    return false;  // (16-byte loads of x and A)
   if (dtype == DT_HALF)
     return launch_typed<__half>(x, x_stride, a, k_dim, rank, rows, partial, ticket, low, stream);
   if (dtype == DT_BF16)

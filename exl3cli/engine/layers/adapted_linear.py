@@ -11,15 +11,18 @@ the mix of adapters:
     y = inner(x) + h @ B_all^T
 
 so a row without an adapter adds exact zeros. The fused GPU decode layer
-(``fused_layer.py``) runs the same update inside its output kernels: it asks
-``low_rank(x_in)`` for the first matmul and the tensors the kernel masks and multiplies.
+(``fused_layer.py``) runs the same update inside its output kernels: it makes the first
+product in the GEMM's launch and asks ``low_rank_of(low)`` for the tensors the kernel
+masks and multiplies (``low_rank(x_in)``: the same with the product made here).
 
 Public API:
 - ``RowSlots``: what supplies the rows' slots (``AdapterBank``): ``token_slots(rows)``
   (int64 [rows], a persistent buffer that captured CUDA graphs read) and
   ``row_mask(columns, rows, dtype)`` ([rows, R] of 0/1).
 - ``AdaptedLinear(inner, slots)``; ``set_adapters(a [R, in], b [out, R], columns [R])``;
-  ``forward(x)``; ``low_rank(x_in[rows, in]) -> layer_kernels.LowRank``.
+  ``forward(x)``; ``low_rank(x_in[rows, in]) -> layer_kernels.LowRank``;
+  ``low_rank_of(low[rows, R])``: the same from a first product made elsewhere (the
+  fused layer makes it in the GEMM launch: ``layer_kernels.gemm_parts_low``).
 """
 
 from __future__ import annotations
@@ -65,9 +68,11 @@ class AdaptedLinear(Linear):
     def low_rank(self, x_in: torch.Tensor) -> LowRank:
         """The update of rows `x_in` [rows, in] for an output kernel: `x_in @ A_all^T`
         (one matmul), B_all^T and the slots of the rank columns and of the rows."""
-        low = lora_low(x_in, self.lora_a)
-        return LowRank(low, self.lora_bt, self.lora_columns,
-                       self.bank.token_slots(x_in.shape[0]))
+        return self.low_rank_of(lora_low(x_in, self.lora_a))
+
+    def low_rank_of(self, low: torch.Tensor) -> LowRank:
+        """The update whose first product `low` [rows, R] (x_in @ A_all^T) is made."""
+        return LowRank(low, self.lora_bt, self.lora_columns, self.bank.token_slots(low.shape[0]))
 
     def dense_weight(self) -> None:
         return None  # never folded: the update depends on the row

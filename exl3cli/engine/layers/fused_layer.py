@@ -24,13 +24,14 @@ Mixtral, Qwen3-MoE) takes the place of the last five launches: the norm, the rou
 ``MoEMLP`` (seven kernels), then the residual add.
 
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
-on this path: the first low-rank matmul ``x_in @ A_all^T`` is one torch matmul per
-input (q|k|v and gate|up share theirs), on the normed input that ``norm_hadamard``
-writes next to its Hadamard outputs (for down: act(gate) * up from ``glu_hadamard``),
-and the output kernel masks it by the rows' adapter slots, multiplies by B^T and adds
-it after svh and bias, before rotary, the activation or the residual, as
-``AdaptedLinear`` does: four more launches per adapted layer. The adapters' tensors and
-the rows' slots (a persistent buffer) are read at every forward, never kept.
+on this path: the first low-rank product ``x_in @ A_all^T`` (one per input: q|k|v and
+gate|up share theirs), on the normed input that ``norm_hadamard`` writes next to its
+Hadamard outputs (for down: act(gate) * up from ``glu_hadamard``), is made by extra
+blocks of the input's GEMM launch (``layer_kernels.gemm_parts_low``; no launch of its
+own), and the output kernel masks it by the rows' adapter slots, multiplies by B^T and
+adds it after svh and bias, before rotary, the activation or the residual, as
+``AdaptedLinear`` does. The adapters' tensors and the rows' slots (a persistent
+buffer) are read at every forward, never kept.
 
 Public API:
 - ``FusedDecodeLayer.of(layer, force=False) -> FusedDecodeLayer | None``: the plan
@@ -97,7 +98,11 @@ class _Parts(NamedTuple):
             widths=[p.out_features for p in parts], k2=k2s.pop(), codebook=parts[0].codebook,
             pad_in=parts[0].padded_in, splits={})
 
-    def gemm(self, xhs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def gemm(self, xhs: list[torch.Tensor], adapted: AdaptedLinear | None = None,
+             x_in: torch.Tensor | None = None
+             ) -> tuple[list[torch.Tensor], layer_kernels.LowRank | None]:
+        """The parts' split sums and, for an adapted projection, its LoRA update of the
+        rows `x_in` (first product in the same launch where the kernel takes it)."""
         rows = xhs[0].shape[0]
         splits = self.splits.get(rows)
         if splits is None:
@@ -106,7 +111,13 @@ class _Parts(NamedTuple):
             splits = (kernels.choose_splits(kb, nb, device, rows=rows)
                       if device.type == "cuda" else 1)
             self.splits[rows] = splits
-        return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook, splits)
+        if adapted is None or x_in is None:
+            return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook,
+                                            splits), None
+        partials, low = layer_kernels.gemm_parts_low(xhs, self.trellises, self.k2,
+                                                     self.codebook, splits, x_in,
+                                                     adapted.lora_a)
+        return partials, adapted.low_rank_of(low)
 
 
 def _f32(layer: Exl3Linear, name: str) -> torch.Tensor:
@@ -215,7 +226,7 @@ class FusedDecodeLayer:
         h = x2.new_empty(rows, hidden)
         self._project(self.o, layer_kernels.norm_hadamard(
             attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2,
-            lora=_low_rank(self.o_lora, attended))
+            adapted=self.o_lora, x_in=attended)
         if self.moe is not None:
             return (h + self.moe(self.norm2(h))).view(batch, steps, hidden)
         mlp = self.gate_up
@@ -224,15 +235,14 @@ class FusedDecodeLayer:
         xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
                                              self.norm2.unit_offset, mlp.pres, mlp.pad_in,
                                              normed=normed)
-        lora = _low_rank(self.gate_up_lora, normed)
-        gate, up = mlp.gemm([xg, xu])
+        (gate, up), lora = mlp.gemm([xg, xu], self.gate_up_lora, normed)
         inter = mlp.widths[0]
         product = x2.new_empty(rows, inter) if self.down_lora is not None else None
         xd = layer_kernels.glu_hadamard(gate, up, mlp.posts[0], mlp.posts[1], mlp.biases[0],
                                         mlp.biases[1], inter, self.activation,
                                         self.down.pres[0], x.dtype, lora=lora, product=product)
         out = x2.new_empty(rows, hidden)
-        self._project(self.down, [xd], [out], residual=h, lora=_low_rank(self.down_lora, product))
+        self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora, x_in=product)
         return out.view(batch, steps, hidden)
 
     def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int,
@@ -246,7 +256,7 @@ class FusedDecodeLayer:
         xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
                                           self.norm1.unit_offset, self.qkv.pres,
                                           self.qkv.pad_in, normed=normed)
-        lora = _low_rank(self.qkv_lora, normed)
+        partials, lora = self.qkv.gemm(xhs, self.qkv_lora, normed)
         qkv = x2.new_empty(rows, self.qkv_width)
         outs, start = [], 0
         for width in self.qkv.widths:
@@ -259,7 +269,7 @@ class FusedDecodeLayer:
             if self.fused_rope:
                 cos, sin = cos4.reshape(rows, dim), sin4.reshape(rows, dim)
                 rope_cols = self.rope_cols
-        layer_kernels.hadamard_out(self.qkv.gemm(xhs), self.qkv.posts, self.qkv.biases, outs,
+        layer_kernels.hadamard_out(partials, self.qkv.posts, self.qkv.biases, outs,
                                    rope_cols, cos=cos, sin=sin,
                                    head_dim=dim if cos is not None else 0, lora=lora)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
@@ -278,18 +288,11 @@ class FusedDecodeLayer:
         return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1)
 
     def _project(self, parts: _Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
-                 residual: torch.Tensor | None = None,
-                 lora: layer_kernels.LowRank | None = None) -> None:
-        layer_kernels.hadamard_out(parts.gemm(xhs), parts.posts, parts.biases, outs,
+                 residual: torch.Tensor | None = None, adapted: AdaptedLinear | None = None,
+                 x_in: torch.Tensor | None = None) -> None:
+        partials, lora = parts.gemm(xhs, adapted, x_in)
+        layer_kernels.hadamard_out(partials, parts.posts, parts.biases, outs,
                                    [0] * len(outs), residual=residual, lora=lora)
-
-
-def _low_rank(adapted: AdaptedLinear | None, x_in: torch.Tensor | None
-              ) -> layer_kernels.LowRank | None:
-    """The LoRA update of `adapted` for its input rows (None: not adapted)."""
-    if adapted is None or x_in is None:
-        return None
-    return adapted.low_rank(x_in)
 
 
 def _padded_out(linear: Any) -> int:
