@@ -1,5 +1,5 @@
 // Build-time variants of the fused decode + GEMM (gemm_impl.cuh), picked with
-// EXL3_NVCC_FLAGS=-DEXL3_GEMM_VARIANT=N; 0 (the default) is gemm_kernel itself. Same
+// EXL3_NVCC_FLAGS=-DEXL3_GEMM_VARIANT=N (default 4, below); 0 is gemm_kernel alone. Same
 // launch contract and partial layout (exl3_ops.h). bench/NOTES-gpu.md, "For the next run:
 // batch-1 GEMM variants", has the per-shape analysis and the predictions.
 //
