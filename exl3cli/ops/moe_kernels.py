@@ -166,7 +166,7 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, top_k: int, normal
     return _run(ext, x, weights, top_k, plan, tables, out), weights, chosen
 
 
-ROUTER_MAX_EXPERTS = 256  # csrc/ops/cuda/moe_decode.cu kRouterMax
+ROUTER_MAX_EXPERTS = 256  # csrc/ops/cuda/moe_route.cuh kRouterMax
 
 
 def _new_plan(pairs: int, tables: ExpertTables, device: torch.device) -> torch.Tensor:
@@ -175,8 +175,10 @@ def _new_plan(pairs: int, tables: ExpertTables, device: torch.device) -> torch.T
 
 
 def _run(ext: Any, x: torch.Tensor, weights: torch.Tensor, top_k: int, plan: torch.Tensor,
-         tables: ExpertTables, out: torch.Tensor | None) -> torch.Tensor:
-    """The launches after the routing plan (module docstring)."""
+         tables: ExpertTables, out: torch.Tensor | None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The launches after the routing plan (module docstring); `residual` [R, H] in x's
+    dtype is added by the last one (``moe_out``) as ``residual + result`` rounds."""
     rows = x.shape[0]
     pairs = rows * top_k
     slots = min(tables.num_experts, pairs)
@@ -205,7 +207,7 @@ def _run(ext: Any, x: torch.Tensor, weights: torch.Tensor, top_k: int, plan: tor
                  slots)
     if out is None:
         out = torch.empty(rows, tables.hidden, dtype=x.dtype, device=device)
-    ext.moe_out(pd, tables.svh[2], weights, plan, top_k, out)
+    ext.moe_out(pd, tables.svh[2], weights, plan, top_k, out, residual)
     return out
 
 

@@ -166,7 +166,8 @@ void moe_glu(const at::Tensor& gate, const at::Tensor& up, int64_t inter,
 }
 
 void moe_out(const at::Tensor& partial, const at::Tensor& post, const at::Tensor& weights,
-             const at::Tensor& plan, int64_t top_k, at::Tensor& out) {
+             const at::Tensor& plan, int64_t top_k, at::Tensor& out,
+             const c10::optional<at::Tensor>& residual) {
   check_contiguous(partial, "partial");
   check_contiguous(weights, "weights");
   check_cuda(out, "out");
@@ -179,14 +180,68 @@ void moe_out(const at::Tensor& partial, const at::Tensor& post, const at::Tensor
               "weights must be float32 (rows, top_k)");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) * top_k == pairs,
               "out must be (rows, cols), unit column stride, rows * top_k == pairs");
+  const void* res = nullptr;
+  int64_t res_stride = 0;
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
+                    residual->stride(1) == 1 && residual->size(0) == out.size(0) &&
+                    residual->size(1) == out.size(1),
+                "residual must be (rows, cols) of out's dtype, unit column stride");
+    res = residual->data_ptr();
+    res_stride = residual->stride(0);
+  }
   const c10::cuda::CUDAGuard guard(partial.device());
   check_launch(exl3::launch_moe_out(dtype_code(out), partial.data_ptr<float>(),
                                     (int)partial.size(0), (int)width, post.data_ptr<float>(),
                                     weights.data_ptr<float>(), (int)top_k,
                                     plan.data_ptr<int>(), (int)pairs, (int)out.size(0),
-                                    out.data_ptr(), out.stride(0), (int)out.size(1),
-                                    stream_of(partial)),
+                                    out.data_ptr(), out.stride(0), (int)out.size(1), res,
+                                    res_stride, stream_of(partial)),
                "exl3 moe out");
+}
+
+void moe_norm_route(const at::Tensor& x, const at::Tensor& norm_w, double eps, bool unit_offset,
+                    const at::Tensor& router_w, int64_t top_k, bool normalize, double scale,
+                    at::Tensor& normed, at::Tensor& logits, at::Tensor& weights,
+                    at::Tensor& chosen, at::Tensor& plan, at::Tensor& counter) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, hidden), unit column stride");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  check_contiguous(router_w, "router_w");
+  TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == hidden &&
+                  router_w.scalar_type() == x.scalar_type(),
+              "router_w must be contiguous (experts, hidden) in x's dtype");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(router_w.data_ptr()) % 16 == 0,
+              "router_w must be 16-byte aligned");
+  const int64_t experts = router_w.size(0), pairs = rows * top_k;
+  check_contiguous(norm_w, "norm_w");
+  TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.numel() == hidden,
+              "norm_w must be contiguous float32 (hidden,)");
+  for (const auto* t : {&normed, &logits, &weights, &chosen, &counter})
+    check_contiguous(*t, "outputs");
+  TORCH_CHECK(normed.scalar_type() == x.scalar_type() && normed.numel() == rows * hidden,
+              "normed must be contiguous (rows, hidden) in x's dtype");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.numel() == rows * experts,
+              "logits must be contiguous float32 (rows, experts)");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+              "weights must be contiguous float32 (rows, top_k)");
+  TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.numel() == pairs,
+              "chosen must be contiguous int64 (rows, top_k)");
+  TORCH_CHECK(counter.scalar_type() == at::kInt && counter.numel() == 1,
+              "counter must be one int32");
+  plan_pairs(plan, pairs);
+  TORCH_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)std::min(experts, pairs)),
+              "plan must hold 1 + 3 * pairs + 3 * min(experts, pairs) int32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(exl3::launch_moe_norm_route(
+                   dtype_code(x), x.data_ptr(), x.stride(0), (int)rows, (int)hidden,
+                   norm_w.data_ptr<float>(), (float)eps, unit_offset, router_w.data_ptr(),
+                   (int)experts, (int)top_k, normalize, (float)scale, normed.data_ptr(),
+                   logits.data_ptr<float>(), weights.data_ptr<float>(),
+                   chosen.data_ptr<int64_t>(), plan.data_ptr<int>(), counter.data_ptr<int>(),
+                   stream_of(x)),
+               "exl3 moe norm route");
 }
 
 }  // namespace
@@ -209,7 +264,13 @@ void define_moe_ops(pybind11::module_& m) {
         py::arg("act"), py::arg("pre"), py::arg("plan"), py::arg("out"), py::arg("dtype"));
   m.def("moe_out", &moe_out, "down outputs times the routing weights, summed per row",
         py::arg("partial"), py::arg("post"), py::arg("weights"), py::arg("plan"),
-        py::arg("top_k"), py::arg("out"));
+        py::arg("top_k"), py::arg("out"), py::arg("residual") = py::none());
+  m.def("moe_norm_route", &moe_norm_route,
+        "RMSNorm + router linear + softmax top-k + the routing plan in one launch",
+        py::arg("x"), py::arg("norm_w"), py::arg("eps"), py::arg("unit_offset"),
+        py::arg("router_w"), py::arg("top_k"), py::arg("normalize"), py::arg("scale"),
+        py::arg("normed"), py::arg("logits"), py::arg("weights"), py::arg("chosen"),
+        py::arg("plan"), py::arg("counter"));
 }
 
 }  // namespace exl3_bind
