@@ -26,7 +26,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kBlocksPerLaunch = 64;  // expert groups x rows, about
+constexpr int kBlocksPerLaunch = 256;  // expert groups x rows, about
 
 // 8 consecutive values of a dtype row as float32 (16-byte aligned for 2-byte types).
 template <typename T>
@@ -98,20 +98,38 @@ __global__ void __launch_bounds__(kThreads)
     if (nr != nullptr) nr[c] = from_f32<T>(v);
   }
   __syncthreads();
-  const int e1 = min(experts, (int)(blockIdx.x + 1) * per_block);
-  for (int e = blockIdx.x * per_block + warp; e < e1; e += kWarps) {
-    const T* wr = router_w + (size_t)e * hidden;
+  // The group's router rows: one warp per expert when there are kWarps or more, else
+  // `slices` warps per expert, each over every slices-th run of 256 columns.
+  const int e0 = blockIdx.x * per_block;
+  const int local = min(experts - e0, per_block);
+  const int slices = local >= kWarps ? 1 : kWarps / local;
+  const int units = hidden / 8;  // 8 columns (16 bytes of a 2-byte router) per lane load
+  for (int j = warp / slices; j < local; j += kWarps / slices) {
+    const T* wr = router_w + (size_t)(e0 + j) * hidden;
     float acc = 0.0f;
-    for (int c = lane * 8; c < hidden; c += 256) {
+#pragma unroll 4
+    for (int u = (warp % slices) * 32 + lane; u < units; u += 32 * slices) {
       float w[8];
-      load8(wr + c, w);
-      const float4 a = *reinterpret_cast<const float4*>(xs + c);
-      const float4 b = *reinterpret_cast<const float4*>(xs + c + 4);
+      load8(wr + 8 * u, w);
+      const float4 a = *reinterpret_cast<const float4*>(xs + 8 * u);
+      const float4 b = *reinterpret_cast<const float4*>(xs + 8 * u + 4);
       acc += a.x * w[0] + a.y * w[1] + a.z * w[2] + a.w * w[3];
       acc += b.x * w[4] + b.y * w[5] + b.z * w[6] + b.w * w[7];
     }
     acc = moe::warp_sum(acc);
-    if (lane == 0) logits[(size_t)row * experts + e] = round_to<T>(acc);
+    if (slices == 1) {
+      if (lane == 0) logits[(size_t)row * experts + e0 + j] = round_to<T>(acc);
+    } else if (lane == 0) {
+      partial[warp] = acc;
+    }
+  }
+  if (slices > 1) {
+    __syncthreads();
+    if (threadIdx.x < local) {
+      float sum = 0.0f;
+      for (int i = 0; i < slices; i++) sum += partial[threadIdx.x * slices + i];
+      logits[(size_t)row * experts + e0 + threadIdx.x] = round_to<T>(sum);
+    }
   }
   // The last block to finish routes every row.
   __threadfence();
