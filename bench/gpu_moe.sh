@@ -76,7 +76,7 @@ if [ "$DRY" != 1 ]; then
 fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  timeout 300 python3 -m pytest -q -m cuda -p no:randomly ${CUDA_TESTS:-tests/kernels/test_moe_kernels.py \
+  timeout 300 python3 -m pytest -q -m cuda -p no:randomly ${CUDA_TESTS:-tests/kernels/test_moe_kernels.py tests/kernels/test_moe_block.py \
     tests/kernels/test_layer_kernels.py tests/engine/test_moe.py} \
     >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
