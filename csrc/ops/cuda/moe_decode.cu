@@ -25,6 +25,8 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kRouteThreads = 1024;
+constexpr int kOutBatch = 4;  // moe_out: a row's experts whose loads are in flight together
+                              // (8: 128-140 registers and a spill; 4: 72, none)
 
 // One block of kRouteThreads threads; shared: counts[experts], cursor[experts], ids[pairs].
 __global__ void __launch_bounds__(kRouteThreads)
@@ -115,29 +117,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
 }
 
-// Split sum of partial (splits, pairs, width) for slot q at 4 columns from `col`, then
-// the output Hadamard: the unscaled y of the lane's 4 columns.
-__device__ __forceinline__ void slot_output(const float* __restrict__ partial, int splits,
-                                            int pairs, int width, int q, int col, int lane,
-                                            float (&v)[4]) {
-  const size_t slice = (size_t)pairs * width;
-  const float* p = partial + (size_t)q * width + col;
-  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int sl = 0; sl < splits; sl++) {
-    const float4 t = __ldg(reinterpret_cast<const float4*>(p + sl * slice));
-    s.x += t.x;
-    s.y += t.y;
-    s.z += t.z;
-    s.w += t.w;
-  }
-  v[0] = s.x;
-  v[1] = s.y;
-  v[2] = s.z;
-  v[3] = s.w;
-  hadamard128_warp(v, lane);
-}
-
 __device__ __forceinline__ float activation(float g, int act) {
   if (act == 0) return g / (1.0f + expf(-g));
   const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
@@ -161,9 +140,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int base = (id % blocks_per_row) * 128 + lane * 4;
   const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, 0);
   const size_t e = (size_t)pv.slot_expert[q] * width;
-  float g[4], u[4], v[4];
-  slot_output(gate, splits, pairs, width, q, base, lane, g);
-  slot_output(up, splits, pairs, width, q, base, lane, u);
+  // gate's and up's split sums in one loop (their loads in flight together), in the
+  // order moe_out sums splits (ascending).
+  const size_t slice = (size_t)pairs * width, at = (size_t)q * width + base;
+  float4 gs = make_float4(0.f, 0.f, 0.f, 0.f), us = gs;
+#pragma unroll 4
+  for (int sl = 0; sl < splits; sl++) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(gate + sl * slice + at));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(up + sl * slice + at));
+    gs.x += a.x, gs.y += a.y, gs.z += a.z, gs.w += a.w;
+    us.x += b.x, us.y += b.y, us.z += b.z, us.w += b.w;
+  }
+  float g[4] = {gs.x, gs.y, gs.z, gs.w}, u[4] = {us.x, us.y, us.z, us.w}, v[4];
+  hadamard128_warp(g, lane);
+  hadamard128_warp(u, lane);
 #pragma unroll
   for (int i = 0; i < 4; i++) {
     const int c = base + i;
@@ -194,17 +184,49 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (row >= rows) return;
   const int base = (id % blocks_per_row) * 128 + lane * 4;
   const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, 0);
+  const size_t slice = (size_t)pairs * width;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < top_k; j++) {
-    const int p = row * top_k + j;
-    const int q = pv.pair_slot[p];
-    const size_t e = (size_t)pv.slot_expert[q] * width;
-    const float w = round_to<T>(weights[p]);
-    float y[4];
-    slot_output(partial, splits, pairs, width, q, base, lane, y);
+  // A row's experts kOutBatch at a time, their plan, partial and svh loads in flight
+  // together (one after the other they were ~3 dependent L2 round trips per expert);
+  // sums over splits ascending, then over the row's experts ascending.
+  for (int j0 = 0; j0 < top_k; j0 += kOutBatch) {
+    const int n = min(kOutBatch, top_k - j0);  // warp-uniform
+    int q[kOutBatch];
+    float w[kOutBatch];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-      acc[i] += round_to<T>(round_to<T>(y[i] * kHadamardScale * post[e + base + i]) * w);
+    for (int j = 0; j < kOutBatch; j++)
+      if (j < n) {
+        const int p = row * top_k + j0 + j;
+        q[j] = pv.pair_slot[p];
+        w[j] = round_to<T>(weights[p]);
+      }
+    float4 y[kOutBatch], sv[kOutBatch];
+#pragma unroll
+    for (int j = 0; j < kOutBatch; j++)
+      if (j < n) {
+        const size_t e = (size_t)pv.slot_expert[q[j]] * width;
+        sv[j] = __ldg(reinterpret_cast<const float4*>(post + e + base));
+        y[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    for (int sl = 0; sl < splits; sl++) {
+#pragma unroll
+      for (int j = 0; j < kOutBatch; j++)
+        if (j < n) {
+          const float4 t = __ldg(
+              reinterpret_cast<const float4*>(partial + sl * slice + (size_t)q[j] * width + base));
+          y[j].x += t.x, y[j].y += t.y, y[j].z += t.z, y[j].w += t.w;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kOutBatch; j++)
+      if (j < n) {
+        float v[4] = {y[j].x, y[j].y, y[j].z, y[j].w};
+        const float pv4[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
+        hadamard128_warp(v, lane);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+          acc[i] += round_to<T>(round_to<T>(v[i] * kHadamardScale * pv4[i]) * w[j]);
+      }
   }
   T* o = out + (size_t)row * out_row_stride;
   const T* r = residual != nullptr ? residual + (size_t)row * res_row_stride : nullptr;
