@@ -19,11 +19,14 @@ Public API:
   runs the fused kernels for these rows (CUDA, 1..64 rows, a dense router of x's dtype
   with E <= 256 and H % 8 == 0), else its PyTorch twin.
 - ``moe_block(x, norm_weight, eps, unit_offset, router_weight, top_k, normalize, scale,
-  tables, counter, residual=True) -> (out[R, H], normed[R, H], weights[R, k] float32,
-  chosen[R, k] int64)``: out = x + experts(norm(x))
-  (without the ``+ x`` when ``residual`` is False). ``counter`` is one int32 on x's device,
-  0 before the first call (the kernel sets it back to 0 after each call); one per block
-  that may run concurrently with another.
+  tables, counters, residual=True, combine=False) -> (out[R, H], normed[R, H],
+  weights[R, k] float32, chosen[R, k] int64)``: out = x + experts(norm(x)) (without the
+  ``+ x`` when ``residual`` is False). ``counters``: int32 on x's device, zero before the
+  first call (the kernels set them back to 0 after each call), ``counters_for(tables)``
+  of them, one set per block that may run concurrently with another. ``combine``: the
+  down GEMM does moe_out's weighted sum itself at up to 16 pairs (``moe_gemm_combine``,
+  one launch fewer: five in all).
+- ``counters_for(tables) -> int``: 1 (the norm-route kernel) + padded hidden / 128.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def reference_norm_route(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     return normed, logits, weights * scale, chosen
 
 
+def counters_for(tables: moe_kernels.ExpertTables) -> int:
+    """See the module docstring."""
+    return 1 + tables.svh[2].shape[1] // 128
+
+
 def runs_on_kernels(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
                     tables: moe_kernels.ExpertTables) -> bool:
     """See the module docstring."""
@@ -75,8 +83,8 @@ def runs_on_kernels(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
 
 def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, unit_offset: bool,
               router_weight: torch.Tensor, top_k: int, normalize: bool, scale: float,
-              tables: moe_kernels.ExpertTables, counter: torch.Tensor,
-              residual: bool = True
+              tables: moe_kernels.ExpertTables, counters: torch.Tensor,
+              residual: bool = True, combine: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     if not runs_on_kernels(x, router_weight, top_k, tables):
@@ -96,7 +104,8 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, unit_offse
     plan = moe_kernels._new_plan(rows * top_k, tables, device)
     ext.moe_norm_route(x, norm_weight, float(eps), bool(unit_offset), router_weight, top_k,
                        bool(normalize), float(scale), normed, logits, weights, chosen, plan,
-                       counter)
+                       counters[:1])
     out = moe_kernels._run(ext, normed, weights, top_k, plan, tables, None,
-                           residual=x if residual else None)
+                           residual=x if residual else None,
+                           counters=counters[1:] if combine else None)
     return out, normed, weights, chosen

@@ -94,13 +94,15 @@ def test_norm_route_matches_the_reference(experts, top_k, hidden, rows, dtype):
     assert torch.equal(slot_expert, chosen.reshape(-1)[slot_pair])
 
 
+@pytest.mark.parametrize("combine", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 64])
 @pytest.mark.parametrize("spec", BLOCKS, ids=lambda s: s[0])
-def test_the_block_is_the_kernels_after_the_routing(spec, rows, dtype):
+def test_the_block_is_the_kernels_after_the_routing(spec, rows, dtype, combine):
     """moe_block = h + moe_experts(normed, weights, chosen) bit for bit (the same kernels
-    after the routing, the residual rounded as torch's add), and its routing is the
-    reference's."""
+    after the routing, the residual rounded as torch's add; with `combine`, at <= 16
+    pairs, the down GEMM's own weighted sum, rounded and ordered as moe_out), and its
+    routing is the reference's."""
     block = _block(spec, dtype)
     hidden, top_k = spec[1], spec[4]
     h = torch.randn(rows, hidden, generator=_GEN).to("cuda", dtype)
@@ -112,7 +114,8 @@ def test_the_block_is_the_kernels_after_the_routing(spec, rows, dtype):
     block.on_kernels()
     _poison_allocator()
     out, normed, weights, chosen = moe_block.moe_block(
-        h, w32, norm.eps, False, router_w, top_k, True, 1.0, tables, block._counter)
+        h, w32, norm.eps, False, router_w, top_k, True, 1.0, tables, block._counter,
+        combine=combine)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     assert torch.equal(out, h + moe_kernels.moe_experts(normed, weights, chosen, tables))
@@ -121,9 +124,9 @@ def test_the_block_is_the_kernels_after_the_routing(spec, rows, dtype):
     _close(normed, norm(h), 2e-2)
     plain, _, _, _ = moe_block.moe_block(
         h, w32, norm.eps, False, router_w, top_k, True, 1.0, tables, block._counter,
-        residual=False)
+        residual=False, combine=combine)
     assert torch.equal(plain, moe_kernels.moe_experts(normed, weights, chosen, tables))
-    assert block._counter.item() == 0
+    assert (block._counter == 0).all()  # every counter set back for the next launch
 
 
 @pytest.mark.parametrize("spec", [BLOCKS[0], BLOCKS[1]], ids=lambda s: s[0])
@@ -137,6 +140,12 @@ def test_decode_block_variants(spec, monkeypatch):
     h = torch.randn(16, 1, hidden, generator=_GEN).to("cuda", torch.float16)
     assert block._block_router(h.view(16, hidden)) is not None
     new = block.decode_block(h, norm, w32)
+    monkeypatch.setenv("EXL3_MOE_DECODE", "combine")  # 16 rows: past the combine's pairs
+    assert torch.equal(block.decode_block(h, norm, w32), new)
+    one = h[:1]
+    combined = block.decode_block(one, norm, w32)
+    monkeypatch.setenv("EXL3_MOE_DECODE", "new")
+    assert torch.equal(combined, block.decode_block(one, norm, w32))
     monkeypatch.setenv("EXL3_MOE_DECODE", "old")
     old = block.decode_block(h, norm, w32)
     want = h + block(norm(h))
@@ -153,8 +162,10 @@ def test_decode_block_variants(spec, monkeypatch):
         block.decode_block(h, norm, w32)
 
 
-def test_the_block_is_captured_by_a_cuda_graph():
-    spec = BLOCKS[0]
+@pytest.mark.parametrize("variant", ["new", "combine"])
+def test_the_block_is_captured_by_a_cuda_graph(variant, monkeypatch):
+    monkeypatch.setenv("EXL3_MOE_DECODE", variant)
+    spec = BLOCKS[1]  # Mixtral-like: 4 rows x top-2 = 8 pairs, within the combine's 16
     block = _block(spec, torch.bfloat16)
     hidden = spec[1]
     norm = _norm(hidden, torch.bfloat16)
@@ -176,4 +187,4 @@ def test_the_block_is_captured_by_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, block.decode_block(fresh, norm, w32))
     assert (out.float() - expected.float()).abs().max() > 0
-    assert block._counter.item() == 0
+    assert (block._counter == 0).all()

@@ -75,7 +75,7 @@ def test_the_twin_block_is_h_plus_the_experts_of_the_normed_rows(experts, top_k,
     h = torch.randn(5, HIDDEN, generator=gen)
     weight = block.router.gate.weight
     assert not moe_block.runs_on_kernels(h, weight, top_k, tables)  # CPU: the twin
-    counter = torch.zeros(1, dtype=torch.int32)
+    counter = torch.zeros(moe_block.counters_for(tables), dtype=torch.int32)
     out, normed, weights, chosen = moe_block.moe_block(
         h, norm.weight, norm.eps, False, weight, top_k, True, 1.0, tables, counter)
     want = h + block._routed(norm(h), *block.router(norm(h)))
@@ -95,8 +95,9 @@ def test_decode_block_on_cpu_is_the_unfused_sum(monkeypatch):
     h = torch.randn(2, 3, HIDDEN, generator=gen)
     want = h + block(norm(h))
     assert torch.equal(block.decode_block(h, norm, norm.weight), want)
-    monkeypatch.setenv("EXL3_MOE_DECODE", "old")
-    assert torch.equal(block.decode_block(h, norm, norm.weight), want)
+    for variant in ("old", "combine"):
+        monkeypatch.setenv("EXL3_MOE_DECODE", variant)
+        assert torch.equal(block.decode_block(h, norm, norm.weight), want)
     monkeypatch.setenv("EXL3_MOE_DECODE", "")
     assert torch.equal(block.decode_block(h, norm, norm.weight), want)  # empty: default
     monkeypatch.setenv("EXL3_MOE_DECODE", "fast")

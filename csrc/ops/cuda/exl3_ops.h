@@ -201,12 +201,30 @@ struct MoeGemmParts {
   MoeGemmPart part[kMoeMaxParts];
   int count;
 };
+// With `combine` (one part, max_rows <= 8; may be null) the GEMM also does moe_out's work:
+// the last warp to finish a 128-column block of the output (a counter per block,
+// combine->counters[width / 128], 0 before the first launch and set back to 0 by that
+// warp) sums the splits of every pair, H128, * post[e], * weights, sums each row's
+// experts and writes out (+ residual) as launch_moe_out rounds them.
+struct MoeCombine {
+  int* counters;          // [width / 128] int32
+  const float* post;      // (experts, width) float32: the down projection's svh
+  const float* weights;   // (rows, top_k) float32
+  int top_k, rows, out_cols, dtype;
+  void* out;              // (rows, out_cols) in dtype, row stride out_stride
+  int64_t out_stride;
+  const void* residual;   // (rows, out_cols) in dtype, row stride res_stride, or null
+  int64_t res_stride;
+};
 bool launch_moe_gemm_mul1(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
-                          int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+                          int max_rows, int kb, int k2, int splits, const MoeCombine* combine,
+                          cudaStream_t stream);
 bool launch_moe_gemm_mcg(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
-                         int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+                         int max_rows, int kb, int k2, int splits, const MoeCombine* combine,
+                         cudaStream_t stream);
 bool launch_moe_gemm_3inst(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
-                           int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+                           int max_rows, int kb, int k2, int splits, const MoeCombine* combine,
+                           cudaStream_t stream);
 
 // Per slot q (expert e): g, u = H128(split sums of gate/up) * post_gate/post_up[e] rounded
 // to dtype, a = act(g) * u as glu_hadamard rounds it (0 at columns >= inter, the padding),

@@ -95,10 +95,10 @@ void moe_in(const at::Tensor& x, const at::Tensor& plan, int64_t top_k,
                "exl3 moe in");
 }
 
-void moe_gemm(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptrs,
-              const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& partials,
-              const std::vector<int64_t>& nbs, int64_t kb, int64_t k2, int64_t cb,
-              int64_t max_rows, int64_t slots) {
+void gemm_launch(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptrs,
+                 const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& partials,
+                 const std::vector<int64_t>& nbs, int64_t kb, int64_t k2, int64_t cb,
+                 int64_t max_rows, int64_t slots, const exl3::MoeCombine* combine) {
   const size_t n = xhs.size();
   TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMoeMaxParts && trellis_ptrs.size() == n &&
                   partials.size() == n && nbs.size() == n,
@@ -132,14 +132,61 @@ void moe_gemm(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptr
   const int* pl = plan.data_ptr<int>();
   if (cb == 2)
     ok = exl3::launch_moe_gemm_mul1(parts, pl, (int)pairs, (int)slots, (int)max_rows, (int)kb,
-                                    (int)k2, (int)splits, stream);
+                                    (int)k2, (int)splits, combine, stream);
   else if (cb == 1)
     ok = exl3::launch_moe_gemm_mcg(parts, pl, (int)pairs, (int)slots, (int)max_rows, (int)kb,
-                                   (int)k2, (int)splits, stream);
+                                   (int)k2, (int)splits, combine, stream);
   else if (cb == 0)
     ok = exl3::launch_moe_gemm_3inst(parts, pl, (int)pairs, (int)slots, (int)max_rows,
-                                     (int)kb, (int)k2, (int)splits, stream);
+                                     (int)kb, (int)k2, (int)splits, combine, stream);
   check_launch(ok, "exl3 moe gemm");
+}
+
+void moe_gemm(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptrs,
+              const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& partials,
+              const std::vector<int64_t>& nbs, int64_t kb, int64_t k2, int64_t cb,
+              int64_t max_rows, int64_t slots) {
+  gemm_launch(plan, trellis_ptrs, xhs, partials, nbs, kb, k2, cb, max_rows, slots, nullptr);
+}
+
+// The down projection's GEMM with moe_out's work at its end (exl3_ops.h MoeCombine):
+// out (rows, cols) [+ residual] from partial's splits, post, weights and the plan.
+void moe_gemm_combine(const at::Tensor& plan, const at::Tensor& trellis_ptrs,
+                      const at::Tensor& xh, const at::Tensor& partial, int64_t nb, int64_t kb,
+                      int64_t k2, int64_t cb, int64_t slots, const at::Tensor& post,
+                      const at::Tensor& weights, int64_t top_k, at::Tensor& out,
+                      const c10::optional<at::Tensor>& residual, at::Tensor& counters) {
+  const int64_t width = 16 * nb, pairs = xh.size(0), rows = out.size(0);
+  check_table(post, width, "post");
+  check_contiguous(weights, "weights");
+  check_contiguous(counters, "counters");
+  check_cuda(out, "out");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+              "weights must be float32 (rows, top_k)");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && rows * top_k == pairs && rows <= 8,
+              "out must be (rows <= 8, cols), unit column stride, rows * top_k == pairs");
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= width / 128,
+              "counters must hold width / 128 int32");
+  exl3::MoeCombine combine{};
+  combine.counters = counters.data_ptr<int>();
+  combine.post = post.data_ptr<float>();
+  combine.weights = weights.data_ptr<float>();
+  combine.top_k = (int)top_k;
+  combine.rows = (int)rows;
+  combine.out_cols = (int)out.size(1);
+  combine.dtype = dtype_code(out);
+  combine.out = out.data_ptr();
+  combine.out_stride = out.stride(0);
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
+                    residual->stride(1) == 1 && residual->size(0) == rows &&
+                    residual->size(1) == out.size(1),
+                "residual must be (rows, cols) of out's dtype, unit column stride");
+    combine.residual = residual->data_ptr();
+    combine.res_stride = residual->stride(0);
+  }
+  gemm_launch(plan, {trellis_ptrs}, {xh}, {partial}, {nb}, kb, k2, cb, rows, slots, &combine);
 }
 
 void moe_glu(const at::Tensor& gate, const at::Tensor& up, int64_t inter,
@@ -259,6 +306,12 @@ void define_moe_ops(pybind11::module_& m) {
         py::arg("plan"), py::arg("trellis_ptrs"), py::arg("xhs"), py::arg("partials"),
         py::arg("nbs"), py::arg("kb"), py::arg("k2"), py::arg("codebook"), py::arg("max_rows"),
         py::arg("slots"));
+  m.def("moe_gemm_combine", &moe_gemm_combine,
+        "the down projection's indexed GEMM with moe_out's weighted sum (+ residual) at its end",
+        py::arg("plan"), py::arg("trellis_ptrs"), py::arg("xh"), py::arg("partial"),
+        py::arg("nb"), py::arg("kb"), py::arg("k2"), py::arg("codebook"), py::arg("slots"),
+        py::arg("post"), py::arg("weights"), py::arg("top_k"), py::arg("out"),
+        py::arg("residual"), py::arg("counters"));
   m.def("moe_glu", &moe_glu, "gate/up outputs, act(g) * u, the down projection's input side",
         py::arg("gate"), py::arg("up"), py::arg("inter"), py::arg("post_gate"), py::arg("post_up"),
         py::arg("act"), py::arg("pre"), py::arg("plan"), py::arg("out"), py::arg("dtype"));

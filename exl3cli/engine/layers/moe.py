@@ -25,8 +25,9 @@ Public API:
   layer's MoE half. With ``EXL3_MOE_DECODE=new`` (default) and a plain softmax router
   with a dense weight on the kernels, the norm, router, top-k and plan are one launch and
   the residual is added by the last kernel (``exl3cli/ops/moe_block.py``; six launches
-  in all); ``EXL3_MOE_DECODE=old`` runs the norm module, the router's linear and
-  ``forward`` (bench/NOTES-gpu.md, "MoE one-job (issue 14, session 8)").
+  in all; ``EXL3_MOE_DECODE=combine``: five, the down GEMM summing the experts itself);
+  ``EXL3_MOE_DECODE=old`` runs the norm module, the router's linear and ``forward``
+  (bench/NOTES-gpu.md, "MoE one-job (issue 14, session 8)").
 - ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
   block as a family's MoESpec describes it (the loader and the converter use it).
 """
@@ -190,7 +191,8 @@ class MoEMLP(nn.Module):
         if self._tables is False:
             self._tables = exl3_expert_tables(list(self.experts))  # type: ignore[arg-type]
             if self._tables is not None:  # zeroed once here, never inside a graph capture
-                self._counter = torch.zeros(1, dtype=torch.int32,
+                self._counter = torch.zeros(moe_block.counters_for(self._tables),
+                                            dtype=torch.int32,
                                             device=self._tables.pointers[0].device)
         return self._tables is not None
 
@@ -199,14 +201,15 @@ class MoEMLP(nn.Module):
         """``h + self(norm(h))`` (module docstring); `norm` an RMSNorm, `norm_weight` its
         weight as contiguous float32 (the fused layer's copy)."""
         rows = h.reshape(-1, h.shape[-1])
-        weight = self._block_router(rows) if _new_decode() else None
+        variant = _decode_variant()
+        weight = self._block_router(rows) if variant != "old" else None
         if weight is None:
             return h + self(norm(h))
         router = self.router
         out, normed, _, _ = moe_block.moe_block(
             rows, norm_weight, norm.eps, norm.unit_offset, weight, router.top_k,
             router.normalize, router.scale, self._tables, self._counter,  # type: ignore[arg-type]
-            residual=self.shared is None)
+            residual=self.shared is None, combine=variant == "combine")
         if self.shared is not None:  # h + (experts + shared), as forward rounds it
             out = rows + self._add_shared(normed, out)
         return out.view(h.shape)
@@ -273,13 +276,17 @@ def _grouped_prefill() -> bool:
     return choice == "grouped"
 
 
-def _new_decode() -> bool:
-    """EXL3_MOE_DECODE: "new" (default: moe_block's fused norm-route and residual) or
-    "old" (the norm module, the router's linear and the MoE kernels after them)."""
+MOE_DECODE_VARIANTS = ("new", "combine", "old")
+
+
+def _decode_variant() -> str:
+    """EXL3_MOE_DECODE: "new" (default: moe_block's fused norm-route and residual),
+    "combine" (new + the down GEMM doing moe_out's sum) or "old" (the norm module, the
+    router's linear and the MoE kernels after them)."""
     choice = os.environ.get("EXL3_MOE_DECODE", "new") or "new"
-    if choice not in ("new", "old"):
-        raise ValueError(f"EXL3_MOE_DECODE={choice!r}: use 'new' or 'old'")
-    return choice == "new"
+    if choice not in MOE_DECODE_VARIANTS:
+        raise ValueError(f"EXL3_MOE_DECODE={choice!r}: use 'new', 'combine' or 'old'")
+    return choice
 
 
 LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
