@@ -12,7 +12,8 @@
 # torch.profiler per variant), JOBS=1,16,64 the job counts, KV=fp16 our caches.
 # MOE_VARIANTS="old:EXL3_MOE_DECODE=old ...": more runs of ours in the same call, each
 # NAME:ENV=VALUE[,ENV=VALUE], at VARIANT_JOBS (default 1) jobs; the table prints each
-# against the default run.
+# against the default run. PROFILE_VARIANTS (same form, default "default:") picks the
+# profile stage's runs.
 # DRY=1: the same script on the CPU with the tiny MoE shapes (tiny-qwen3-moe,
 # tiny-mixtral), no build, tests or peer: checks the plumbing before device time is spent.
 set -u -o pipefail
@@ -110,7 +111,7 @@ fi
 
 if [[ " $STAGES " == *" profile "* ]] && [ "$DRY" != 1 ]; then
   for s in $SHAPES; do
-    for variant in "default:" ${MOE_VARIANTS:-}; do
+    for variant in ${PROFILE_VARIANTS:-default:}; do
       name=${variant%%:*} envs=${variant#*:}
       env ${envs//,/ } timeout 150 python3 bench/decode_profile.py "$(folder "$s")" --jobs 1 \
         --kv "$KV" --json >"$OUT/profile-$s-moe-$name.json" 2>"$OUT/profile-$s-moe-$name.err" \
