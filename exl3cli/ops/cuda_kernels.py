@@ -88,7 +88,8 @@ def _build() -> ModuleType:
         hashed=[*(CUDA_DIR / h for h in ("exl3_ops.h", "gemm_impl.cuh", "gemm_lean.cuh",
                                          "exl3_convert.cuh",
                                          "exl3_launch.cuh", "exl3_lora.cuh", "exl3_moe.cuh",
-                                         "moe_gemm_impl.cuh", "moe_route.cuh", "bindings_util.h")),
+                                         "moe_gemm_impl.cuh", "moe_route.cuh", "moe_combine.cuh",
+                                         "bindings_util.h")),
                 *(CSRC / "codec" / h for h in ("exl3_trellis.cuh", "exl3_hadamard.cuh"))],
         cuda_cflags=["-O3", "-lineinfo", *flags, *os.environ.get("EXL3_NVCC_FLAGS", "").split()])
 
