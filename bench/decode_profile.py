@@ -97,7 +97,7 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
         entry = by_name.setdefault(_short(e.name), [0.0, 0])
         entry[0] += e.time_range.elapsed_us()
         entry[1] += 1
-    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:12]
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:24]
     busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     per_token = {k: v / steps for k, v in sorted(by_kind.items())}
     return {

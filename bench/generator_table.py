@@ -74,6 +74,15 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
                 bare = plain.get((kv, jobs))
                 print(f"{model} {jobs} jobs, {kv}, rank-16 LoRA on every projection ({variant}): "
                       f"{value:.1f} tok/s; without {bare or 0:.1f} ({ratio(value, bare).strip()})")
+        for path in sorted(folder.glob(f"ours-{model}-moe-*.json")):  # gpu_moe.sh MOE_VARIANTS
+            variant = path.stem.removeprefix(f"ours-{model}-moe-")
+            for (kv, jobs), value in sorted(ours(folder, f"{model}-moe-{variant}").items()):
+                base = plain.get((kv, jobs))
+                print(f"{model} {jobs} jobs, {kv}, MoE variant {variant}: {value:.1f} tok/s; "
+                      f"default {base or 0:.1f} (default / variant {ratio(base, value).strip()})")
+        for path in sorted(folder.glob(f"profile-{model}-moe-*.json")):
+            _print_profile(f"{model} 1 job, {path.stem.removeprefix(f'profile-{model}-moe-')}",
+                           _json(path), 14)
         unfused, fused = ours(folder, f"{model}-unfused"), ours(folder, model)
         for (kv, jobs), value in sorted(unfused.items()):
             now = fused.get((kv, jobs))
@@ -81,17 +90,22 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
                   f"{value:.1f} tok/s; fused {now or 0:.1f} ({ratio(now, value).strip()})")
     for jobs, kv in [(j, kv) for j in (1, 16, 64) for kv in ("", "-q4", "-lora", "-q4-lora")]:
         prof = _json(folder / f"profile-{jobs}{kv}.json")
-        if prof and "kernel_us" in prof:
-            kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["kernel_us"].items())
-            print(f"8b {jobs} jobs{kv}, {prof['mode']}: {prof['step_us']:.0f} us/step ({prof['tok_s']:.1f} "
-                  f"tok/s), {prof['kernels_per_step']:.0f} kernels/step; GPU busy "
-                  f"{prof['gpu_busy_us']:.0f} us, waiting {prof['gpu_wait_us']:.0f} us; "
-                  f"kernel us/step: {kinds}")
-            for top in prof.get("top_kernels", [])[:12 if "lora" in kv else 8]:
-                print(f"    {top['us_per_step']:8.1f} us/step  x{top['per_step']:5.1f}  "
-                      f"{top['name']}")
-        elif prof:
-            print(f"profile {jobs} jobs: {prof}")
+        if prof:
+            _print_profile(f"8b {jobs} jobs{kv}", prof, 12 if "lora" in kv else 8)
+
+
+def _print_profile(label: str, prof: Any, top_n: int) -> None:
+    """One bench/decode_profile.py result: the step, kernel kinds and the top kernels."""
+    if not prof or "kernel_us" not in prof:
+        print(f"profile {label}: {prof}")
+        return
+    kinds = ", ".join(f"{k} {v:.0f}" for k, v in prof["kernel_us"].items())
+    print(f"{label}, {prof['mode']}: {prof['step_us']:.0f} us/step ({prof['tok_s']:.1f} "
+          f"tok/s), {prof['kernels_per_step']:.0f} kernels/step; GPU busy "
+          f"{prof['gpu_busy_us']:.0f} us, waiting {prof['gpu_wait_us']:.0f} us; "
+          f"kernel us/step: {kinds}")
+    for top in prof.get("top_kernels", [])[:top_n]:
+        print(f"    {top['us_per_step']:8.1f} us/step  x{top['per_step']:5.1f}  {top['name']}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,12 @@
 # Usage (repo root): bash bench/gpu_moe.sh        carry: [".whl"] (the peer's wheels, its
 # prebuilt extension *.so.xz and peer_exllamav3_jobs.py; shared/tools/README.md).
 # SHAPES="qwen3 mixtral" picks the models (one per call if both do not fit in 10 min),
-# STAGES="tests ours peer" the stages, JOBS=1,16,64 the job counts, KV=fp16 our caches.
+# STAGES="tests ours peer" the stages (and "profile": one job's decode step under
+# torch.profiler per variant), JOBS=1,16,64 the job counts, KV=fp16 our caches.
+# MOE_VARIANTS="old:EXL3_MOE_DECODE=old ...": more runs of ours in the same call, each
+# NAME:ENV=VALUE[,ENV=VALUE], at VARIANT_JOBS (default 1) jobs; the table prints each
+# against the default run. PROFILE_VARIANTS (same form, default "default:") picks the
+# profile stage's runs.
 # DRY=1: the same script on the CPU with the tiny MoE shapes (tiny-qwen3-moe,
 # tiny-mixtral), no build, tests or peer: checks the plumbing before device time is spent.
 set -u -o pipefail
@@ -72,7 +77,7 @@ if [ "$DRY" != 1 ]; then
 fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  timeout 300 python3 -m pytest -q -m cuda -p no:randomly ${CUDA_TESTS:-tests/kernels/test_moe_kernels.py \
+  timeout 300 python3 -m pytest -q -m cuda -p no:randomly ${CUDA_TESTS:-tests/kernels/test_moe_kernels.py tests/kernels/test_moe_block.py \
     tests/kernels/test_layer_kernels.py tests/engine/test_moe.py} \
     >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
@@ -92,6 +97,27 @@ if [[ " $STAGES " == *" ours "* ]]; then
     grep "^\[" "$OUT/ours-$s.err" | tail -12
     grep -i "graph capture failed" "$OUT/ours-$s.err" | head -2
     stamp "ours $s done"
+    for variant in ${MOE_VARIANTS:-}; do
+      name=${variant%%:*} envs=${variant#*:}
+      env ${envs//,/ } timeout ${OURS_TIMEOUT:-200} python3 bench/generator_throughput.py \
+        "$(folder "$s")" --device "$DEVICE" --jobs "${VARIANT_JOBS:-1}" --prompt 128 --gen 64 \
+        --kv "$KV" --repeat "$REPEAT" --json >"$OUT/ours-$s-moe-$name.json" \
+        2>"$OUT/ours-$s-moe-$name.err" || { echo "FAIL: ours $s $name"; tail -20 "$OUT/ours-$s-moe-$name.err"; }
+      grep -i "graph capture failed" "$OUT/ours-$s-moe-$name.err" | head -2
+      stamp "ours $s variant $name ($envs) done"
+    done
+  done
+fi
+
+if [[ " $STAGES " == *" profile "* ]] && [ "$DRY" != 1 ]; then
+  for s in $SHAPES; do
+    for variant in ${PROFILE_VARIANTS:-default:}; do
+      name=${variant%%:*} envs=${variant#*:}
+      env ${envs//,/ } timeout 150 python3 bench/decode_profile.py "$(folder "$s")" --jobs 1 \
+        --kv "$KV" --json >"$OUT/profile-$s-moe-$name.json" 2>"$OUT/profile-$s-moe-$name.err" \
+        || { echo "FAIL: profile $s $name"; tail -5 "$OUT/profile-$s-moe-$name.err"; }
+    done
+    stamp "profile $s done"
   done
 fi
 

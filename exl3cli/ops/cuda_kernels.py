@@ -36,7 +36,7 @@ from exl3cli.ops.build import CSRC, LazyExtension, build_extension
 _SOURCES = ("bindings.cpp", "layer_bindings.cpp", "moe_bindings.cpp", "decode.cu",
             "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
             "layer_fused.cu", "qk_norm_rope.cu", "moe_decode.cu", "moe_gemm_mul1.cu", "moe_gemm_mcg.cu",
-            "moe_gemm_3inst.cu", "lora_low.cu")
+            "moe_gemm_3inst.cu", "moe_norm_route.cu", "lora_low.cu")
 # csrc/ mirrors the package: ops/cuda (these kernels), ops/cpu, codec (the format's
 # decode and Hadamard, included by the kernels).
 CUDA_DIR = CSRC / "ops" / "cuda"
@@ -88,7 +88,8 @@ def _build() -> ModuleType:
         hashed=[*(CUDA_DIR / h for h in ("exl3_ops.h", "gemm_impl.cuh", "gemm_lean.cuh",
                                          "exl3_convert.cuh", "gemm_lora.cuh",
                                          "exl3_launch.cuh", "exl3_lora.cuh", "exl3_moe.cuh",
-                                         "moe_gemm_impl.cuh", "bindings_util.h")),
+                                         "moe_gemm_impl.cuh", "moe_route.cuh", "moe_combine.cuh",
+                                         "bindings_util.h")),
                 *(CSRC / "codec" / h for h in ("exl3_trellis.cuh", "exl3_hadamard.cuh"))],
         cuda_cflags=["-O3", "-lineinfo", *flags, *os.environ.get("EXL3_NVCC_FLAGS", "").split()])
 

@@ -166,7 +166,7 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, top_k: int, normal
     return _run(ext, x, weights, top_k, plan, tables, out), weights, chosen
 
 
-ROUTER_MAX_EXPERTS = 256  # csrc/ops/cuda/moe_decode.cu kRouterMax
+ROUTER_MAX_EXPERTS = 256  # csrc/ops/cuda/moe_route.cuh kRouterMax
 
 
 def _new_plan(pairs: int, tables: ExpertTables, device: torch.device) -> torch.Tensor:
@@ -174,9 +174,18 @@ def _new_plan(pairs: int, tables: ExpertTables, device: torch.device) -> torch.T
     return torch.empty(1 + 3 * pairs + 3 * slots, dtype=torch.int32, device=device)
 
 
+COMBINE_MAX_PAIRS = 16  # moe_gemm_combine: one warp per 128 columns sums every pair
+
+
 def _run(ext: Any, x: torch.Tensor, weights: torch.Tensor, top_k: int, plan: torch.Tensor,
-         tables: ExpertTables, out: torch.Tensor | None) -> torch.Tensor:
-    """The launches after the routing plan (module docstring)."""
+         tables: ExpertTables, out: torch.Tensor | None,
+         residual: torch.Tensor | None = None,
+         counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launches after the routing plan (module docstring); `residual` [R, H] in x's
+    dtype is added by the last one (``moe_out``) as ``residual + result`` rounds. With
+    `counters` (int32, >= padded hidden / 128, zero before the first call) and at most
+    COMBINE_MAX_PAIRS pairs, the down GEMM does moe_out's work itself
+    (``moe_gemm_combine``: one launch fewer)."""
     rows = x.shape[0]
     pairs = rows * top_k
     slots = min(tables.num_experts, pairs)
@@ -201,11 +210,15 @@ def _run(ext: Any, x: torch.Tensor, weights: torch.Tensor, top_k: int, plan: tor
                 tables.suh[2], plan, xd, _DTYPES[x.dtype])
     splits = _splits(tables, pairs, slots, 1, kb_i, nb_h, device)
     pd = torch.empty(splits, pairs, pad_h, dtype=torch.float32, device=device)
-    ext.moe_gemm(plan, [tables.pointers[2]], [xd], [pd], [nb_h], kb_i, tables.k2, cb, rows,
-                 slots)
     if out is None:
         out = torch.empty(rows, tables.hidden, dtype=x.dtype, device=device)
-    ext.moe_out(pd, tables.svh[2], weights, plan, top_k, out)
+    if counters is not None and pairs <= COMBINE_MAX_PAIRS and rows <= 8:
+        ext.moe_gemm_combine(plan, tables.pointers[2], xd, pd, nb_h, kb_i, tables.k2, cb,
+                             slots, tables.svh[2], weights, top_k, out, residual, counters)
+        return out
+    ext.moe_gemm(plan, [tables.pointers[2]], [xd], [pd], [nb_h], kb_i, tables.k2, cb, rows,
+                 slots)
+    ext.moe_out(pd, tables.svh[2], weights, plan, top_k, out, residual)
     return out
 
 

@@ -227,12 +227,30 @@ struct MoeGemmParts {
   MoeGemmPart part[kMoeMaxParts];
   int count;
 };
+// With `combine` (one part, max_rows <= 8; may be null) the GEMM also does moe_out's work:
+// the last warp to finish a 128-column block of the output (a counter per block,
+// combine->counters[width / 128], 0 before the first launch and set back to 0 by that
+// warp) sums the splits of every pair, H128, * post[e], * weights, sums each row's
+// experts and writes out (+ residual) as launch_moe_out rounds them.
+struct MoeCombine {
+  int* counters;          // [width / 128] int32
+  const float* post;      // (experts, width) float32: the down projection's svh
+  const float* weights;   // (rows, top_k) float32
+  int top_k, rows, out_cols, dtype;
+  void* out;              // (rows, out_cols) in dtype, row stride out_stride
+  int64_t out_stride;
+  const void* residual;   // (rows, out_cols) in dtype, row stride res_stride, or null
+  int64_t res_stride;
+};
 bool launch_moe_gemm_mul1(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
-                          int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+                          int max_rows, int kb, int k2, int splits, const MoeCombine* combine,
+                          cudaStream_t stream);
 bool launch_moe_gemm_mcg(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
-                         int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+                         int max_rows, int kb, int k2, int splits, const MoeCombine* combine,
+                         cudaStream_t stream);
 bool launch_moe_gemm_3inst(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
-                           int max_rows, int kb, int k2, int splits, cudaStream_t stream);
+                           int max_rows, int kb, int k2, int splits, const MoeCombine* combine,
+                           cudaStream_t stream);
 
 // Per slot q (expert e): g, u = H128(split sums of gate/up) * post_gate/post_up[e] rounded
 // to dtype, a = act(g) * u as glu_hadamard rounds it (0 at columns >= inter, the padding),
@@ -246,9 +264,24 @@ bool launch_moe_glu(int dtype, const float* gate, const float* up, int splits, i
 // out[r, c] (c < out_cols, row stride out_row_stride, dtype) = sum over j < top_k of
 // round(round(y_q[c]) * round(weights[r*top_k + j])) with q = pair_slot[r*top_k + j],
 // y_q = H128(split sums of partial[:, q]) * post[e_q] (post: (experts, width) float32;
-// weights float32), summed in float32 and rounded once.
+// weights float32), summed in float32 and rounded once; with a residual (rows, row stride
+// res_row_stride, dtype; may be null) that rounded sum + residual[r, c], rounded again.
 bool launch_moe_out(int dtype, const float* partial, int splits, int width, const float* post,
                     const float* weights, int top_k, const int* plan, int pairs, int rows,
-                    void* out, int64_t out_row_stride, int out_cols, cudaStream_t stream);
+                    void* out, int64_t out_row_stride, int out_cols, const void* residual,
+                    int64_t res_row_stride, cudaStream_t stream);
+
+// RMSNorm + the router's linear + softmax top-k (+ renormalise, scale) + the plan in one
+// launch (moe_norm_route.cu), for up to 64 rows: normed[r] = norm(x[r]) * norm_w as
+// engine/layers/norm.py RMSNorm rounds it (dtype; unit_offset: Gemma's float32 scale),
+// logits[r, e] = dtype(normed[r] . router_w[e]) as float32 (router_w (experts <= 256,
+// hidden) contiguous in dtype, no bias), then weights/chosen/plan as
+// launch_moe_route_logits. `counter` (one int32, 0 before the first launch) counts the
+// finished blocks; the last one routes and sets it back to 0. hidden % 8 == 0.
+bool launch_moe_norm_route(int dtype, const void* x, int64_t row_stride, int rows,
+                           int hidden, const float* norm_w, float eps, bool unit_offset,
+                           const void* router_w, int experts, int top_k, bool normalize,
+                           float scale, void* normed, float* logits, float* weights,
+                           int64_t* chosen, int* plan, int* counter, cudaStream_t stream);
 
 }  // namespace exl3

@@ -95,10 +95,10 @@ void moe_in(const at::Tensor& x, const at::Tensor& plan, int64_t top_k,
                "exl3 moe in");
 }
 
-void moe_gemm(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptrs,
-              const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& partials,
-              const std::vector<int64_t>& nbs, int64_t kb, int64_t k2, int64_t cb,
-              int64_t max_rows, int64_t slots) {
+void gemm_launch(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptrs,
+                 const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& partials,
+                 const std::vector<int64_t>& nbs, int64_t kb, int64_t k2, int64_t cb,
+                 int64_t max_rows, int64_t slots, const exl3::MoeCombine* combine) {
   const size_t n = xhs.size();
   TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMoeMaxParts && trellis_ptrs.size() == n &&
                   partials.size() == n && nbs.size() == n,
@@ -132,14 +132,61 @@ void moe_gemm(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptr
   const int* pl = plan.data_ptr<int>();
   if (cb == 2)
     ok = exl3::launch_moe_gemm_mul1(parts, pl, (int)pairs, (int)slots, (int)max_rows, (int)kb,
-                                    (int)k2, (int)splits, stream);
+                                    (int)k2, (int)splits, combine, stream);
   else if (cb == 1)
     ok = exl3::launch_moe_gemm_mcg(parts, pl, (int)pairs, (int)slots, (int)max_rows, (int)kb,
-                                   (int)k2, (int)splits, stream);
+                                   (int)k2, (int)splits, combine, stream);
   else if (cb == 0)
     ok = exl3::launch_moe_gemm_3inst(parts, pl, (int)pairs, (int)slots, (int)max_rows,
-                                     (int)kb, (int)k2, (int)splits, stream);
+                                     (int)kb, (int)k2, (int)splits, combine, stream);
   check_launch(ok, "exl3 moe gemm");
+}
+
+void moe_gemm(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_ptrs,
+              const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& partials,
+              const std::vector<int64_t>& nbs, int64_t kb, int64_t k2, int64_t cb,
+              int64_t max_rows, int64_t slots) {
+  gemm_launch(plan, trellis_ptrs, xhs, partials, nbs, kb, k2, cb, max_rows, slots, nullptr);
+}
+
+// The down projection's GEMM with moe_out's work at its end (exl3_ops.h MoeCombine):
+// out (rows, cols) [+ residual] from partial's splits, post, weights and the plan.
+void moe_gemm_combine(const at::Tensor& plan, const at::Tensor& trellis_ptrs,
+                      const at::Tensor& xh, const at::Tensor& partial, int64_t nb, int64_t kb,
+                      int64_t k2, int64_t cb, int64_t slots, const at::Tensor& post,
+                      const at::Tensor& weights, int64_t top_k, at::Tensor& out,
+                      const c10::optional<at::Tensor>& residual, at::Tensor& counters) {
+  const int64_t width = 16 * nb, pairs = xh.size(0), rows = out.size(0);
+  check_table(post, width, "post");
+  check_contiguous(weights, "weights");
+  check_contiguous(counters, "counters");
+  check_cuda(out, "out");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+              "weights must be float32 (rows, top_k)");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && rows * top_k == pairs && rows <= 8,
+              "out must be (rows <= 8, cols), unit column stride, rows * top_k == pairs");
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= width / 128,
+              "counters must hold width / 128 int32");
+  exl3::MoeCombine combine{};
+  combine.counters = counters.data_ptr<int>();
+  combine.post = post.data_ptr<float>();
+  combine.weights = weights.data_ptr<float>();
+  combine.top_k = (int)top_k;
+  combine.rows = (int)rows;
+  combine.out_cols = (int)out.size(1);
+  combine.dtype = dtype_code(out);
+  combine.out = out.data_ptr();
+  combine.out_stride = out.stride(0);
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
+                    residual->stride(1) == 1 && residual->size(0) == rows &&
+                    residual->size(1) == out.size(1),
+                "residual must be (rows, cols) of out's dtype, unit column stride");
+    combine.residual = residual->data_ptr();
+    combine.res_stride = residual->stride(0);
+  }
+  gemm_launch(plan, {trellis_ptrs}, {xh}, {partial}, {nb}, kb, k2, cb, rows, slots, &combine);
 }
 
 void moe_glu(const at::Tensor& gate, const at::Tensor& up, int64_t inter,
@@ -166,7 +213,8 @@ void moe_glu(const at::Tensor& gate, const at::Tensor& up, int64_t inter,
 }
 
 void moe_out(const at::Tensor& partial, const at::Tensor& post, const at::Tensor& weights,
-             const at::Tensor& plan, int64_t top_k, at::Tensor& out) {
+             const at::Tensor& plan, int64_t top_k, at::Tensor& out,
+             const c10::optional<at::Tensor>& residual) {
   check_contiguous(partial, "partial");
   check_contiguous(weights, "weights");
   check_cuda(out, "out");
@@ -179,14 +227,68 @@ void moe_out(const at::Tensor& partial, const at::Tensor& post, const at::Tensor
               "weights must be float32 (rows, top_k)");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) * top_k == pairs,
               "out must be (rows, cols), unit column stride, rows * top_k == pairs");
+  const void* res = nullptr;
+  int64_t res_stride = 0;
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
+                    residual->stride(1) == 1 && residual->size(0) == out.size(0) &&
+                    residual->size(1) == out.size(1),
+                "residual must be (rows, cols) of out's dtype, unit column stride");
+    res = residual->data_ptr();
+    res_stride = residual->stride(0);
+  }
   const c10::cuda::CUDAGuard guard(partial.device());
   check_launch(exl3::launch_moe_out(dtype_code(out), partial.data_ptr<float>(),
                                     (int)partial.size(0), (int)width, post.data_ptr<float>(),
                                     weights.data_ptr<float>(), (int)top_k,
                                     plan.data_ptr<int>(), (int)pairs, (int)out.size(0),
-                                    out.data_ptr(), out.stride(0), (int)out.size(1),
-                                    stream_of(partial)),
+                                    out.data_ptr(), out.stride(0), (int)out.size(1), res,
+                                    res_stride, stream_of(partial)),
                "exl3 moe out");
+}
+
+void moe_norm_route(const at::Tensor& x, const at::Tensor& norm_w, double eps, bool unit_offset,
+                    const at::Tensor& router_w, int64_t top_k, bool normalize, double scale,
+                    at::Tensor& normed, at::Tensor& logits, at::Tensor& weights,
+                    at::Tensor& chosen, at::Tensor& plan, at::Tensor& counter) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, hidden), unit column stride");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  check_contiguous(router_w, "router_w");
+  TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == hidden &&
+                  router_w.scalar_type() == x.scalar_type(),
+              "router_w must be contiguous (experts, hidden) in x's dtype");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(router_w.data_ptr()) % 16 == 0,
+              "router_w must be 16-byte aligned");
+  const int64_t experts = router_w.size(0), pairs = rows * top_k;
+  check_contiguous(norm_w, "norm_w");
+  TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.numel() == hidden,
+              "norm_w must be contiguous float32 (hidden,)");
+  for (const auto* t : {&normed, &logits, &weights, &chosen, &counter})
+    check_contiguous(*t, "outputs");
+  TORCH_CHECK(normed.scalar_type() == x.scalar_type() && normed.numel() == rows * hidden,
+              "normed must be contiguous (rows, hidden) in x's dtype");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.numel() == rows * experts,
+              "logits must be contiguous float32 (rows, experts)");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+              "weights must be contiguous float32 (rows, top_k)");
+  TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.numel() == pairs,
+              "chosen must be contiguous int64 (rows, top_k)");
+  TORCH_CHECK(counter.scalar_type() == at::kInt && counter.numel() == 1,
+              "counter must be one int32");
+  plan_pairs(plan, pairs);
+  TORCH_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)std::min(experts, pairs)),
+              "plan must hold 1 + 3 * pairs + 3 * min(experts, pairs) int32");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(exl3::launch_moe_norm_route(
+                   dtype_code(x), x.data_ptr(), x.stride(0), (int)rows, (int)hidden,
+                   norm_w.data_ptr<float>(), (float)eps, unit_offset, router_w.data_ptr(),
+                   (int)experts, (int)top_k, normalize, (float)scale, normed.data_ptr(),
+                   logits.data_ptr<float>(), weights.data_ptr<float>(),
+                   chosen.data_ptr<int64_t>(), plan.data_ptr<int>(), counter.data_ptr<int>(),
+                   stream_of(x)),
+               "exl3 moe norm route");
 }
 
 }  // namespace
@@ -204,12 +306,24 @@ void define_moe_ops(pybind11::module_& m) {
         py::arg("plan"), py::arg("trellis_ptrs"), py::arg("xhs"), py::arg("partials"),
         py::arg("nbs"), py::arg("kb"), py::arg("k2"), py::arg("codebook"), py::arg("max_rows"),
         py::arg("slots"));
+  m.def("moe_gemm_combine", &moe_gemm_combine,
+        "the down projection's indexed GEMM with moe_out's weighted sum (+ residual) at its end",
+        py::arg("plan"), py::arg("trellis_ptrs"), py::arg("xh"), py::arg("partial"),
+        py::arg("nb"), py::arg("kb"), py::arg("k2"), py::arg("codebook"), py::arg("slots"),
+        py::arg("post"), py::arg("weights"), py::arg("top_k"), py::arg("out"),
+        py::arg("residual"), py::arg("counters"));
   m.def("moe_glu", &moe_glu, "gate/up outputs, act(g) * u, the down projection's input side",
         py::arg("gate"), py::arg("up"), py::arg("inter"), py::arg("post_gate"), py::arg("post_up"),
         py::arg("act"), py::arg("pre"), py::arg("plan"), py::arg("out"), py::arg("dtype"));
   m.def("moe_out", &moe_out, "down outputs times the routing weights, summed per row",
         py::arg("partial"), py::arg("post"), py::arg("weights"), py::arg("plan"),
-        py::arg("top_k"), py::arg("out"));
+        py::arg("top_k"), py::arg("out"), py::arg("residual") = py::none());
+  m.def("moe_norm_route", &moe_norm_route,
+        "RMSNorm + router linear + softmax top-k + the routing plan in one launch",
+        py::arg("x"), py::arg("norm_w"), py::arg("eps"), py::arg("unit_offset"),
+        py::arg("router_w"), py::arg("top_k"), py::arg("normalize"), py::arg("scale"),
+        py::arg("normed"), py::arg("logits"), py::arg("weights"), py::arg("chosen"),
+        py::arg("plan"), py::arg("counter"));
 }
 
 }  // namespace exl3_bind

@@ -18,66 +18,15 @@
 #include "exl3_lora.cuh"
 #include "exl3_moe.cuh"
 #include "exl3_ops.h"
+#include "moe_route.cuh"
 
 namespace exl3 {
 namespace {
 
 constexpr int kWarps = 8;
 constexpr int kRouteThreads = 1024;
-
-// Inclusive sum over the block (blockDim.x == kRouteThreads); `scratch` >= 32 ints.
-__device__ int block_inclusive_scan(int v, int* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const int t = __shfl_up_sync(0xffffffffu, v, m);
-    if (lane >= m) v += t;
-  }
-  if (lane == 31) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    int w = scratch[lane];
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, w, m);
-      if (lane >= m) w += t;
-    }
-    scratch[lane] = w;
-  }
-  __syncthreads();
-  return warp > 0 ? v + scratch[warp - 1] : v;
-}
-
-// The plan from the pairs' expert ids (ids[p] in shared memory, counts[e] of them
-// counted): a packed scan gives expert e = threadIdx.x its first slot (low 16 bits) and
-// its index among the active experts (high 16 bits); pairs <= 65535. Then each pair takes
-// the next slot of its expert (a shared cursor). Every thread of the block calls it.
-__device__ void place_pairs(int* counts, int* cursor, const int* ids, int pairs, int experts,
-                            const MoePlan& pv, int* scratch) {
-  const int e = threadIdx.x;
-  const int c = e < experts ? counts[e] : 0;
-  const int v = c | ((c > 0 ? 1 : 0) << 16);
-  const int incl = block_inclusive_scan(v, scratch);
-  const int excl = incl - v;
-  if (e < experts) {
-    cursor[e] = excl & 0xffff;
-    if (c > 0) {
-      const int a = excl >> 16;
-      pv.act_expert[a] = e;
-      pv.act_offset[a] = excl & 0xffff;
-      pv.act_rows[a] = c;
-    }
-  }
-  if (threadIdx.x == kRouteThreads - 1) pv.active[0] = incl >> 16;
-  __syncthreads();
-  for (int p = threadIdx.x; p < pairs; p += kRouteThreads) {
-    const int id = ids[p];
-    const int q = atomicAdd(&cursor[id], 1);
-    pv.slot_pair[q] = p;
-    pv.pair_slot[p] = q;
-    pv.slot_expert[q] = id;
-  }
-}
+constexpr int kOutBatch = 4;  // moe_out: a row's experts whose loads are in flight together
+                              // (8: 128-140 registers and a spill; 4: 72, none)
 
 // One block of kRouteThreads threads; shared: counts[experts], cursor[experts], ids[pairs].
 __global__ void __launch_bounds__(kRouteThreads)
@@ -99,27 +48,13 @@ __global__ void __launch_bounds__(kRouteThreads)
     atomicAdd(&counts[id], 1);
   }
   __syncthreads();
-  place_pairs(counts, cursor, ids, pairs, experts, pv, scratch);
+  moe::place_pairs<kRouteThreads>(counts, cursor, ids, pairs, experts, pv, scratch);
 }
 
 // The router's softmax, top-k and renormalisation (engine/layers/moe.py Router, scoring
 // "softmax" without score bias or groups) fused with the routing: one warp per row reads
-// its logits (experts <= kRouterMax), p = softmax (float32), the top_k largest (ties: the
-// lower expert), w = p / sum of the chosen (normalize) times scale; writes weights
-// (rows, top_k) float32 and chosen (rows, top_k) int64, then the plan as moe_route.
-constexpr int kRouterMax = 256;
-constexpr int kRouterPerLane = kRouterMax / 32;
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
+// its logits (experts <= kRouterMax), moe::route_row, then the plan as moe_route.
+using moe::kRouterMax;
 
 template <typename T>
 __global__ void __launch_bounds__(kRouteThreads)
@@ -138,69 +73,14 @@ __global__ void __launch_bounds__(kRouteThreads)
   const MoePlan pv = moe_plan(plan, pairs, min(experts, pairs));
   for (int e = threadIdx.x; e < experts; e += kRouteThreads) counts[e] = 0;
   __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5;
   for (int row = warp; row < rows; row += kRouteThreads / 32) {
     const T* lr = logits + row * logit_stride;
-    float p[kRouterPerLane];
-    float m = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kRouterPerLane; j++) {
-      const int e = lane + 32 * j;
-      p[j] = e < experts ? to_f32(lr[e]) : -INFINITY;
-      m = fmaxf(m, p[j]);
-    }
-    m = warp_max(m);
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kRouterPerLane; j++) {
-      p[j] = lane + 32 * j < experts ? expf(p[j] - m) : 0.0f;
-      s += p[j];
-    }
-    s = warp_sum(s);
-#pragma unroll
-    for (int j = 0; j < kRouterPerLane; j++)
-      p[j] = lane + 32 * j < experts ? p[j] / s : -1.0f;  // -1: not an expert, or taken
-    float mine_w = 0.0f;
-    int mine_e = 0;
-    for (int t = 0; t < top_k; t++) {
-      float best = -1.0f;
-      int bi = 0x7fffffff;
-#pragma unroll
-      for (int j = 0; j < kRouterPerLane; j++)
-        if (p[j] > best) {  // ascending j: the lowest expert of this lane wins ties
-          best = p[j];
-          bi = lane + 32 * j;
-        }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ob > best || (ob == best && oi < bi)) {
-          best = ob;
-          bi = oi;
-        }
-      }
-      if ((bi & 31) == lane) {
-#pragma unroll
-        for (int j = 0; j < kRouterPerLane; j++)
-          if (lane + 32 * j == bi) p[j] = -1.0f;
-      }
-      if (lane == t) {
-        mine_w = best;
-        mine_e = bi;
-      }
-    }
-    const float total = warp_sum(lane < top_k ? mine_w : 0.0f);
-    if (lane < top_k) {
-      const int pair = row * top_k + lane;
-      weights[pair] = (normalize ? mine_w / total : mine_w) * scale;
-      chosen[pair] = mine_e;
-      ids[pair] = mine_e;
-      atomicAdd(&counts[mine_e], 1);
-    }
+    moe::route_row([&](int e) { return to_f32(lr[e]); }, row, top_k, experts, normalize,
+                   scale, weights, chosen, ids, counts);
   }
   __syncthreads();
-  place_pairs(counts, cursor, ids, pairs, experts, pv, scratch);
+  moe::place_pairs<kRouteThreads>(counts, cursor, ids, pairs, experts, pv, scratch);
 }
 
 struct MoeIn {
@@ -237,29 +117,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
 }
 
-// Split sum of partial (splits, pairs, width) for slot q at 4 columns from `col`, then
-// the output Hadamard: the unscaled y of the lane's 4 columns.
-__device__ __forceinline__ void slot_output(const float* __restrict__ partial, int splits,
-                                            int pairs, int width, int q, int col, int lane,
-                                            float (&v)[4]) {
-  const size_t slice = (size_t)pairs * width;
-  const float* p = partial + (size_t)q * width + col;
-  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int sl = 0; sl < splits; sl++) {
-    const float4 t = __ldg(reinterpret_cast<const float4*>(p + sl * slice));
-    s.x += t.x;
-    s.y += t.y;
-    s.z += t.z;
-    s.w += t.w;
-  }
-  v[0] = s.x;
-  v[1] = s.y;
-  v[2] = s.z;
-  v[3] = s.w;
-  hadamard128_warp(v, lane);
-}
-
 __device__ __forceinline__ float activation(float g, int act) {
   if (act == 0) return g / (1.0f + expf(-g));
   const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
@@ -283,9 +140,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int base = (id % blocks_per_row) * 128 + lane * 4;
   const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, 0);
   const size_t e = (size_t)pv.slot_expert[q] * width;
-  float g[4], u[4], v[4];
-  slot_output(gate, splits, pairs, width, q, base, lane, g);
-  slot_output(up, splits, pairs, width, q, base, lane, u);
+  // gate's and up's split sums in one loop (their loads in flight together), in the
+  // order moe_out sums splits (ascending).
+  const size_t slice = (size_t)pairs * width, at = (size_t)q * width + base;
+  float4 gs = make_float4(0.f, 0.f, 0.f, 0.f), us = gs;
+#pragma unroll 4
+  for (int sl = 0; sl < splits; sl++) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(gate + sl * slice + at));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(up + sl * slice + at));
+    gs.x += a.x, gs.y += a.y, gs.z += a.z, gs.w += a.w;
+    us.x += b.x, us.y += b.y, us.z += b.z, us.w += b.w;
+  }
+  float g[4] = {gs.x, gs.y, gs.z, gs.w}, u[4] = {us.x, us.y, us.z, us.w}, v[4];
+  hadamard128_warp(g, lane);
+  hadamard128_warp(u, lane);
 #pragma unroll
   for (int i = 0; i < 4; i++) {
     const int c = base + i;
@@ -305,7 +173,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     moe_out_kernel(const float* __restrict__ partial, int splits, int width,
                    const float* __restrict__ post, const float* __restrict__ weights,
                    int top_k, const int* __restrict__ plan, int pairs, int rows,
-                   T* __restrict__ out, int64_t out_row_stride, int out_cols) {
+                   T* __restrict__ out, int64_t out_row_stride, int out_cols,
+                   const T* __restrict__ residual, int64_t res_row_stride) {
   pdl_trigger();
   pdl_wait();
   const int lane = threadIdx.x & 31;
@@ -315,22 +184,57 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (row >= rows) return;
   const int base = (id % blocks_per_row) * 128 + lane * 4;
   const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, 0);
+  const size_t slice = (size_t)pairs * width;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < top_k; j++) {
-    const int p = row * top_k + j;
-    const int q = pv.pair_slot[p];
-    const size_t e = (size_t)pv.slot_expert[q] * width;
-    const float w = round_to<T>(weights[p]);
-    float y[4];
-    slot_output(partial, splits, pairs, width, q, base, lane, y);
+  // A row's experts kOutBatch at a time, their plan, partial and svh loads in flight
+  // together (one after the other they were ~3 dependent L2 round trips per expert);
+  // sums over splits ascending, then over the row's experts ascending.
+  for (int j0 = 0; j0 < top_k; j0 += kOutBatch) {
+    const int n = min(kOutBatch, top_k - j0);  // warp-uniform
+    int q[kOutBatch];
+    float w[kOutBatch];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-      acc[i] += round_to<T>(round_to<T>(y[i] * kHadamardScale * post[e + base + i]) * w);
+    for (int j = 0; j < kOutBatch; j++)
+      if (j < n) {
+        const int p = row * top_k + j0 + j;
+        q[j] = pv.pair_slot[p];
+        w[j] = round_to<T>(weights[p]);
+      }
+    float4 y[kOutBatch], sv[kOutBatch];
+#pragma unroll
+    for (int j = 0; j < kOutBatch; j++)
+      if (j < n) {
+        const size_t e = (size_t)pv.slot_expert[q[j]] * width;
+        sv[j] = __ldg(reinterpret_cast<const float4*>(post + e + base));
+        y[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    for (int sl = 0; sl < splits; sl++) {
+#pragma unroll
+      for (int j = 0; j < kOutBatch; j++)
+        if (j < n) {
+          const float4 t = __ldg(
+              reinterpret_cast<const float4*>(partial + sl * slice + (size_t)q[j] * width + base));
+          y[j].x += t.x, y[j].y += t.y, y[j].z += t.z, y[j].w += t.w;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kOutBatch; j++)
+      if (j < n) {
+        float v[4] = {y[j].x, y[j].y, y[j].z, y[j].w};
+        const float pv4[4] = {sv[j].x, sv[j].y, sv[j].z, sv[j].w};
+        hadamard128_warp(v, lane);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+          acc[i] += round_to<T>(round_to<T>(v[i] * kHadamardScale * pv4[i]) * w[j]);
+      }
   }
   T* o = out + (size_t)row * out_row_stride;
+  const T* r = residual != nullptr ? residual + (size_t)row * res_row_stride : nullptr;
 #pragma unroll
   for (int i = 0; i < 4; i++)
-    if (base + i < out_cols) o[base + i] = from_f32<T>(acc[i]);
+    if (base + i < out_cols)  // + residual as `h + moe(x)` rounds: the sum rounded, then added
+      o[base + i] = from_f32<T>(r != nullptr ? round_to<T>(acc[i]) + to_f32(r[base + i])
+                                             : acc[i]);
 }
 
 unsigned warp_blocks(int64_t warps) { return (unsigned)((warps + kWarps - 1) / kWarps); }
@@ -363,10 +267,12 @@ void run_glu(const float* gate, const float* up, int splits, int width, int inte
 template <typename T>
 void run_out(const float* partial, int splits, int width, const float* post,
              const float* weights, int top_k, const int* plan, int pairs, int rows, void* out,
-             int64_t out_row_stride, int out_cols, cudaStream_t stream) {
+             int64_t out_row_stride, int out_cols, const void* residual,
+             int64_t res_row_stride, cudaStream_t stream) {
   launch(moe_out_kernel<T>, dim3(warp_blocks((int64_t)rows * (width / 128))),
          dim3(kWarps * 32), 0, stream, partial, splits, width, post, weights, top_k, plan,
-         pairs, rows, static_cast<T*>(out), out_row_stride, out_cols);
+         pairs, rows, static_cast<T*>(out), out_row_stride, out_cols,
+         static_cast<const T*>(residual), res_row_stride);
 }
 
 }  // namespace
@@ -434,11 +340,12 @@ bool launch_moe_glu(int dtype, const float* gate, const float* up, int splits, i
 
 bool launch_moe_out(int dtype, const float* partial, int splits, int width, const float* post,
                     const float* weights, int top_k, const int* plan, int pairs, int rows,
-                    void* out, int64_t out_row_stride, int out_cols, cudaStream_t stream) {
+                    void* out, int64_t out_row_stride, int out_cols, const void* residual,
+                    int64_t res_row_stride, cudaStream_t stream) {
   if (width % 128 != 0 || splits < 1 || out_cols > width || rows < 1 || top_k < 1 ||
       rows * top_k != pairs || post == nullptr || weights == nullptr)
     return false;
-#define EXL3_MOE_OUT(T) run_out<T>(partial, splits, width, post, weights, top_k, plan, pairs, rows, out, out_row_stride, out_cols, stream)
+#define EXL3_MOE_OUT(T) run_out<T>(partial, splits, width, post, weights, top_k, plan, pairs, rows, out, out_row_stride, out_cols, residual, res_row_stride, stream)
   EXL3_MOE_DTYPES(EXL3_MOE_OUT)
 #undef EXL3_MOE_OUT
 }

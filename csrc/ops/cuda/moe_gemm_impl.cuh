@@ -12,17 +12,21 @@
 // the occupancy of the one-group kernel.
 #pragma once
 
+#include "../../codec/exl3_hadamard.cuh"
 #include "exl3_moe.cuh"
 #include "gemm_impl.cuh"
+#include "moe_combine.cuh"
 
 namespace exl3 {
 namespace gemm {
 
-template <int K2, int CB, int NG>
+// kCombine: one part, rows <= 8 per expert (one launch), and moe_combine_tail after the
+// warp's partial sums (exl3_ops.h MoeCombine).
+template <int K2, int CB, int NG, bool kCombine = false>
 __global__ void __launch_bounds__(kWarps * 32)
     moe_gemm_kernel(const __grid_constant__ MoeGemmParts parts, const int* __restrict__ plan,
                     int pairs, int slots, int kb_total, int kb_per_split, int min_rows,
-                    int max_rows) {
+                    int max_rows, const __grid_constant__ MoeCombine combine) {
   const int a = blockIdx.z / parts.count;
   const MoeGemmPart& mine = parts.part[blockIdx.z - a * parts.count];
   const int nb_total = mine.nb;
@@ -35,7 +39,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (nb0 >= nb_total) return;  // no block-wide barriers below
   pdl_wait();  // the plan is this step's (the weights' addresses depend on it)
   const MoePlan pv = moe_plan(const_cast<int*>(plan), pairs, slots);
-  if (a >= __ldg(pv.active)) return;
+  const int active = __ldg(pv.active);
+  if (a >= active) return;
   const int expert = __ldg(pv.act_expert + a);
   const int offset = __ldg(pv.act_offset + a);
   const int rows = __ldg(pv.act_rows + a);
@@ -50,25 +55,36 @@ __global__ void __launch_bounds__(kWarps * 32)
   };
   gemm_warp<K2, CB, NG>(xh, trellis, out_base, nb_total, nb0, rows, kb_total, kb0, kb1,
                         smem + warp * kStages * kStageWords, lane);
+  if constexpr (kCombine)
+    moe_combine_tail(combine, pv, active * (int)gridDim.y * (128 / (kTN * 16)),
+                     mine.partial, (int)gridDim.y, pairs, nb_total * 16, nb0 * 16 / 128,
+                     lane);
 }
 
 template <int K2, int CB>
 void run_moe_gemm(const MoeGemmParts& parts, const int* plan, int pairs, int slots,
-                  int max_rows, int kb, int splits, cudaStream_t stream) {
+                  int max_rows, int kb, int splits, const MoeCombine* combine,
+                  cudaStream_t stream) {
   const size_t smem = (size_t)kWarps * kStages * kTN * TileBits<K2>::kWords * 4;
   int nb_max = 0;
   for (int p = 0; p < parts.count; p++) nb_max = max(nb_max, parts.part[p].nb);
   const int groups = (nb_max + kTN - 1) / kTN;
   const int kb_per_split = (kb + splits - 1) / splits;
   dim3 grid((groups + kWarps - 1) / kWarps, splits, slots * parts.count);
+  const MoeCombine none{};
+  if (combine != nullptr) {
+    launch(moe_gemm_kernel<K2, CB, 1, true>, grid, dim3(kWarps * 32), smem, stream, parts,
+           plan, pairs, slots, kb, kb_per_split, 1, 8, *combine);
+    return;
+  }
   launch(moe_gemm_kernel<K2, CB, 1>, grid, dim3(kWarps * 32), smem, stream, parts, plan,
-         pairs, slots, kb, kb_per_split, 1, 8);
+         pairs, slots, kb, kb_per_split, 1, 8, none);
   if (max_rows > 8)
     launch(moe_gemm_kernel<K2, CB, 4>, grid, dim3(kWarps * 32), smem, stream, parts, plan,
-           pairs, slots, kb, kb_per_split, 9, 32);
+           pairs, slots, kb, kb_per_split, 9, 32, none);
   if (max_rows > 32)
     launch(moe_gemm_kernel<K2, CB, 8>, grid, dim3(kWarps * 32), smem, stream, parts, plan,
-           pairs, slots, kb, kb_per_split, 33, 64);
+           pairs, slots, kb, kb_per_split, 33, 64, none);
 }
 
 }  // namespace gemm
@@ -79,11 +95,13 @@ void run_moe_gemm(const MoeGemmParts& parts, const int* plan, int pairs, int slo
   namespace exl3 {                                                                         \
   bool launch_moe_gemm_##NAME(const MoeGemmParts& parts, const int* plan, int pairs,       \
                               int slots, int max_rows, int kb, int k2, int splits,         \
-                              cudaStream_t stream) {                                       \
+                              const MoeCombine* combine, cudaStream_t stream) {            \
     if (max_rows < 1 || max_rows > 64 || splits < 1 || pairs < 1 || slots < 1 ||           \
         slots > 65535 / kMoeMaxParts)                                                      \
       return false;                                                                        \
     if (parts.count < 1 || parts.count > kMoeMaxParts) return false;                       \
+    if (combine != nullptr && !moe_combine_ok(*combine, parts, pairs, max_rows))           \
+      return false;                                                                        \
     switch (k2) {                                                                          \
       FOR_K2(EXL3_MOE_GEMM_CASE_##NAME)                                                    \
       default:                                                                             \

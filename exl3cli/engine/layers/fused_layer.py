@@ -20,8 +20,10 @@ Layers with q/k norms (Qwen3) norm and rotate q and k after the q/k/v output ker
 would rotate before the norm): one more launch for per-head RMSNorm weights
 (``layer_kernels.qk_norm_rope``), the module and PyTorch's rotary for other norms. A mixture-of-experts MLP
 whose EXL3 experts run on the MoE decode kernels (``exl3cli/ops/moe_kernels.py``:
-Mixtral, Qwen3-MoE) takes the place of the last five launches: the norm, the router and
-``MoEMLP`` (seven kernels), then the residual add.
+Mixtral, Qwen3-MoE) takes the place of the last five launches: ``MoEMLP.decode_block``,
+six launches (norm + router + top-k in one, the residual in the last; with
+``EXL3_MOE_DECODE=old`` the norm module, the router's linear, seven MoE kernels and the
+residual add).
 
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
 on this path: the first low-rank product ``x_in @ A_all^T`` (one per input: q|k|v and
@@ -228,7 +230,8 @@ class FusedDecodeLayer:
             attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2,
             adapted=self.o_lora, x_in=attended)
         if self.moe is not None:
-            return (h + self.moe(self.norm2(h))).view(batch, steps, hidden)
+            return self.moe.decode_block(h, self.norm2, self.norm2_weight).view(
+                batch, steps, hidden)
         mlp = self.gate_up
         assert mlp is not None and self.down is not None
         normed = x2.new_empty(rows, hidden) if self.gate_up_lora is not None else None

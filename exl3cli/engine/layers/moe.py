@@ -21,6 +21,13 @@ Public API:
   sync-free pass per slice instead of the grouped dispatch's Python loop over experts,
   which cost ~1.5 s per 128-token prompt on a Qwen3-30B-A3B shape (bench/NOTES-gpu.md,
   session 7). ``EXL3_MOE_PREFILL=grouped`` keeps long calls on the grouped dispatch.
+- ``MoEMLP.decode_block(h, norm, norm_weight) -> h + self(norm(h))``: the fused decode
+  layer's MoE half. With ``EXL3_MOE_DECODE=new`` (default) and a plain softmax router
+  with a dense weight on the kernels, the norm, router, top-k and plan are one launch and
+  the residual is added by the last kernel (``exl3cli/ops/moe_block.py``; six launches
+  in all; ``EXL3_MOE_DECODE=combine``: five, the down GEMM summing the experts itself);
+  ``EXL3_MOE_DECODE=old`` runs the norm module, the router's linear and ``forward``
+  (bench/NOTES-gpu.md, "MoE one-job (issue 14, session 8)").
 - ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
   block as a family's MoESpec describes it (the loader and the converter use it).
 """
@@ -44,7 +51,7 @@ from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.spec.architecture import MoESpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
-from exl3cli.ops import moe_kernels
+from exl3cli.ops import moe_block, moe_kernels
 from exl3cli.ops.cuda_kernels import FUSED_MAX_ROWS
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
@@ -131,6 +138,7 @@ class MoEMLP(nn.Module):
         self.stacked: StackedExperts | None = None  # see stack_experts
         self._absent = [isinstance(e.down, AbsentLinear) for e in experts]
         self._tables: moe_kernels.ExpertTables | None | bool = False  # False: not built yet
+        self._counter: torch.Tensor | None = None  # moe_block's finished-blocks counter
 
     def stack_experts(self) -> bool:
         """Stack the experts' dense weights (a second copy) so that decode-sized calls
@@ -182,7 +190,46 @@ class MoEMLP(nn.Module):
         trellis mode on CUDA that they support; the tables are built here once)."""
         if self._tables is False:
             self._tables = exl3_expert_tables(list(self.experts))  # type: ignore[arg-type]
+            if self._tables is not None:  # zeroed once here, never inside a graph capture
+                self._counter = torch.zeros(moe_block.counters_for(self._tables),
+                                            dtype=torch.int32,
+                                            device=self._tables.pointers[0].device)
         return self._tables is not None
+
+    def decode_block(self, h: torch.Tensor, norm: nn.Module,
+                     norm_weight: torch.Tensor) -> torch.Tensor:
+        """``h + self(norm(h))`` (module docstring); `norm` an RMSNorm, `norm_weight` its
+        weight as contiguous float32 (the fused layer's copy)."""
+        rows = h.reshape(-1, h.shape[-1])
+        variant = _decode_variant()
+        weight = self._block_router(rows) if variant != "old" else None
+        if weight is None:
+            return h + self(norm(h))
+        router = self.router
+        out, normed, _, _ = moe_block.moe_block(
+            rows, norm_weight, norm.eps, norm.unit_offset, weight, router.top_k,
+            router.normalize, router.scale, self._tables, self._counter,  # type: ignore[arg-type]
+            residual=self.shared is None, combine=variant == "combine")
+        if self.shared is not None:  # h + (experts + shared), as forward rounds it
+            out = rows + self._add_shared(normed, out)
+        return out.view(h.shape)
+
+    def _block_router(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The router's dense weight when decode_block runs moe_block's fused kernels on
+        these rows, else None."""
+        router = self.router
+        if not rows.is_cuda or not router.plain_softmax or not self.on_kernels():
+            return None
+        gate = router.gate
+        weight = getattr(gate, "weight", None)
+        if (getattr(gate, "bias", None) is not None or not isinstance(weight, torch.Tensor)
+                or getattr(gate, "cpu_weights", None) is not None
+                or getattr(gate, "mode", "dense") != "dense"):
+            return None
+        tables = self._tables
+        if not moe_block.runs_on_kernels(rows, weight, router.top_k, tables):  # type: ignore[arg-type]
+            return None
+        return weight
 
     def kernel_tables(self, rows: torch.Tensor) -> moe_kernels.ExpertTables | None:
         """The MoE decode kernels' tables when they run these rows (CUDA, EXL3 experts
@@ -227,6 +274,19 @@ def _grouped_prefill() -> bool:
     if choice not in ("kernels", "grouped"):
         raise ValueError(f"EXL3_MOE_PREFILL={choice!r}: use 'kernels' or 'grouped'")
     return choice == "grouped"
+
+
+MOE_DECODE_VARIANTS = ("new", "combine", "old")
+
+
+def _decode_variant() -> str:
+    """EXL3_MOE_DECODE: "new" (default: moe_block's fused norm-route and residual),
+    "combine" (new + the down GEMM doing moe_out's sum) or "old" (the norm module, the
+    router's linear and the MoE kernels after them)."""
+    choice = os.environ.get("EXL3_MOE_DECODE", "new") or "new"
+    if choice not in MOE_DECODE_VARIANTS:
+        raise ValueError(f"EXL3_MOE_DECODE={choice!r}: use 'new', 'combine' or 'old'")
+    return choice
 
 
 LinearFactory = Callable[[list[str], list[tuple[int, int]], bool], Linear]
