@@ -30,7 +30,9 @@
 # Conversion seconds come from processes running side by side: compare them with each
 # other (same load), not with the 46 s of the first table. TIMING=1 adds, if time is
 # left, one conversion of "final" and one of "norefit" (today's defaults before the
-# refit) at 4.0 bpw alone (clean seconds: the 1.2x criterion).
+# refit) at 4.0 bpw alone (clean seconds: the 1.2x criterion); TIMING_VARIANTS picks others
+# (`BITS= PEER_BITS= TIMING=1 TIMING_VARIANTS="final=;old=--allocation fixed ..."`: only
+# the timings, today's defaults against the first table's settings).
 # Outputs ($OUT): quality-<variant>.json, quality-peer.json, table.txt, logs.tgz.
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-quant-out}
@@ -104,7 +106,7 @@ if [ -n "$BITS" ]; then
     pids+=($!) slot=$((slot + 1))
   done
 fi
-while sleep 30; do
+while [ ${#pids[@]} -gt 0 ] && sleep 30; do
   running=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && running=$((running + 1)); done
   [ $running -eq 0 ] && break
   stamp "$running running; $(cat "$OUT"/ours-*.log 2>/dev/null | grep -c ' bpw: ppl') of ours done"
@@ -116,7 +118,9 @@ for spec in "${specs[@]}"; do
 done
 
 if [ -n "${TIMING:-}" ]; then
-  for spec in "final=" "norefit=--set scale_refit=0"; do
+  # TIMING_VARIANTS: the conversions timed alone, ';'-separated like VARIANTS.
+  IFS=';' read -ra timed <<<"${TIMING_VARIANTS:-final=;norefit=--set scale_refit=0}"
+  for spec in "${timed[@]}"; do
     name=${spec%%=*} args=${spec#*=}
     [ "$(left)" -lt 80 ] && { echo "timing: no time left for $name"; break; }
     # shellcheck disable=SC2086
