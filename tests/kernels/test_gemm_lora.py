@@ -22,6 +22,13 @@ from exl3cli.ops import cuda_kernels, layer_kernels
 cuda = pytest.mark.cuda
 
 
+@pytest.fixture(autouse=True)
+def _product_in_gemm(monkeypatch):
+    """The in-GEMM product is opt-in (EXL3_LORA_GEMM=1) until it has passed on a GPU;
+    these tests are about it, so they turn it on."""
+    monkeypatch.setattr(layer_kernels, "_LORA_IN_GEMM", True)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -256,16 +263,73 @@ def test_shapes_the_kernel_does_not_take_are_refused_and_fall_back():
     }
     for name, (xi, ai) in cases.items():
         assert not layer_kernels.low_in_gemm(xi, ai), name
-        low = torch.empty(3, ai.shape[0], dtype=ai.dtype, device="cuda")
-        partials = [torch.empty(1, 3, 16 * t.shape[1], device="cuda") for t in trellises]
-        with pytest.raises(RuntimeError, match="gemm_parts_low"):
-            _ext().gemm_parts_low(xhs, trellises, 8, 2, partials, xi, ai, low)
         got = layer_kernels.gemm_parts_low(xhs, trellises, 8, "mul1", 1, xi, ai)[1]
         torch.testing.assert_close(got.float(), (xi.to(ai.dtype) @ ai.t()).float(),
                                    rtol=4e-3, atol=4e-3)
-    # rows that differ from the parts': refused by the binding too
-    with pytest.raises(RuntimeError, match="rows"):
-        _ext().gemm_parts_low(xhs, trellises, 8, 2,
-                              [torch.empty(1, 3, 16 * t.shape[1], device="cuda")
-                               for t in trellises], x[:2], a,
-                              torch.empty(2, 16, dtype=a.dtype, device="cuda"))
+    # The binding's own refusals, in a child process: run 30 on the H200 died of a
+    # segfault here (the whole pytest process with it), so a crash must fail this test
+    # with its signal, not end the run.
+    assert_refused_in_child(_BINDING_REFUSALS)
+
+
+@cuda
+def test_a_refusal_by_the_extension_raises_in_python():
+    # Whether any TORCH_CHECK of the CUDA extension reaches Python as a RuntimeError
+    # (the bare GEMM's partial-shape check): if this fails too, run 30's segfault is in
+    # how the extension raises, not in gemm_parts_low's checks.
+    _require_kernels()
+    assert_refused_in_child(_GEMM_REFUSAL)
+
+
+_GEMM_REFUSAL = """
+import torch
+from exl3cli.ops import cuda_kernels
+ext = cuda_kernels._extension()
+trellis = torch.zeros(8, 4, 64, dtype=torch.int16, device="cuda")
+xh = torch.zeros(3, 128, dtype=torch.float16, device="cuda")
+try:
+    ext.gemm_parts([xh], [trellis], 8, 2, [torch.empty(1, 3, 63, device="cuda")])
+except RuntimeError as error:
+    assert "partial must be" in str(error), str(error)
+else:
+    raise SystemExit("a partial of the wrong shape was accepted")
+"""
+
+
+_BINDING_REFUSALS = """
+import torch
+from exl3cli.ops import cuda_kernels
+ext = cuda_kernels._extension()
+gen = torch.Generator().manual_seed(9)
+trellises = [torch.randint(-32768, 32768, (8, nb, 64), dtype=torch.int16, generator=gen).cuda()
+             for nb in (16, 8, 24)]
+xhs = [torch.randn(3, 128, generator=gen).half().cuda() for _ in trellises]
+x = torch.randn(3, 512, generator=gen).half().cuda()
+a = torch.randn(16, 512, generator=gen).half().cuda()
+shifted = torch.zeros(3, 520, dtype=torch.float16, device="cuda")
+shifted[:, 1:513] = x
+cases = {"float32": (x.float(), a.float(), 3), "rank 129": (x, torch.randn(129, 512).half().cuda(), 3),
+         "K not whole loads": (x[:, :100], a[:, :100], 3),
+         "x not 16-byte aligned": (shifted[:, 1:513], a, 3), "rows": (x[:2], a, 2)}
+for name, (xi, ai, rows) in cases.items():
+    low = torch.empty(rows, ai.shape[0], dtype=ai.dtype, device="cuda")
+    partials = [torch.empty(1, 3, 16 * t.shape[1], device="cuda") for t in trellises]
+    try:
+        ext.gemm_parts_low(xhs, trellises, 8, 2, partials, xi, ai, low)
+    except RuntimeError as error:
+        assert "gemm_parts_low" in str(error), (name, str(error))
+        print("refused", name, flush=True)
+    else:
+        raise SystemExit(f"{name}: accepted")
+"""
+
+
+def assert_refused_in_child(code: str) -> None:
+    """Run `code` in a child Python; it must exit 0 (a crash fails with its signal)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    tail = (done.stdout + done.stderr)[-1500:]
+    assert done.returncode == 0, f"child exited {done.returncode} (negative: a signal)\n{tail}"

@@ -20,10 +20,10 @@ Layers with q/k norms (Qwen3) norm and rotate q and k after the q/k/v output ker
 would rotate before the norm): one more launch for per-head RMSNorm weights
 (``layer_kernels.qk_norm_rope``), the module and PyTorch's rotary for other norms. A mixture-of-experts MLP
 whose EXL3 experts run on the MoE decode kernels (``exl3cli/ops/moe_kernels.py``:
-Mixtral, Qwen3-MoE) takes the place of the last five launches: ``MoEMLP.decode_block``,
-six launches (norm + router + top-k in one, the residual in the last; with
-``EXL3_MOE_DECODE=old`` the norm module, the router's linear, seven MoE kernels and the
-residual add).
+Mixtral, Qwen3-MoE) takes the place of the last five launches: ``MoEMLP.decode_block``
+(by default the norm module, the router's linear, seven MoE kernels and the residual add;
+with ``EXL3_MOE_DECODE=new`` six launches: norm + router + top-k in one, the residual in
+the last).
 
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
 on this path: the first low-rank product ``x_in @ A_all^T`` (one per input: q|k|v and
