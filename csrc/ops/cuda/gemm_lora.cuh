@@ -42,21 +42,6 @@ inline int lora_grid_rows(const GemmLora& lora, int rows, int grid_x) {
   return (tasks + grid_x - 1) / grid_x;
 }
 
-__device__ __forceinline__ float lora_warp_sum(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
-
-template <typename T>
-__device__ __forceinline__ float lora_dot8(const uint4& a, const uint4& b, float s) {
-  const T* x = reinterpret_cast<const T*>(&a);
-  const T* y = reinterpret_cast<const T*>(&b);
-#pragma unroll
-  for (int e = 0; e < kLoraVec; ++e) s = fmaf(to_f32(x[e]), to_f32(y[e]), s);
-  return s;
-}
-
 // Block `block` of `blocks` (WARPS warps, the whole block calls this; red: >= WARPS *
 // kLoraRows * kLoraRanks floats of shared memory).
 template <typename T, int WARPS>
@@ -93,13 +78,13 @@ __device__ __forceinline__ void lora_product(const GemmLora& lora, int rows, int
 #pragma unroll
       for (int i = 0; i < kLoraRows; i++)
 #pragma unroll
-        for (int j = 0; j < kLoraRanks; j++) acc[i][j] = lora_dot8<T>(xv[i], av[j], acc[i][j]);
+        for (int j = 0; j < kLoraRanks; j++) acc[i][j] = dot8_f32<T>(xv[i], av[j], acc[i][j]);
     }
 #pragma unroll
     for (int i = 0; i < kLoraRows; i++)
 #pragma unroll
       for (int j = 0; j < kLoraRanks; j++) {
-        const float s = lora_warp_sum(acc[i][j]);
+        const float s = warp_sum32(acc[i][j]);
         if (lane == 0) red[warp * kVals + i * kLoraRanks + j] = s;
       }
     __syncthreads();

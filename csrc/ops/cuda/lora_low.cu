@@ -24,21 +24,6 @@ constexpr int kVec = 8;  // values per 16-byte load
 constexpr int kSpan = 32 * kVec;  // columns of one warp-wide load
 constexpr int kMaxVecs = 8;  // 16-byte loads per lane and row in one slice
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int h = 16; h > 0; h >>= 1) v += __shfl_xor_sync(0xffffffffu, v, h);
-  return v;
-}
-
-template <typename T>
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float s) {
-  const T* x = reinterpret_cast<const T*>(&a);
-  const T* y = reinterpret_cast<const T*>(&b);
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) s = fmaf(to_f32(x[e]), to_f32(y[e]), s);
-  return s;
-}
-
 // Grid: one block per slice of VECS * kSpan columns. partial: (slices, rows, rank).
 template <typename T, int VECS>
 __global__ void __launch_bounds__(kThreads)
@@ -64,12 +49,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int v = 0; v < VECS; ++v) {
           const int k = k0 + v * kSpan;
-          if (k < k_dim) s[i] = dot8<T>(*reinterpret_cast<const uint4*>(xr + k), av[v], s[i]);
+          if (k < k_dim) s[i] = dot8_f32<T>(*reinterpret_cast<const uint4*>(xr + k), av[v], s[i]);
         }
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float total = warp_sum(s[i]);
+        const float total = warp_sum32(s[i]);
         if (lane == 0 && r0 + i < rows)
           partial[((size_t)blockIdx.x * rows + r0 + i) * rank + j] = total;
       }
