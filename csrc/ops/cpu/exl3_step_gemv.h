@@ -247,3 +247,99 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
     }
   }
 }
+
+// --- The inexact integer GEMV (EXL3_CPU_GEMV=fast; mul1 only) ---
+// mul1's value is float16((1024 + S) a + b), S the byte sum of the hash (0..1020). Here the
+// float16 rounding is left out (w = S a + c, c = b + 1024 a) and x is rounded to int16 with
+// one scale per row (xq = x / s), so a column's product is s (a sum xq S + c sum xq):
+// vpdpwssd multiplies S by two rows of xq per 32-bit lane, ~10 vector uops per 32 weights
+// against the exact path's ~17. Error: the float16 half-ulp of each weight (up to 2^-10 of
+// |w| in [2, 4)) and x's int16 rounding: ~2e-4 of |y| (bench/NOTES-cpu-exl3.md).
+constexpr float kMul1A = 1774.f / 262144.f;  // a (float16 0x1EEE)
+constexpr float kMul1C = -3.453125f;          // b + 1024 a
+constexpr int kIntFlush = 16;  // tiles per int32 flush: 16 x 2 x 1020 x 32767 < 2^31
+
+// xq (rows, kb, 32) in step-lane order, scale[m] = max|x_m| / 32767, qsum[m] = sum of xq_m.
+inline void step_lanes_xq(const float* xh, int64_t ldx, int64_t rows, int64_t kb, int16_t* xq,
+                          float* scale, double* qsum) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* x = xh + m * ldx;
+    float amax = 0.f;
+    for (int64_t k = 0; k < 16 * kb; ++k) amax = std::max(amax, std::abs(x[k]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    scale[m] = amax / 32767.f;
+    int64_t total = 0;
+    for (int64_t i = 0; i < kb; ++i)
+      for (int l = 0; l < 32; ++l) {
+        const int q = static_cast<int>(std::lrint(x[16 * i + kLaneRow[l]] * inv));
+        xq[(m * kb + i) * 32 + l] = static_cast<int16_t>(q);
+        total += q;  // every row sits in two lanes (columns v and v + 8)
+      }
+    qsum[m] = static_cast<double>(total) / 2;
+  }
+}
+
+// out[m][0..16) = sum over the strip's rows of xq_m[r] S[r][c] (the caller scales it).
+template <bool WIDE, int MR>
+void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_t words,
+                     const StepOrderTable& t, float* out, int64_t ldo) {
+  constexpr uint32_t mult = 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[MR][8];
+  __m512 sum[MR][8];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 8; ++v) {
+      acc[m][v] = _mm512_setzero_si512();
+      sum[m][v] = _mm512_setzero_ps();
+    }
+  const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  for (int64_t i0 = 0; i0 < kb; i0 += kIntFlush) {
+    const int64_t i1 = std::min(kb, i0 + kIntFlush);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int16_t* tile = strip + i * words;
+      __m512i xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512(xq + (m * kb + i) * 32);
+      __m512i head, tail;
+      if constexpr (WIDE) {
+        head = _mm512_loadu_si512(tile);
+        tail = _mm512_loadu_si512(tile + t.words16 - 32);
+      } else {
+        head = tail = _mm512_maskz_loadu_epi16(narrow, tile);
+      }
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) {
+        const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
+        const __m512i lo = _mm512_mullo_epi16(state, ml);
+        const __m512i hi =
+            _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+        const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
+                                           _mm512_maddubs_epi16(hi, ones));
+        for (int m = 0; m < MR; ++m) acc[m][v] = _mm512_dpwssd_epi32(acc[m][v], s, xv[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < 8; ++v) {
+        sum[m][v] = _mm512_add_ps(sum[m][v], _mm512_cvtepi32_ps(acc[m][v]));
+        acc[m][v] = _mm512_setzero_si512();
+      }
+  }
+  // 32-bit lane j of sum[v] is 16-bit lanes 2j, 2j + 1: column v where bit 1 of j is clear,
+  // v + 8 where it is set.
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float folded[8][16];
+    for (int v = 0; v < 8; ++v) {
+      __m512 a = sum[m][v];
+      a = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));         // + lane j ^ 1
+      a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0x4E));   // + 128-bit block ^ 2
+      a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));   // + 128-bit block ^ 1
+      _mm512_store_ps(folded[v], a);
+    }
+    float* o = out + m * ldo;
+    for (int v = 0; v < 8; ++v) {
+      o[v] = folded[v][0];
+      o[v + 8] = folded[v][2];
+    }
+  }
+}
