@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 // Row of the tile for lane l of a step vector (the same for every v).
 constexpr int kLaneRow[32] = {0, 1, 8,  9,  0, 1, 8,  9,  2, 3, 10, 11, 2, 3, 10, 11,
@@ -191,6 +192,24 @@ inline __m512i step_states(const int16_t* tile, __m512i head, __m512i tail,
 #endif
 }
 
+// Software prefetch of the trellis this far ahead of the tile being decoded (bytes; read
+// from EXL3_CPU_PREFETCH once for A/B runs, 0 = off). The strips of a thread's range are
+// contiguous, so prefetching past a strip's end fetches the next one.
+inline int64_t prefetch_bytes() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("EXL3_CPU_PREFETCH");
+    return v ? std::atoll(v) : int64_t{2048};
+  }();
+  return bytes;
+}
+
+// One tile's lines (2 * words bytes), `ahead` bytes on.
+inline void prefetch_tile(const int16_t* tile, int64_t words, int64_t ahead) {
+  if (ahead <= 0) return;
+  const char* p = reinterpret_cast<const char*>(tile) + ahead;
+  for (int64_t b = 0; b < 2 * words; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // xs (rows, kb, 32): x of each 16-row block in step-lane order (kLaneRow).
 inline void step_lanes_x(const float* xh, int64_t ldx, int64_t rows, int64_t kb, float* xs) {
   for (int64_t m = 0; m < rows; ++m)
@@ -206,8 +225,10 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 8; ++v) acc[m][v] = _mm512_setzero_ps();
   const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  const int64_t ahead = prefetch_bytes();
   for (int64_t i = 0; i < kb; ++i) {
     const int16_t* tile = strip + i * words;
+    prefetch_tile(tile, words, ahead);
     __m512 x0[MR], x1[MR];
     for (int m = 0; m < MR; ++m) {
       x0[m] = _mm512_loadu_ps(xs + (m * kb + i) * 32);
@@ -295,10 +316,12 @@ void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_
       sum[m][v] = _mm512_setzero_ps();
     }
   const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  const int64_t ahead = prefetch_bytes();
   for (int64_t i0 = 0; i0 < kb; i0 += kIntFlush) {
     const int64_t i1 = std::min(kb, i0 + kIntFlush);
     for (int64_t i = i0; i < i1; ++i) {
       const int16_t* tile = strip + i * words;
+      prefetch_tile(tile, words, ahead);
       __m512i xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512(xq + (m * kb + i) * 32);
       __m512i head, tail;

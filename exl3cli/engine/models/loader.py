@@ -141,6 +141,11 @@ def load_causal_lm(
     dtype = dtype or cpu_exl3_dtype(weights, device, cpu_weights) or default_dtype(config, device)
     reader = split_fused_experts(weights, config, spec)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    if packing == "exl3" and cpu_kernels.available():
+        try:  # EXL3_CPU_GEMV: the 1-2 row product, exact (default) or fast
+            cpu_kernels.set_exl3_gemv_mode()
+        except ValueError as error:
+            raise InvalidOption(str(error)) from None
     expand = None
     if device.type == "cpu" and (packing != "exl3" or linear_mode == "dense") \
             and linear_mode != "trellis":
