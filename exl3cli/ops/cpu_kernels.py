@@ -372,28 +372,10 @@ def exl3_decode_cpu(trellis_t: torch.Tensor, k_bits: float, codebook: str) -> to
 def exl3_gemv_kind(k_bits: float, rows: int) -> str:
     """Which product the kernel runs for ``rows`` rows at K = ``k_bits``: "steps" (the
     trellis-step-order GEMV, AVX512-FP16 builds, 1-2 rows), "steps-int" (the same for a
-    mul1 layer in the "fast" GEMV mode, ``set_exl3_gemv_mode``), "rows" (tile row pairs /
+    mul1 layer in the "fast" GEMV mode, ops/cpu_gemv_mode.py), "rows" (tile row pairs /
     rows), "scalar" (the codebook table, CPUs without AVX-512) or "strips" (more than 8
     rows: decoded strips and a matrix product)."""
     return _ops().exl3_gemv_kind(float(k_bits), int(rows))
-
-
-EXL3_GEMV_MODES = ("exact", "fast")
-
-
-def set_exl3_gemv_mode(mode: str | None = None) -> str:
-    """Choose the 1-2 row EXL3 product for the process: "exact" (default: the codec's
-    float16 values, float32 sums) or "fast" (mul1 layers: the float16 rounding of each
-    weight left out and x rounded to int16 per row, one vpdpwssd per 32 weights; ~2e-4
-    of |y|, bench/NOTES-cpu-exl3.md). None reads ``EXL3_CPU_GEMV`` (unset or "": exact).
-    ValueError on any other value. Returns the mode in force ("exact" on builds without
-    AVX512-FP16, which have no integer product)."""
-    chosen = os.environ.get("EXL3_CPU_GEMV", "") if mode is None else mode
-    chosen = chosen or "exact"
-    if chosen not in EXL3_GEMV_MODES:
-        raise ValueError(f"EXL3_CPU_GEMV must be one of {', '.join(EXL3_GEMV_MODES)}, "
-                         f"got {chosen!r}")
-    return _ops().exl3_set_gemv_mode(chosen)
 
 
 def exl3_matmul_cpu(xh: torch.Tensor, trellis_t: torch.Tensor, k_bits: float,

@@ -17,6 +17,7 @@ from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.engine.layers.parallel import VocabShard
 from exl3cli.engine.layers.rope import RotaryEmbedding
+from exl3cli.engine.models.exl3_stack import Exl3DecodeStack
 from exl3cli.engine.spec.architecture import ArchitectureSpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import UnsupportedArchitecture
@@ -308,9 +309,7 @@ class CausalLM(nn.Module):
             return self.stages.run(self.layers, hidden, step)
         if step.cache is not None and hidden.device.type == "cpu":
             if self._stack is False:  # the whole stack in one op (models/exl3_stack.py)
-                from exl3cli.engine.models.exl3_stack import Exl3DecodeStack
-
-                self._stack = Exl3DecodeStack.of(self.layers)
+                self._stack = Exl3DecodeStack.of(self.layers, DecoderLayer)
             if self._stack is not None:
                 out = self._stack.run(hidden, step)  # type: ignore[union-attr]
                 if out is not None:

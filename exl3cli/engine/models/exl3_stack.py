@@ -8,8 +8,8 @@ model runs inside ``ops/cpu_exl3_layer.exl3_decode_stack_cpu`` (q|k|v, the paged
 write, attention, o and the MLP per layer), with its flat arguments built once.
 
 Public API:
-- ``Exl3DecodeStack.of(layers) -> Exl3DecodeStack | None``: runs of consecutive plain
-  ``DecoderLayer``s with an ``Exl3DecodePlan`` (one codebook, one head layout, no query
+- ``Exl3DecodeStack.of(layers, DecoderLayer) -> Exl3DecodeStack | None``: runs of
+  consecutive plain ``DecoderLayer``s with an ``Exl3DecodePlan`` (one codebook, one head layout, no query
   scale) go through the op, any other layer in between runs as before; None when no
   layer qualifies. ``EXL3_CPU_STACK=0`` turns it off (A/B runs).
 - ``stack.run(hidden [1, N, E], step) -> [1, N, E] | None``: None when the step is not
@@ -47,10 +47,11 @@ class Exl3DecodeStack:
         self.segments = segments
 
     @staticmethod
-    def of(layers: Any) -> Exl3DecodeStack | None:
+    def of(layers: Any, plain: type) -> Exl3DecodeStack | None:
+        """`plain`: the decoder layer class whose instances (not subclasses) qualify."""
         if os.environ.get("EXL3_CPU_STACK", "1") == "0" or len(layers) == 0:
             return None
-        plans = [_plain_exl3(layer, i) for i, layer in enumerate(layers)]
+        plans = [_plain_exl3(layer, i, plain) for i, layer in enumerate(layers)]
         segments: list[tuple[int, int, Any]] = []
         begin = 0
         for i in range(1, len(layers) + 1):
@@ -93,11 +94,9 @@ class Exl3DecodeStack:
         return hidden
 
 
-def _plain_exl3(layer: Any, index: int) -> tuple[Any, ...] | None:
+def _plain_exl3(layer: Any, index: int, plain: type) -> tuple[Any, ...] | None:
     """(plan, heads, kv_heads, head_dim, codebook) of a layer the stack op can run."""
-    from exl3cli.engine.models.causal_lm import DecoderLayer
-
-    if type(layer) is not DecoderLayer:
+    if type(layer) is not plain:
         return None
     plan, attention = layer._decode_plan(), layer.attention
     if (not isinstance(plan, Exl3DecodePlan) or attention._query_factor is not None

@@ -51,6 +51,7 @@ from exl3cli.engine.spec.architecture import (
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
 from exl3cli.ops import cpu_kernels
+from exl3cli.ops.cpu_gemv_mode import set_exl3_gemv_mode
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -143,7 +144,7 @@ def load_causal_lm(
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
     if packing == "exl3" and cpu_kernels.available():
         try:  # EXL3_CPU_GEMV: the 1-2 row product, exact (default) or fast
-            cpu_kernels.set_exl3_gemv_mode()
+            set_exl3_gemv_mode()
         except ValueError as error:
             raise InvalidOption(str(error)) from None
     expand = None
