@@ -13,8 +13,9 @@ Public API:
   scale) go through the op, any other layer in between runs as before; None when no
   layer qualifies. ``EXL3_CPU_STACK=0`` turns it off (A/B runs).
 - ``stack.run(hidden [1, N, E], step) -> [1, N, E] | None``: None when the step is not
-  decode rows only on a float32 CPU paged cache, or a layer's projections were replaced
-  since (a LoRA adapter): the caller then runs the layers one by one.
+  decode rows only on a float32 CPU paged cache, a layer's projections were replaced
+  since (a LoRA adapter), or a layer or projection has forward hooks (streamed layers,
+  calibration captures): the caller then runs the layers one by one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def _modules(layer: Any) -> tuple[Any, ...]:
     attention, mlp = layer.attention, layer.mlp
     return (getattr(attention, "qkv", None), getattr(attention, "o", None),
             getattr(mlp, "gate_up", None), getattr(mlp, "down", None))
+
+
+def _hooked(modules: tuple[Any, ...]) -> bool:
+    """Whether forward hooks would see these modules run (streamed layers' copies, a
+    converter's captures): the op would skip them."""
+    return any(m is not None and (m._forward_pre_hooks or m._forward_hooks) for m in modules)
 
 
 class Exl3DecodeStack:
@@ -74,9 +81,10 @@ class Exl3DecodeStack:
         slots = slots_of()
         if slots is None:
             return None
-        if any(_modules(layer) != held for layer, held in zip(self._layers, self._modules,
-                                                             strict=True)):
-            return None
+        for layer, held in zip(self._layers, self._modules, strict=True):
+            now = _modules(layer)
+            if now != held or _hooked((layer, layer.attention, layer.mlp, *now)):
+                return None
         write_slots, decode_slots, lengths = slots
         rows, width = hidden.shape[1], hidden.shape[2]
         pool = cache.pool  # type: ignore[union-attr]
