@@ -287,16 +287,19 @@ inline void step_lanes_xq(const float* xh, int64_t ldx, int64_t rows, int64_t kb
     const float* x = xh + m * ldx;
     float amax = 0.f;
     for (int64_t k = 0; k < 16 * kb; ++k) amax = std::max(amax, std::abs(x[k]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
     scale[m] = amax / 32767.f;
     int64_t total = 0;
-    for (int64_t i = 0; i < kb; ++i)
-      for (int l = 0; l < 32; ++l) {
-        const int q = static_cast<int>(std::lrint(x[16 * i + kLaneRow[l]] * inv));
-        xq[(m * kb + i) * 32 + l] = static_cast<int16_t>(q);
-        total += q;  // every row sits in two lanes (columns v and v + 8)
-      }
-    qsum[m] = static_cast<double>(total) / 2;
+    alignas(64) int16_t lane_row[32];
+    for (int l = 0; l < 32; ++l) lane_row[l] = static_cast<int16_t>(kLaneRow[l]);
+    const __m512i lanes = _mm512_load_si512(lane_row);
+    for (int64_t i = 0; i < kb; ++i) {  // round to nearest even, like lrint
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), inv));
+      const __m512i q16 = _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(qi));
+      total += _mm512_reduce_add_epi32(qi);
+      _mm512_storeu_si512(xq + (m * kb + i) * 32, _mm512_permutexvar_epi16(lanes, q16));
+    }
+    qsum[m] = static_cast<double>(total);
   }
 }
 
