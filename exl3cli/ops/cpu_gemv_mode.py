@@ -6,9 +6,9 @@ AVX512-FP16 builds:
 - fast (mul1 layers only; 3inst/mcg layers stay exact): the weight's float16 rounding is
   left out (w = S a + c from the hash's byte sum S) and x is rounded to int16 with one
   scale per row, so one vpdpwssd multiplies 32 weights: ~1.7x the exact rate in cache,
-  ~1.3x in a model; ~2e-4 of |y| per product, logits within ~1e-2 of exact on SmolLM2
-  (over the 1e-4 the CPU path is held to against the dequantized model; greedy text was
-  identical there): bench/NOTES-cpu-exl3.md.
+  1.2-1.5x a decode token; ~2e-4 of |y| per product, logits within 1.2e-2 of exact on
+  SmolLM2 (over the 1e-4 the CPU path is held to against the dequantized model, so not
+  the default; greedy text was identical there): bench/NOTES-cpu-exl3.md.
 
 Public API:
 - ``EXL3_GEMV_MODES``; ``set_exl3_gemv_mode(mode=None) -> str``: the process-wide mode
