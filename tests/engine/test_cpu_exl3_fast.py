@@ -140,6 +140,8 @@ def test_stack_op_matches_the_per_layer_path(folder, monkeypatch) -> None:
     assert [held is not None for _, _, held in stacked._stack.segments] == [True]
     assert tokens_s == tokens
     torch.testing.assert_close(logits_s, logits, rtol=1e-5, atol=1e-5)
+    # Layers other than the ones it was built from: not run (the caller loops them).
+    assert stacked._stack.run(torch.zeros(1, 1, 8), None, list(stacked.layers)[:2]) is None
 
 
 def test_stack_op_matches_its_twin(folder) -> None:

@@ -311,7 +311,7 @@ class CausalLM(nn.Module):
             if self._stack is False:  # the whole stack in one op (models/exl3_stack.py)
                 self._stack = Exl3DecodeStack.of(self.layers, DecoderLayer)
             if self._stack is not None:
-                out = self._stack.run(hidden, step)  # type: ignore[union-attr]
+                out = self._stack.run(hidden, step, self.layers)  # type: ignore[union-attr]
                 if out is not None:
                     return out
         for layer in self.layers:

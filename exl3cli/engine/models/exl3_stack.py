@@ -9,10 +9,11 @@ write, attention, o and the MLP per layer), with its flat arguments built once.
 
 Public API:
 - ``Exl3DecodeStack.of(layers, DecoderLayer) -> Exl3DecodeStack | None``: runs of
-  consecutive plain ``DecoderLayer``s with an ``Exl3DecodePlan`` (one codebook, one head layout, no query
-  scale) go through the op, any other layer in between runs as before; None when no
+  consecutive plain ``DecoderLayer``s with an ``Exl3DecodePlan`` (one codebook, one head
+  layout, no query scale) go through the op, any other layer in between runs as before; None when no
   layer qualifies. ``EXL3_CPU_STACK=0`` turns it off (A/B runs).
-- ``stack.run(hidden [1, N, E], step) -> [1, N, E] | None``: None when the step is not
+- ``stack.run(hidden [1, N, E], step, layers=None) -> [1, N, E] | None``: None when the
+  model's layers are no longer the ones it was built from, the step is not
   decode rows only on a float32 CPU paged cache, a layer's projections were replaced
   since (a LoRA adapter), or a layer or projection has forward hooks (streamed layers,
   calibration captures): the caller then runs the layers one by one.
@@ -70,7 +71,12 @@ class Exl3DecodeStack:
             return None
         return Exl3DecodeStack(list(layers), segments)
 
-    def run(self, hidden: torch.Tensor, step: AttentionStep) -> torch.Tensor | None:
+    def run(self, hidden: torch.Tensor, step: AttentionStep,
+            layers: Any = None) -> torch.Tensor | None:
+        """`layers`: the model's layers now (None: as built); another list -> None."""
+        if layers is not None and (len(layers) != len(self._layers) or any(
+                a is not b for a, b in zip(layers, self._layers, strict=False))):
+            return None
         cache = step.cache
         slots_of = getattr(cache, "fused_decode_slots", None)
         if (slots_of is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
