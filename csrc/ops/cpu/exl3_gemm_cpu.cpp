@@ -440,7 +440,8 @@ bool fast_gemv_for(int64_t codebook, int64_t rows, const StepTable& t) {
 void fused_matmul_int(const int16_t* trellis, int64_t nb, int64_t kb, int64_t words,
                       const StepOrderTable& t, const float* xh, int64_t rows, float* out) {
   const int64_t ldo = 16 * nb, tile_words = kb * words;
-  std::vector<int16_t> xq(static_cast<size_t>(rows * kb * 32));
+  thread_local std::vector<int16_t> xq;
+  xq.resize(static_cast<size_t>(rows * kb * 32));
   float scale[kStepRows];
   double qsum[kStepRows];
   step_lanes_xq(xh, 16 * kb, rows, kb, xq.data(), scale, qsum);
@@ -592,7 +593,8 @@ void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
     return;
   }
   if (rows <= kStepRows && L.table->order.ok && !step_order_disabled()) {
-    std::vector<float> xs(static_cast<size_t>(rows * L.kb * 32));
+    thread_local std::vector<float> xs;
+    xs.resize(static_cast<size_t>(rows * L.kb * 32));
     step_lanes_x(xh, ldx, rows, L.kb, xs.data());
     dispatch_steps(L.codebook, L.table->order.words16 > 32, rows, [&](auto fn) {
       at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
@@ -711,14 +713,32 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const a
                 "exl3_linear: bias must be contiguous float32 (>= n)");
     bp = bias->data_ptr<float>();
   }
-  at::Tensor xh = at::zeros({M, padded_in}, xc.options());
+  // Decode rows (<= kGemvRows) work in this thread's scratch (no tensor allocations per
+  // call: ~200 calls a token); prompts in tensors (matmul_rotated's strip path).
+  thread_local std::vector<float> scratch;
+  const bool small = M <= kGemvRows;
+  at::Tensor xh, yr;
+  float *hp, *yp;
+  if (small) {
+    scratch.resize(static_cast<size_t>(M * (padded_in + padded_out)));
+    hp = scratch.data();
+    yp = hp + M * padded_in;
+  } else {
+    xh = at::empty({M, padded_in}, xc.options());
+    hp = xh.data_ptr<float>();
+  }
   const float *xp = xc.data_ptr<float>(), *sp = suh.data_ptr<float>();
-  float* hp = xh.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < in; ++k) hp[m * padded_in + k] = xp[m * in + k] * sp[k];
+    std::fill(hp + m * padded_in + in, hp + (m + 1) * padded_in, 0.f);
+  }
   hadamard_rows(hp, M, padded_in);
-  at::Tensor yr = matmul_rotated(L, xh);
-  float* yp = yr.data_ptr<float>();
+  if (small) {
+    if (M > 0 && padded_out > 0) fused_matmul(L, hp, M, yp);
+  } else {
+    yr = matmul_rotated(L, xh);
+    yp = yr.data_ptr<float>();
+  }
   hadamard_rows(yp, M, padded_out);
   at::Tensor y = at::empty({M, n}, xc.options());
   float* op = y.data_ptr<float>();
