@@ -14,6 +14,10 @@ Public API:
   weights, cos, sin, head_dim, rot_heads) -> [M, qkv width]``.
 - ``exl3_out_mlp_reference`` / ``exl3_out_mlp_cpu(x, attn, norm_weight, eps, weights)
   -> [M, E]``.
+- ``Exl3StackWeights`` and ``exl3_decode_stack_reference`` / ``exl3_decode_stack_cpu(x,
+  stack, cos, sin, keys, values, write_slots, decode_slots, lengths) -> [M, E]``: a whole
+  stack's decode step (one new token per sequence, paged cache written and read) in one
+  op call (``stack_args`` builds its flat arguments once).
 """
 
 from __future__ import annotations
@@ -91,3 +95,67 @@ def exl3_out_mlp_cpu(x: torch.Tensor, attn: torch.Tensor, norm_weight: torch.Ten
     return cpu_kernels._ops().exl3_out_mlp(
         x, attn.contiguous(), norm_weight, eps, *_flat(parts),
         cpu_kernels._codebook_id(book), cpu_kernels._scalar_lut(book), counts)
+
+
+class Exl3StackWeights(NamedTuple):
+    """A stack of plain layers for ``exl3_decode_stack_*``: per layer its two norms
+    (input, post-attention) with their eps, its ``Exl3LayerWeights`` and attention window
+    (None: all of the history); one codebook, heads x head_dim queries, kv_heads keys."""
+
+    norms: tuple[tuple[torch.Tensor, float, torch.Tensor, float], ...]
+    layers: tuple[Exl3LayerWeights, ...]
+    windows: tuple[int | None, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def exl3_decode_stack_reference(x: torch.Tensor, stack: Exl3StackWeights, cos: torch.Tensor,
+                                sin: torch.Tensor, keys: list[torch.Tensor],
+                                values: list[torch.Tensor], write_slots: torch.Tensor,
+                                decode_slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """One decode step (x [M, E]: one new token per sequence) through every layer: q|k|v,
+    the new keys/values written into the paged stores keys[l]/values[l] [slots, KV, D] at
+    write_slots [M], attention of row m over decode_slots[m, :lengths[m]], o and the MLP."""
+    heads, kv_heads, dim = stack.heads, stack.kv_heads, stack.head_dim
+    q_width, kv_width = heads * dim, kv_heads * dim
+    for (w_in, eps_in, w_post, eps_post), layer, window, kc, vc in zip(
+            stack.norms, stack.layers, stack.windows, keys, values, strict=True):
+        qkv = exl3_norm_qkv_rope_reference(x, w_in, eps_in, layer, cos, sin, dim, heads + kv_heads)
+        rows = x.shape[0]
+        kc.index_copy_(0, write_slots, qkv[:, q_width:q_width + kv_width].reshape(rows, kv_heads, dim))
+        vc.index_copy_(0, write_slots, qkv[:, q_width + kv_width:].reshape(rows, kv_heads, dim))
+        query = qkv[:, :q_width].reshape(rows, heads, dim)
+        attn = cpu_kernels.attend_decode_reference(query, kc, vc, decode_slots, lengths, window)
+        x = exl3_out_mlp_reference(x, attn.reshape(rows, q_width), w_post, eps_post, layer)
+    return x
+
+
+def exl3_decode_stack_cpu(x: torch.Tensor, stack: Exl3StackWeights, cos: torch.Tensor,
+                          sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                          write_slots: torch.Tensor, decode_slots: torch.Tensor,
+                          lengths: torch.Tensor, flat: tuple | None = None) -> torch.Tensor:
+    """``exl3_decode_stack_reference`` in one op call for the whole stack (float32);
+    `flat`: ``stack_args(stack)``, built once by a caller that runs the stack per token."""
+    flat = flat if flat is not None else stack_args(stack)
+    return cpu_kernels._ops().exl3_decode_stack(
+        x.contiguous(), *flat, cos.contiguous(), sin.contiguous(), stack.head_dim, stack.heads,
+        stack.kv_heads, keys, values, write_slots, decode_slots, lengths,
+        [0 if w is None else int(w) for w in stack.windows])
+
+
+def stack_args(stack: Exl3StackWeights) -> tuple:
+    """The op's flat weight arguments (norms, eps, the parts' lists, counts, codebook)."""
+    norms, eps, parts, counts = [], [], [], []
+    books = {layer.codebook for layer in stack.layers}
+    if len(books) != 1:
+        raise ValueError("a decode stack runs one codebook")
+    book = books.pop()
+    for (w_in, eps_in, w_post, eps_post), layer in zip(stack.norms, stack.layers, strict=True):
+        norms += [w_in, w_post]
+        eps += [float(eps_in), float(eps_post)]
+        groups = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        counts += [len(g) for g in groups]
+        parts += [p for g in groups for p in g]
+    return (norms, eps, *_flat(tuple(parts)), counts, cpu_kernels._codebook_id(book),
+            cpu_kernels._scalar_lut(book))

@@ -371,7 +371,8 @@ def exl3_decode_cpu(trellis_t: torch.Tensor, k_bits: float, codebook: str) -> to
 
 def exl3_gemv_kind(k_bits: float, rows: int) -> str:
     """Which product the kernel runs for ``rows`` rows at K = ``k_bits``: "steps" (the
-    trellis-step-order GEMV, AVX512-FP16 builds, 1-2 rows), "rows" (tile row pairs /
+    trellis-step-order GEMV, AVX512-FP16 builds, 1-2 rows), "steps-int" (the same for a
+    mul1 layer in the "fast" GEMV mode, ops/cpu_gemv_mode.py), "rows" (tile row pairs /
     rows), "scalar" (the codebook table, CPUs without AVX-512) or "strips" (more than 8
     rows: decoded strips and a matrix product)."""
     return _ops().exl3_gemv_kind(float(k_bits), int(rows))

@@ -188,7 +188,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 }  // namespace exl3_cpu
 
-namespace {
+namespace exl3_cpu {
 
 // One query per row b: q [B, H, D]. Contiguous cache (slots undefined): k, v [B, KV, S, D]
 // with D contiguous (strided views are fine). Paged cache: k, v [slots, KV, D] contiguous
@@ -276,7 +276,7 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out;
 }
 
-}  // namespace
+}  // namespace exl3_cpu
 
 TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -292,5 +292,5 @@ TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) {
   m.impl("add_rms_norm", &exl3_cpu::add_rms_norm);
   m.impl("rotary_", &exl3_cpu::rotary_);
   m.impl("silu_mul", &exl3_cpu::silu_mul);
-  m.impl("attend_decode", &attend_decode);
+  m.impl("attend_decode", &exl3_cpu::attend_decode);
 }

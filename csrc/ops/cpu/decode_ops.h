@@ -49,5 +49,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& w, double eps);
 at::Tensor& rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 at::Tensor silu_mul(const at::Tensor& gu);
+// q [B, H, D] over a paged (k, v [slots, KV, D], slots [B, S]) or contiguous cache.
+at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& slots,
+                         const c10::optional<at::Tensor>& lengths, int64_t window);
 
 }  // namespace exl3_cpu

@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -426,6 +427,41 @@ bool step_order_disabled() {
   return off;
 }
 
+// The GEMV mode (exl3_set_gemv_mode): false "exact" (the codec's values), true "fast" (the
+// inexact integer product for mul1 layers, exl3_step_gemv.h). Process-wide, set at load.
+std::atomic<bool> g_fast_gemv{false};
+
+bool fast_gemv_for(int64_t codebook, int64_t rows, const StepTable& t) {
+  return g_fast_gemv.load(std::memory_order_relaxed) && codebook == 2 && rows <= kStepRows &&
+         t.order.ok && !step_order_disabled();
+}
+
+// out (rows, 16 nb) = xh @ Ŵ without the float16 rounding, x in int16 (fast_gemv_for).
+void fused_matmul_int(const int16_t* trellis, int64_t nb, int64_t kb, int64_t words,
+                      const StepOrderTable& t, const float* xh, int64_t rows, float* out) {
+  const int64_t ldo = 16 * nb, tile_words = kb * words;
+  thread_local std::vector<int16_t> xq;
+  xq.resize(static_cast<size_t>(rows * kb * 32));
+  float scale[kStepRows];
+  double qsum[kStepRows];
+  step_lanes_xq(xh, 16 * kb, rows, kb, xq.data(), scale, qsum);
+  auto run = [&](auto fn) {
+    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j)
+        fn(xq.data(), kb, trellis + j * tile_words, words, t, out + 16 * j, ldo);
+    });
+  };
+  const bool wide = t.words16 > 32;
+  if (rows == 1) wide ? run(strip_steps_int<true, 1>) : run(strip_steps_int<false, 1>);
+  else wide ? run(strip_steps_int<true, 2>) : run(strip_steps_int<false, 2>);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float mul = scale[m] * kMul1A;
+    const float add = static_cast<float>(scale[m] * kMul1C * qsum[m]);
+    float* o = out + m * ldo;
+    for (int64_t c = 0; c < ldo; ++c) o[c] = o[c] * mul + add;
+  }
+}
+
 // f(strip_steps<CB, WIDE, MR>) for a layer's codebook, ring length and rows (1..kStepRows).
 template <typename F>
 void dispatch_steps(int64_t codebook, bool wide, int64_t rows, F&& f) {
@@ -552,8 +588,13 @@ Layer check_layer(const at::Tensor& trellis_t, double k_bits, int64_t codebook,
 void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
   const int64_t ldx = 16 * L.kb, ldo = 16 * L.nb, tile_words = L.kb * L.words;
 #if defined(EXL3_FP16_PATH)
+  if (fast_gemv_for(L.codebook, rows, *L.table)) {
+    fused_matmul_int(L.trellis, L.nb, L.kb, L.words, L.table->order, xh, rows, out);
+    return;
+  }
   if (rows <= kStepRows && L.table->order.ok && !step_order_disabled()) {
-    std::vector<float> xs(static_cast<size_t>(rows * L.kb * 32));
+    thread_local std::vector<float> xs;
+    xs.resize(static_cast<size_t>(rows * L.kb * 32));
     step_lanes_x(xh, ldx, rows, L.kb, xs.data());
     dispatch_steps(L.codebook, L.table->order.words16 > 32, rows, [&](auto fn) {
       at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
@@ -672,14 +713,32 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const a
                 "exl3_linear: bias must be contiguous float32 (>= n)");
     bp = bias->data_ptr<float>();
   }
-  at::Tensor xh = at::zeros({M, padded_in}, xc.options());
+  // Decode rows (<= kGemvRows) work in this thread's scratch (no tensor allocations per
+  // call: ~200 calls a token); prompts in tensors (matmul_rotated's strip path).
+  thread_local std::vector<float> scratch;
+  const bool small = M <= kGemvRows;
+  at::Tensor xh, yr;
+  float *hp, *yp;
+  if (small) {
+    scratch.resize(static_cast<size_t>(M * (padded_in + padded_out)));
+    hp = scratch.data();
+    yp = hp + M * padded_in;
+  } else {
+    xh = at::empty({M, padded_in}, xc.options());
+    hp = xh.data_ptr<float>();
+  }
   const float *xp = xc.data_ptr<float>(), *sp = suh.data_ptr<float>();
-  float* hp = xh.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < in; ++k) hp[m * padded_in + k] = xp[m * in + k] * sp[k];
+    std::fill(hp + m * padded_in + in, hp + (m + 1) * padded_in, 0.f);
+  }
   hadamard_rows(hp, M, padded_in);
-  at::Tensor yr = matmul_rotated(L, xh);
-  float* yp = yr.data_ptr<float>();
+  if (small) {
+    if (M > 0 && padded_out > 0) fused_matmul(L, hp, M, yp);
+  } else {
+    yr = matmul_rotated(L, xh);
+    yp = yr.data_ptr<float>();
+  }
   hadamard_rows(yp, M, padded_out);
   at::Tensor y = at::empty({M, n}, xc.options());
   float* op = y.data_ptr<float>();
@@ -690,12 +749,24 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const a
   return y;
 }
 
+std::string exl3_set_gemv_mode(const std::string& mode) {
+  TORCH_CHECK(mode == "exact" || mode == "fast", "exl3: GEMV mode must be exact or fast, got ",
+              mode);
+#if defined(EXL3_FP16_PATH)
+  g_fast_gemv.store(mode == "fast");
+  return mode;
+#else
+  return "exact";  // the integer product needs the AVX512-FP16 step-order path
+#endif
+}
+
 std::string exl3_gemv_kind(double k_bits, int64_t rows) {
   const int half_k = static_cast<int>(std::lround(2 * k_bits));
   TORCH_CHECK(std::abs(2 * k_bits - half_k) < 1e-9 && valid_half_k(half_k),
               "exl3: unsupported bits per weight ", k_bits);
   if (rows > kGemvRows) return "strips";
 #if defined(EXL3_FP16_PATH)
+  if (fast_gemv_for(2, rows, table_for(half_k))) return "steps-int";
   if (rows <= kStepRows && table_for(half_k).order.ok && !step_order_disabled()) return "steps";
 #endif
   return kSimd ? "rows" : "scalar";
@@ -711,6 +782,9 @@ TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
   // Which product serves `rows` rows: "steps" (trellis-step order), "rows" (row pairs),
   // "scalar" (codebook table) or "strips" (decoded strips and at::mm).
   m.def("exl3_gemv_kind(float k_bits, int rows) -> str", &exl3_cpu::exl3_gemv_kind);
+  // "exact" (default) or "fast" (mul1 layers, 1-2 rows: the inexact integer product);
+  // returns the mode in force ("exact" where the build has no step-order GEMV).
+  m.def("exl3_set_gemv_mode(str mode) -> str", &exl3_cpu::exl3_set_gemv_mode);
 }
 
 TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) {

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 // Row of the tile for lane l of a step vector (the same for every v).
 constexpr int kLaneRow[32] = {0, 1, 8,  9,  0, 1, 8,  9,  2, 3, 10, 11, 2, 3, 10, 11,
@@ -191,6 +192,24 @@ inline __m512i step_states(const int16_t* tile, __m512i head, __m512i tail,
 #endif
 }
 
+// Software prefetch of the trellis this far ahead of the tile being decoded (bytes; read
+// from EXL3_CPU_PREFETCH once for A/B runs, 0 = off). The strips of a thread's range are
+// contiguous, so prefetching past a strip's end fetches the next one.
+inline int64_t prefetch_bytes() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("EXL3_CPU_PREFETCH");
+    return v ? std::atoll(v) : int64_t{2048};
+  }();
+  return bytes;
+}
+
+// One tile's lines (2 * words bytes), `ahead` bytes on.
+inline void prefetch_tile(const int16_t* tile, int64_t words, int64_t ahead) {
+  if (ahead <= 0) return;
+  const char* p = reinterpret_cast<const char*>(tile) + ahead;
+  for (int64_t b = 0; b < 2 * words; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // xs (rows, kb, 32): x of each 16-row block in step-lane order (kLaneRow).
 inline void step_lanes_x(const float* xh, int64_t ldx, int64_t rows, int64_t kb, float* xs) {
   for (int64_t m = 0; m < rows; ++m)
@@ -206,8 +225,10 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 8; ++v) acc[m][v] = _mm512_setzero_ps();
   const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  const int64_t ahead = prefetch_bytes();
   for (int64_t i = 0; i < kb; ++i) {
     const int16_t* tile = strip + i * words;
+    prefetch_tile(tile, words, ahead);
     __m512 x0[MR], x1[MR];
     for (int m = 0; m < MR; ++m) {
       x0[m] = _mm512_loadu_ps(xs + (m * kb + i) * 32);
@@ -244,6 +265,107 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
     for (int v = 0; v < 8; ++v) {
       o[v] = folded[v][0];
       o[v + 8] = folded[v][4];
+    }
+  }
+}
+
+// --- The inexact integer GEMV (EXL3_CPU_GEMV=fast; mul1 only) ---
+// mul1's value is float16((1024 + S) a + b), S the byte sum of the hash (0..1020). Here the
+// float16 rounding is left out (w = S a + c, c = b + 1024 a) and x is rounded to int16 with
+// one scale per row (xq = x / s), so a column's product is s (a sum xq S + c sum xq):
+// vpdpwssd multiplies S by two rows of xq per 32-bit lane, ~10 vector uops per 32 weights
+// against the exact path's ~17. Error: the float16 half-ulp of each weight (up to 2^-10 of
+// |w| in [2, 4)) and x's int16 rounding: ~2e-4 of |y| (bench/NOTES-cpu-exl3.md).
+constexpr float kMul1A = 1774.f / 262144.f;  // a (float16 0x1EEE)
+constexpr float kMul1C = -3.453125f;          // b + 1024 a
+constexpr int kIntFlush = 16;  // tiles per int32 flush: 16 x 2 x 1020 x 32767 < 2^31
+
+// xq (rows, kb, 32) in step-lane order, scale[m] = max|x_m| / 32767, qsum[m] = sum of xq_m.
+inline void step_lanes_xq(const float* xh, int64_t ldx, int64_t rows, int64_t kb, int16_t* xq,
+                          float* scale, double* qsum) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* x = xh + m * ldx;
+    float amax = 0.f;
+    for (int64_t k = 0; k < 16 * kb; ++k) amax = std::max(amax, std::abs(x[k]));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    scale[m] = amax / 32767.f;
+    int64_t total = 0;
+    alignas(64) int16_t lane_row[32];
+    for (int l = 0; l < 32; ++l) lane_row[l] = static_cast<int16_t>(kLaneRow[l]);
+    const __m512i lanes = _mm512_load_si512(lane_row);
+    for (int64_t i = 0; i < kb; ++i) {  // round to nearest even, like lrint
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), inv));
+      const __m512i q16 = _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(qi));
+      total += _mm512_reduce_add_epi32(qi);
+      _mm512_storeu_si512(xq + (m * kb + i) * 32, _mm512_permutexvar_epi16(lanes, q16));
+    }
+    qsum[m] = static_cast<double>(total);
+  }
+}
+
+// out[m][0..16) = sum over the strip's rows of xq_m[r] S[r][c] (the caller scales it).
+template <bool WIDE, int MR>
+void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_t words,
+                     const StepOrderTable& t, float* out, int64_t ldo) {
+  constexpr uint32_t mult = 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[MR][8];
+  __m512 sum[MR][8];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 8; ++v) {
+      acc[m][v] = _mm512_setzero_si512();
+      sum[m][v] = _mm512_setzero_ps();
+    }
+  const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  const int64_t ahead = prefetch_bytes();
+  for (int64_t i0 = 0; i0 < kb; i0 += kIntFlush) {
+    const int64_t i1 = std::min(kb, i0 + kIntFlush);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int16_t* tile = strip + i * words;
+      prefetch_tile(tile, words, ahead);
+      __m512i xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512(xq + (m * kb + i) * 32);
+      __m512i head, tail;
+      if constexpr (WIDE) {
+        head = _mm512_loadu_si512(tile);
+        tail = _mm512_loadu_si512(tile + t.words16 - 32);
+      } else {
+        head = tail = _mm512_maskz_loadu_epi16(narrow, tile);
+      }
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) {
+        const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
+        const __m512i lo = _mm512_mullo_epi16(state, ml);
+        const __m512i hi =
+            _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+        const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
+                                           _mm512_maddubs_epi16(hi, ones));
+        for (int m = 0; m < MR; ++m) acc[m][v] = _mm512_dpwssd_epi32(acc[m][v], s, xv[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < 8; ++v) {
+        sum[m][v] = _mm512_add_ps(sum[m][v], _mm512_cvtepi32_ps(acc[m][v]));
+        acc[m][v] = _mm512_setzero_si512();
+      }
+  }
+  // 32-bit lane j of sum[v] is 16-bit lanes 2j, 2j + 1: column v where bit 1 of j is clear,
+  // v + 8 where it is set.
+  for (int m = 0; m < MR; ++m) {
+    alignas(64) float folded[8][16];
+    for (int v = 0; v < 8; ++v) {
+      __m512 a = sum[m][v];
+      a = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));         // + lane j ^ 1
+      a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0x4E));   // + 128-bit block ^ 2
+      a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));   // + 128-bit block ^ 1
+      _mm512_store_ps(folded[v], a);
+    }
+    float* o = out + m * ldo;
+    for (int v = 0; v < 8; ++v) {
+      o[v] = folded[v][0];
+      o[v + 8] = folded[v][2];
     }
   }
 }

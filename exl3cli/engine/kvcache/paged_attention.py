@@ -221,6 +221,14 @@ class PagedBatch:
                 dtype=torch.long, device=self.write_slots.device)
         return self._history_slots[i]
 
+    def fused_decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(write_slots [N], decode_slots [N, S], lengths [N]) when this step is decode rows
+        only (one new token per sequence) on a float32 CPU pool the fused op reads in
+        place: what a whole-stack decode op (models/exl3_stack.py) needs; else None."""
+        if not self._fused or self._chunk_rows or self._decode_slots is None:
+            return None
+        return self.write_slots, self._decode_slots, self._decode_lengths
+
     def _attend_decode_fused(self, layer: int, query: torch.Tensor,
                              window: int | None) -> torch.Tensor:
         """attend_decode on the CPU op, over the pool's storage in place: [B, H, D]."""

@@ -17,6 +17,7 @@ from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.engine.layers.parallel import VocabShard
 from exl3cli.engine.layers.rope import RotaryEmbedding
+from exl3cli.engine.models.exl3_stack import Exl3DecodeStack
 from exl3cli.engine.spec.architecture import ArchitectureSpec
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import UnsupportedArchitecture
@@ -185,6 +186,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
         self._head_gemv: bool | None = None  # see _project
+        self._stack: Any = False  # models/exl3_stack.Exl3DecodeStack, None, False: not yet
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling,
             config.max_position_embeddings, embed_weight.device, self._compute_dtype,
@@ -305,6 +307,13 @@ class CausalLM(nn.Module):
     def _run_layers(self, hidden: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         if self.stages is not None:  # a layer split over devices (layer_split.py)
             return self.stages.run(self.layers, hidden, step)
+        if step.cache is not None and hidden.device.type == "cpu":
+            if self._stack is False:  # the whole stack in one op (models/exl3_stack.py)
+                self._stack = Exl3DecodeStack.of(self.layers, DecoderLayer)
+            if self._stack is not None:
+                out = self._stack.run(hidden, step, self.layers)  # type: ignore[union-attr]
+                if out is not None:
+                    return out
         for layer in self.layers:
             hidden = layer(hidden, step)
         return hidden

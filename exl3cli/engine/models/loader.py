@@ -51,6 +51,7 @@ from exl3cli.engine.spec.architecture import (
 from exl3cli.engine.spec.config import ModelConfig
 from exl3cli.errors import InvalidOption, ModelLoadError, UnsupportedArchitecture
 from exl3cli.ops import cpu_kernels
+from exl3cli.ops.cpu_gemv_mode import set_exl3_gemv_mode
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -98,6 +99,21 @@ def resolve_cpu_weights(cpu_weights: str | None, device: torch.device,
     return mode
 
 
+def cpu_exl3_dtype(reader: WeightReader, device: torch.device,
+                   cpu_weights: str | None) -> torch.dtype | None:
+    """float32 for an EXL3 folder on the CPU in the ``exl3`` weight mode, whatever the
+    checkpoint's dtype: the kernels compute in float32 either way, and only float32
+    activations take the two-call decode layer (a bfloat16 run converts around every
+    projection and runs ~25 ops per layer: 62 vs 40 ms a SmolLM2 token,
+    bench/NOTES-cpu-exl3.md); bf16/fp16 embedding tables stay at their stored size.
+    None otherwise (``default_dtype`` decides)."""
+    if device.type != "cpu" or not any(k.endswith(".trellis") for k in reader.keys()):
+        return None
+    if resolve_cpu_weights(cpu_weights, device, torch.float32) != "exl3":
+        return None
+    return torch.float32
+
+
 def load_causal_lm(
     folder: str | Path,
     device: torch.device | str | None = None,
@@ -122,9 +138,15 @@ def load_causal_lm(
     config = load_family_config(folder)
     spec = get_architecture(config.architecture)
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or default_dtype(config, device)
-    reader = split_fused_experts(WeightReader(folder), config, spec)
+    weights = WeightReader(folder)
+    dtype = dtype or cpu_exl3_dtype(weights, device, cpu_weights) or default_dtype(config, device)
+    reader = split_fused_experts(weights, config, spec)
     packing = resolve_cpu_weights(cpu_weights, device, dtype)
+    if packing == "exl3" and cpu_kernels.available():
+        try:  # EXL3_CPU_GEMV: the 1-2 row product, exact (default) or fast
+            set_exl3_gemv_mode()
+        except ValueError as error:
+            raise InvalidOption(str(error)) from None
     expand = None
     if device.type == "cpu" and (packing != "exl3" or linear_mode == "dense") \
             and linear_mode != "trellis":
@@ -135,7 +157,7 @@ def load_causal_lm(
                                streamed=streamed)
     if placement.gpu_layers == 0 and device.type != "cpu" and not placement.streamed:
         device = torch.device("cpu")  # num_gpu 0: all on the CPU
-        dtype = default_dtype(config, device)
+        dtype = cpu_exl3_dtype(weights, device, cpu_weights) or default_dtype(config, device)
     model = build_causal_lm(config, spec, reader, device, dtype, linear_mode=linear_mode,
                             cpu_weights=cpu_weights, offload_from=placement.gpu_layers,
                             streamed=placement.streamed)
