@@ -26,7 +26,8 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
   ``unit_offset``: Gemma's single rounding), or the identity when ``norm_weight`` is
   None; ``normed`` (rows, cols) in x's dtype receives ``norm(x)`` (a LoRA's input).
 - ``gemm_parts(xhs, trellises, k2, codebook, splits) -> list[partials]``: ``xh @ Ŵ``
-  (the reference returns one split).
+  (the reference returns one split; so does CUDA past ``FUSED_MAX_ROWS`` rows, a
+  prompt: ``cuda_kernels.dense_sums``, decode + cuBLAS).
 - ``gemm_parts_low(xhs, trellises, k2, codebook, splits, x, a) -> (partials, low)``:
   ``gemm_parts`` and ``low = x @ a^T`` (an adapted projection's first LoRA product, in
   a's dtype), in the GEMM's own launch on CUDA when ``low_in_gemm(x, a)`` (its own blocks
@@ -222,6 +223,11 @@ def gemm_parts(xhs: Sequence[torch.Tensor], trellises: Sequence[torch.Tensor], k
     """See the module docstring; every part has the same rows, input width and K."""
     ext = _ext(xhs[0])
     rows = xhs[0].shape[0]
+    if ext is not None and rows > kernels.FUSED_MAX_ROWS:  # a prompt: decode + cuBLAS
+        cb = kernels._codebook_id(codebook, k2)
+        sums = [kernels.dense_sums(xh, t, k2, cb) for xh, t in zip(xhs, trellises, strict=True)]
+        if all(s is not None for s in sums):
+            return [s.unsqueeze(0) for s in sums]  # type: ignore[union-attr]
     if ext is not None and 1 <= rows <= kernels.FUSED_MAX_ROWS:
         partials = [torch.empty(splits, rows, 16 * t.shape[1], dtype=torch.float32,
                                 device=xhs[0].device) for t in trellises]

@@ -4,6 +4,7 @@ are tested against these, and every device without a kernel runs them.
 - ``exl3_linear(x, trellis, suh, svh, k_bits, codebook)``: an EXL3 linear's
   ``H(H(pad(x) * suh) @ Ŵ) * svh`` in float32 over the padded output (the caller trims
   and adds the bias); ``trellis`` is ``(kb, nb, words)`` as stored.
+- ``dense_sums(xh, trellis, k_bits, codebook)``: ``xh @ Ŵ`` in float32 (the prompt GEMM).
 - ``apply_rotary(x, cos, sin)``: rotate-half rotary embedding.
 """
 
@@ -25,6 +26,12 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     xs = F.pad(x.float(), (0, pad_in - x.shape[-1])) * F.pad(suh.float(), (0, pad_in - suh.numel()))
     y = block_hadamard(xs, dim=-1) @ decode_tiles(trellis, k_bits, codebook).float()
     return block_hadamard(y, dim=-1) * F.pad(svh.float(), (0, pad_out - svh.numel()))
+
+
+def dense_sums(xh: torch.Tensor, trellis: torch.Tensor, k_bits: float,
+               codebook: str) -> torch.Tensor:
+    """xh (M, 16 kb) @ Ŵ in float32: the twin of cuda_kernels.dense_sums."""
+    return xh.float() @ decode_tiles(trellis, k_bits, codebook).float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

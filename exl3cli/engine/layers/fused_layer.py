@@ -42,8 +42,14 @@ Public API:
   kernels, every linear an ``Exl3Linear`` in trellis mode, or such a linear wrapped in
   an ``AdaptedLinear``), or None.
   Without ``force`` it also needs CUDA kernels and ``EXL3_FUSED_LAYER`` not "0".
-- ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device) and
-  ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
+- ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device; with
+  ``EXL3_PREFILL=fused`` also a prompt's rows, up to ``PREFILL_MAX_ROWS``, in a layer
+  without MoE or adapters) and ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
+
+A prompt runs the same launches with each GEMM as decode + cuBLAS with float32 sums
+(``layer_kernels.gemm_parts`` past 64 rows, ``cuda_kernels.dense_sums``): one norm, rotary,
+activation and residual pass fewer per layer than ``DecoderLayer``'s ops, and no
+float16 fold of svh into Ŵ (bench/NOTES-gpu.md, "Prefill at 2,048").
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from exl3cli.ops import layer_kernels
 from exl3cli.ops.reference import apply_rotary
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+PREFILL_MAX_ROWS = 65535  # norm_hadamard's grid has a row per z index
 
 
 class _Parts(NamedTuple):
@@ -218,7 +225,22 @@ class FusedDecodeLayer:
 
     def accepts(self, x: torch.Tensor) -> bool:
         rows = x.shape[0] * x.shape[1]
-        return 1 <= rows <= kernels.FUSED_MAX_ROWS and x.device == self.device
+        if x.device != self.device or rows < 1:
+            return False
+        if rows <= kernels.FUSED_MAX_ROWS:
+            return True
+        return rows <= PREFILL_MAX_ROWS and self._prefill_ok()
+
+    def _prefill_ok(self) -> bool:
+        """Whether a prompt's rows (more than FUSED_MAX_ROWS) take this path: with
+        EXL3_PREFILL=fused, no MoE block, no adapter (their many-row products stay
+        on the unfused path) and decode + cuBLAS available (cuda_kernels.dense_sums)."""
+        if kernels.prefill_mode() != "fused" or self.moe is not None:
+            return False
+        if any(a is not None for a in (self.qkv_lora, self.o_lora, self.gate_up_lora,
+                                       self.down_lora)):
+            return False
+        return kernels.dense_sums_available(self.device)
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         batch, steps, hidden = x.shape
