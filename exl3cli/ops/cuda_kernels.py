@@ -321,7 +321,9 @@ def prefill_mode() -> str:
 
 
 _MM_F32: dict[torch.device, bool] = {}  # whether torch.mm takes out_dtype there
-_WORKSPACE: dict[torch.device, torch.Tensor] = {}  # decoded Ŵ, grown, reused by every linear
+# Decoded Ŵ per (device, stream), grown, reused by every linear (one stream's launches
+# run in order, so the next decode never overwrites a weight a GEMM still reads).
+_WORKSPACE: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def dense_sums_available(device: torch.device) -> bool:
@@ -349,10 +351,11 @@ def dense_sums(xh: torch.Tensor, trellis: torch.Tensor, k2: int, cb: int) -> tor
         return None
     kb, nb = trellis.shape[0], trellis.shape[1]
     size = 256 * kb * nb
-    space = _WORKSPACE.get(xh.device)
+    key = (xh.device, torch.cuda.current_stream(xh.device).cuda_stream)
+    space = _WORKSPACE.get(key)
     if space is None or space.numel() < size:
-        _WORKSPACE.pop(xh.device, None)  # free the smaller one before the larger
-        space = _WORKSPACE[xh.device] = torch.empty(size, dtype=torch.float16, device=xh.device)
+        _WORKSPACE.pop(key, None)  # free the smaller one before the larger
+        space = _WORKSPACE[key] = torch.empty(size, dtype=torch.float16, device=xh.device)
     weight = space[:size].view(16 * kb, 16 * nb)
     ext.decode(trellis.contiguous(), k2, cb, weight)
     return torch.mm(xh, weight, out_dtype=torch.float32)

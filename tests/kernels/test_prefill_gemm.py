@@ -59,7 +59,9 @@ def test_dense_sums_match_the_twin(k: float, codebook: str, rows: int) -> None:
         trellis = random_trellis(kb, nb, k, gen)
         xh = torch.randn(rows, 16 * kb, generator=gen).half()
         kernels._WORKSPACE.clear()  # a fresh workspace each shape, every entry poisoned
-        kernels._WORKSPACE[torch.device("cuda", torch.cuda.current_device())] = torch.full(
+        device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
+        kernels._WORKSPACE[key] = torch.full(
             (256 * kb * nb + 4096,), float("nan"), dtype=torch.float16, device="cuda")
         got = kernels.dense_sums(xh.cuda(), trellis.cuda(), k2, cb)
         assert got is not None and got.dtype == torch.float32 and got.shape == (rows, 16 * nb)
