@@ -43,6 +43,27 @@ def _last_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, last_logits_only=True)[0, -1].float()
 
 
+# Kernel kinds of a prompt step, first match wins (cuBLAS names: nvjet / sm90_xmma / cutlass).
+KINDS = (("decode", ("decode_kernel",)), ("hadamard+norm", ("hadamard", "norm")),
+         ("attention", ("flash", "fmha", "attention", "softmax")),
+         ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90")))
+
+
+def _kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, needles in KINDS if any(n in lowered for n in needles)),
+                "other")
+
+
+def _linear_flop(model: Any, tokens: int) -> float:
+    """2 x tokens x the padded weights of every trellis linear but the head (one row)."""
+    from exl3cli.engine.layers.linear import Exl3Linear
+
+    return 2.0 * tokens * sum(m.padded_in * m.padded_out for m in model.modules()
+                              if isinstance(m, Exl3Linear) and m.mode == "trellis"
+                              and m is not model.lm_head)
+
+
 def _profile(generators: _Generators, gen: torch.Generator, length: int) -> dict[str, Any]:
     generator = generators.get(1, length + 16, length)
     prompts = _random_prompts(gen, generators.model.config.vocab_size, 1, length)
@@ -65,9 +86,16 @@ def _profile(generators: _Generators, gen: torch.Generator, length: int) -> dict
         entry[0] += e.time_range.elapsed_us()
         entry[1] += 1
     top = sorted(by_name.items(), key=lambda item: -item[1][0])[:20]
+    by_kind: dict[str, float] = {}
+    for name, (total, _count) in by_name.items():
+        by_kind[_kind(name)] = by_kind.get(_kind(name), 0.0) + total / 1e3
+    gemm_ms = by_kind.get("gemm", 0.0)
+    flop = _linear_flop(generators.model, length)
     busy = union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     return {"tokens": length, "wall_ms_profiled": wall * 1e3, "gpu_busy_ms": busy / 1e3,
             "kernels": len(kernels), "kernel_ms": sum(v[0] for v in by_name.values()) / 1e3,
+            "by_kind_ms": by_kind, "linear_tflop": flop / 1e12,
+            "gemm_tflop_s": flop / (gemm_ms * 1e-3) / 1e12 if gemm_ms else None,
             "top": [{"name": n, "ms": t / 1e3, "count": c} for n, (t, c) in top]}
 
 
@@ -119,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         if prof:
             print(f"\n{mode}: {prof['tokens']} tokens, wall {prof['wall_ms_profiled']:.1f} ms "
                   f"(profiled), GPU busy {prof['gpu_busy_ms']:.1f} ms, {prof['kernels']} kernels")
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(prof["by_kind_ms"].items()))
+            rate = prof["gemm_tflop_s"]
+            print(f"  by kind (ms): {kinds}; cuBLAS on {prof['linear_tflop']:.1f} TFLOP: "
+                  + (f"{rate:.0f} TFLOP/s" if rate else "-"))
             for k in prof["top"]:
                 print(f"  {k['ms']:8.2f} ms  {k['count']:5d}x  {k['name']}")
     print("\nmode    " + "".join(f"{n:>12}" for n in lengths) + "   logits diff / scale, argmax")
