@@ -2,12 +2,12 @@
 # One device call for prompt ingestion (issue 10, "Prefill at 2,048" in bench/NOTES-gpu.md):
 # build the kernels, run the prefill cuda tests, write the synthetic Llama-3.1-8B folder
 # (4.0 bpw, head 6 bits), measure our generator's prefill at 512 and 2048 tokens for each
-# EXL3_PREFILL mode (old, fp32, fused) in one process with a kernel profile of a 2048-token
+# EXL3_PREFILL mode (old, fp32, fused, half) in one process with a kernel profile of a 2048-token
 # prompt per mode, then ExLlamaV3 1.6.5's prefill on the same folder, and print the table last.
 #
 # Usage (repo root): bash bench/gpu_prefill.sh     carry: [".whl"] (the peer's wheels, its
 # prebuilt extension *.so.xz and peer_exllamav3_speed.py: shared/tools/README.md).
-# MODES="old,fp32,fused" LENGTHS="512,2048" REPS=5 STAGES="tests ours peer".
+# MODES="old,fp32,fused,half" LENGTHS="512,2048" REPS=5 STAGES="tests ours peer".
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-prefill-out}
 mkdir -p "$OUT"
@@ -17,7 +17,7 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
 export MAX_JOBS=${MAX_JOBS:-16}
 STAGES=${STAGES:-"tests ours peer"}
-MODES=${MODES:-old,fp32,fused} LENGTHS=${LENGTHS:-512,2048} REPS=${REPS:-5}
+MODES=${MODES:-old,fp32,fused,half} LENGTHS=${LENGTHS:-512,2048} REPS=${REPS:-5}
 M8=/tmp/exl3-llama3-8b-4.0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader \

@@ -3,7 +3,7 @@ process: tok/s at each prompt length (one chunk per prompt, as ExLlamaV3's gener
 with its 2048-token chunks), the last-token logits of each mode against "old", and a
 torch.profiler table of one prompt per mode (GPU time by kernel, GPU busy vs wall).
 
-    python bench/prefill_bench.py MODEL_FOLDER [--lengths 512,2048] [--modes old,fp32,fused]
+    python bench/prefill_bench.py MODEL_FOLDER [--lengths 512,2048] [--modes old,fp32,fused,half]
         [--reps 5] [--profile 2048] [--json OUT.json]
 
 Timing: `bench_speed`'s job loop (submit, step while prefilling, synchronize), the
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
     parser.add_argument("--lengths", default="512,2048")
-    parser.add_argument("--modes", default="old,fp32,fused")
+    parser.add_argument("--modes", default="old,fp32,fused,half")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--profile", type=int, default=2048, help="0: no profile")
     parser.add_argument("--json", type=Path, default=None)

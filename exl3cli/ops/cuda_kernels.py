@@ -13,7 +13,8 @@ Public API:
 - ``exl3_gemm(x, trellis, suh, svh, k, codebook, bias=None, out=None, out_features=None)
   -> y``: ``y = x @ W + bias`` with ``W = diag(suh)·Hblk·Ŵ·Hblk·diag(svh)``, in x's dtype.
   1..64 rows: fused decode-GEMM kernel; more rows: decode + cuBLAS (``prefill_mode``).
-- ``dense_sums(xh, trellis, k2, cb) -> float32 | None``: ``xh @ Ŵ`` by decode + cuBLAS.
+- ``dense_sums(xh, trellis, k2, cb, scale=None) -> float32 | float16 | None``: ``xh @ Ŵ``
+  by decode + cuBLAS (float16 sums of ``Ŵ * scale`` with a scale).
 - ``hadamard128(x, pre=None, post=None, bias=None, out_dtype=None) -> Tensor``.
 - ``gemm_variant() -> int | None``: the fused GEMM's build-time variant (0 = default).
 Environment: ``EXL3_NO_EXT=1`` forces the fallback; ``EXL3_KERNEL_CACHE`` sets the
@@ -304,7 +305,7 @@ def exl3_gemm(
     return out
 
 
-PREFILL_MODES = ("old", "fp32", "fused")
+PREFILL_MODES = ("old", "fp32", "fused", "half")
 
 
 def prefill_mode() -> str:
@@ -313,7 +314,8 @@ def prefill_mode() -> str:
     (default until measured): decode + float16 cuBLAS, svh's largest value folded into Ŵ
     by an extra pass; "fp32": ``dense_sums`` (no fold); "fused": that, and the fused layer
     kernels around it (engine/layers/fused_layer.py) instead of one op per norm, rotary,
-    activation and residual."""
+    activation and residual; "half": "fused" with float16 sums (``dense_sums`` with a
+    scale: max|svh| folded into Ŵ by the decode kernel itself), half the sums' traffic."""
     mode = os.environ.get("EXL3_PREFILL", "") or "old"
     if mode not in PREFILL_MODES:
         raise ValueError(f"EXL3_PREFILL must be one of {', '.join(PREFILL_MODES)}, got {mode!r}")
@@ -342,10 +344,13 @@ def dense_sums_available(device: torch.device) -> bool:
     return _MM_F32[device]
 
 
-def dense_sums(xh: torch.Tensor, trellis: torch.Tensor, k2: int, cb: int) -> torch.Tensor | None:
+def dense_sums(xh: torch.Tensor, trellis: torch.Tensor, k2: int, cb: int,
+               scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """``xh @ Ŵ`` in float32 (rows, 16 * nb) for xh float16 (rows, 16 * kb): Ŵ decoded into
     a per-device workspace, then one cuBLAS GEMM with float16 inputs and float32 output
-    (``reference.dense_sums`` is the twin); None where that cannot run."""
+    (``reference.dense_sums`` is the twin); None where that cannot run. With ``scale``
+    (one float16 on the device): ``xh @ (Ŵ * scale)`` in float16, Ŵ scaled as it is
+    decoded (the caller divides svh by it: float16 sums then keep svh's range)."""
     ext = _use_ext(xh, trellis)
     if ext is None or xh.dtype != torch.float16 or not dense_sums_available(xh.device):
         return None
@@ -357,6 +362,9 @@ def dense_sums(xh: torch.Tensor, trellis: torch.Tensor, k2: int, cb: int) -> tor
         _WORKSPACE.pop(key, None)  # free the smaller one before the larger
         space = _WORKSPACE[key] = torch.empty(size, dtype=torch.float16, device=xh.device)
     weight = space[:size].view(16 * kb, 16 * nb)
+    if scale is not None:
+        ext.decode_scaled(trellis.contiguous(), k2, cb, weight, scale)
+        return torch.mm(xh, weight)
     ext.decode(trellis.contiguous(), k2, cb, weight)
     return torch.mm(xh, weight, out_dtype=torch.float32)
 

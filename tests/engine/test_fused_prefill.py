@@ -30,9 +30,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> float:
     return diff
 
 
-@pytest.mark.parametrize(("batch", "steps"), [(1, 80), (2, 65)])
+@pytest.mark.parametrize(("batch", "steps", "mode"), [(1, 80, "fused"), (2, 65, "half")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_rows_match_the_decoder_layer_on_cpu(folders, batch, steps, dtype):
+def test_prompt_rows_match_the_decoder_layer_on_cpu(folders, monkeypatch, batch, steps, mode,
+                                                    dtype):
+    monkeypatch.setenv("EXL3_PREFILL", mode)  # "half": float16 sums of Ŵ * max|svh|
     model = load_causal_lm(folders["test-hd128"], device="cpu", dtype=dtype,
                            linear_mode="trellis")
     gen = torch.Generator().manual_seed(steps)
@@ -93,9 +95,9 @@ def test_fused_prompt_gives_the_unfused_logits(folders, monkeypatch, name, dtype
     assert not plan.accepts(x)
     want = model(ids.cuda()).float()
     want_paged = _paged(model, ids[0], [100, 37, 1, 12])
-    for mode in ("fused", "fp32"):
+    for mode in ("fused", "half", "fp32"):
         monkeypatch.setenv("EXL3_PREFILL", mode)
-        assert plan.accepts(x) == (mode == "fused")
+        assert plan.accepts(x) == (mode != "fp32")
         got = model(ids.cuda()).float()
         _close(got, want, 3e-2)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.9

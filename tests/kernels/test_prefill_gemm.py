@@ -103,3 +103,73 @@ def test_fp32_sums_take_activations_that_overflow_float16(monkeypatch) -> None:
     y = kernels.exl3_gemm(x.to(torch.bfloat16).cuda(), cuda["trellis"], cuda["suh"],
                           cuda["svh"], 4, "mul1")
     assert rel_error(y, ref) < 1e-2
+
+
+def test_scaled_twin_rounds_the_scaled_weight_once():
+    gen = torch.Generator().manual_seed(4)
+    trellis = random_trellis(8, 8, 3, gen)
+    xh = torch.randn(66, 128, generator=gen).half()
+    scale = torch.tensor([0.0371]).half()
+    got = reference.dense_sums(xh, trellis, 3, "mcg", scale)
+    weight = (decode_tiles(trellis, 3, "mcg").float() * scale.float()).half()
+    assert got.dtype == torch.float16
+    assert torch.equal(got, (xh.float() @ weight.float()).half())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("k", "codebook"), [(2, "mul1"), (4, "mul1"), (3.5, "mul1"),
+                                             (3, "mcg"), (5, "3inst")])
+def test_scaled_decode_and_float16_sums(k: float, codebook: str) -> None:
+    _gpu()
+    ext = kernels._extension()
+    gen = torch.Generator().manual_seed(int(10 * k) + 7)
+    k2, cb = int(2 * k), kernels._codebook_id(codebook, int(2 * k))
+    for kb, nb in ((24, 12), (16, 72)):
+        trellis = random_trellis(kb, nb, k, gen)
+        scale = torch.tensor([0.0123 + 0.01 * kb]).half()
+        out = torch.full((16 * kb, 16 * nb), float("nan"), dtype=torch.float16, device="cuda")
+        ext.decode_scaled(trellis.cuda(), k2, cb, out, scale.cuda())
+        want = (decode_tiles(trellis, k, codebook).float() * scale.float()).half()
+        assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), (kb, nb)
+        xh = torch.randn(300, 16 * kb, generator=gen).half()
+        got = kernels.dense_sums(xh.cuda(), trellis.cuda(), k2, cb, scale.cuda())
+        assert got is not None and got.dtype == torch.float16
+        assert rel_error(got, reference.dense_sums(xh, trellis, k, codebook, scale).double()) < 2e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_output_kernels_read_float16_sums(dtype) -> None:
+    """hadamard_out and glu_hadamard on float16 (1, rows, width) sums: exactly what they
+    give for the same values in float32, and the twin's result."""
+    from exl3cli.ops import layer_kernels
+
+    _gpu()
+    gen = torch.Generator().manual_seed(8)
+    rows, width, cols = 130, 384, 300
+    sums = [(torch.randn(1, rows, width, generator=gen) * 4).half() for _ in range(2)]
+    post = [0.5 + torch.rand(width, generator=gen) for _ in range(2)]
+    bias = [torch.randn(width, generator=gen) for _ in range(2)]
+    pre = torch.randn(width, generator=gen).sign()
+    residual = torch.randn(rows, cols, generator=gen).to(dtype)
+
+    def out(partials, device):
+        o = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
+        layer_kernels.hadamard_out(partials, [post[0].to(device)], [bias[0].to(device)], [o],
+                                   [0], residual=residual.to(device))
+        return o
+
+    half = out([sums[0].cuda()], "cuda")
+    assert torch.equal(half, out([sums[0].float().cuda()], "cuda"))
+    twin = out([sums[0]], "cpu")
+    assert rel_error(half, twin.double()) < 1e-2
+
+    def glu(gate, up, device):
+        return layer_kernels.glu_hadamard(gate, up, post[0].to(device), post[1].to(device),
+                                          bias[0].to(device), bias[1].to(device), cols,
+                                          "silu", pre.to(device), dtype)
+
+    half = glu(sums[0].cuda(), sums[1].cuda(), "cuda")
+    assert half.dtype == torch.float16 and torch.isfinite(half).all()
+    assert torch.equal(half, glu(sums[0].float().cuda(), sums[1].float().cuda(), "cuda"))
+    assert rel_error(half, glu(sums[0], sums[1], "cpu").double()) < 1e-2
