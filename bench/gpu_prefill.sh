@@ -7,7 +7,7 @@
 #
 # Usage (repo root): bash bench/gpu_prefill.sh     carry: [".whl"] (the peer's wheels, its
 # prebuilt extension *.so.xz and peer_exllamav3_speed.py: shared/tools/README.md).
-# MODES="old,fp32,fused,half" LENGTHS="512,2048" REPS=5 STAGES="tests ours peer".
+# MODES="old,fp32,fused,half" LENGTHS="512,2048" REPS=5 STAGES="tests ours peer" TESTS="files".
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-prefill-out}
 mkdir -p "$OUT"
@@ -40,8 +40,10 @@ print('mm out_dtype:', kernels.dense_sums_available('cuda'))
 stamp "$(tr '\n' ' ' <"$OUT/build.log" | tail -c 300)"
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  timeout 240 python3 -m pytest -q -m cuda -p no:randomly tests/kernels/test_prefill_gemm.py \
-    tests/engine/test_fused_prefill.py ${EXTRA_TESTS:-} >"$OUT/tests-cuda.log" 2>&1
+  # The prefill tests, and those of the kernels this work touched (decode, output kernels).
+  timeout 240 python3 -m pytest -q -m cuda -p no:randomly ${TESTS:-tests/kernels/test_prefill_gemm.py \
+    tests/engine/test_fused_prefill.py tests/kernels/test_layer_kernels.py \
+    tests/kernels/test_kernels.py::test_decode_kernel_bit_exact} >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
 fi
