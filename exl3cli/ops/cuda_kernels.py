@@ -12,7 +12,9 @@ Public API:
   the rotated weight Ŵ, bit-exact with ``decode_tiles``.
 - ``exl3_gemm(x, trellis, suh, svh, k, codebook, bias=None, out=None, out_features=None)
   -> y``: ``y = x @ W + bias`` with ``W = diag(suh)·Hblk·Ŵ·Hblk·diag(svh)``, in x's dtype.
-  1..64 rows: fused decode-GEMM kernel; more rows: decode + cuBLAS.
+  1..64 rows: fused decode-GEMM kernel; more rows: decode + cuBLAS (``prefill_mode``).
+- ``dense_sums(xh, trellis, k2, cb, scale=None) -> float32 | float16 | None``: ``xh @ Ŵ``
+  by decode + cuBLAS (float16 sums of ``Ŵ * scale`` with a scale).
 - ``hadamard128(x, pre=None, post=None, bias=None, out_dtype=None) -> Tensor``.
 - ``gemm_variant() -> int | None``: the fused GEMM's build-time variant (0 = default).
 Environment: ``EXL3_NO_EXT=1`` forces the fallback; ``EXL3_KERNEL_CACHE`` sets the
@@ -287,6 +289,9 @@ def exl3_gemm(
         ext.gemm_partial(xh, trellis.contiguous(), k2, cb, acc)
         ext.hadamard(acc, None, svh32, _as_f32(bias), out.view(rows, n_out), pad_out)
         return out
+    sums = dense_sums(xh, trellis, k2, cb) if prefill_mode() != "old" else None
+    if sums is not None:
+        acc = sums.unsqueeze(0)  # float32: no overflow, so no fold of svh into Ŵ
     else:
         weight = torch.empty(pad_in, pad_out, dtype=torch.float16, device=x.device)
         ext.decode(trellis.contiguous(), k2, cb, weight)
@@ -298,6 +303,70 @@ def exl3_gemm(
         acc = (xh @ weight).unsqueeze(0)
     ext.hadamard(acc, None, svh32, _as_f32(bias), out.view(rows, n_out), pad_out)
     return out
+
+
+PREFILL_MODES = ("old", "fp32", "fused", "half")
+
+
+def prefill_mode() -> str:
+    """``EXL3_PREFILL``: how linears of more than ``FUSED_MAX_ROWS`` rows (prompts) run,
+    read at each call so one process can A/B them (bench/prefill_bench.py). "old"
+    (default until measured): decode + float16 cuBLAS, svh's largest value folded into Ŵ
+    by an extra pass; "fp32": ``dense_sums`` (no fold); "fused": that, and the fused layer
+    kernels around it (engine/layers/fused_layer.py) instead of one op per norm, rotary,
+    activation and residual; "half": "fused" with float16 sums (``dense_sums`` with a
+    scale: max|svh| folded into Ŵ by the decode kernel itself), half the sums' traffic."""
+    mode = os.environ.get("EXL3_PREFILL", "") or "old"
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"EXL3_PREFILL must be one of {', '.join(PREFILL_MODES)}, got {mode!r}")
+    return mode
+
+
+_MM_F32: dict[torch.device, bool] = {}  # whether torch.mm takes out_dtype there
+# Decoded Ŵ per (device, stream), grown, reused by every linear (one stream's launches
+# run in order, so the next decode never overwrites a weight a GEMM still reads).
+_WORKSPACE: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def dense_sums_available(device: torch.device) -> bool:
+    """Whether ``dense_sums`` runs on ``device`` (the kernels, and a torch whose CUDA
+    ``mm`` takes ``out_dtype``); probed once per device."""
+    device = torch.device(device)
+    if device.type != "cuda" or _extension() is None:
+        return False
+    if device not in _MM_F32:
+        tiny = torch.zeros(1, 8, dtype=torch.float16, device=device)
+        try:
+            torch.mm(tiny, tiny.t(), out_dtype=torch.float32)
+            _MM_F32[device] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_F32[device] = False
+    return _MM_F32[device]
+
+
+def dense_sums(xh: torch.Tensor, trellis: torch.Tensor, k2: int, cb: int,
+               scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``xh @ Ŵ`` in float32 (rows, 16 * nb) for xh float16 (rows, 16 * kb): Ŵ decoded into
+    a per-device workspace, then one cuBLAS GEMM with float16 inputs and float32 output
+    (``reference.dense_sums`` is the twin); None where that cannot run. With ``scale``
+    (one float16 on the device): ``xh @ (Ŵ * scale)`` in float16, Ŵ scaled as it is
+    decoded (the caller divides svh by it: float16 sums then keep svh's range)."""
+    ext = _use_ext(xh, trellis)
+    if ext is None or xh.dtype != torch.float16 or not dense_sums_available(xh.device):
+        return None
+    kb, nb = trellis.shape[0], trellis.shape[1]
+    size = 256 * kb * nb
+    key = (xh.device, torch.cuda.current_stream(xh.device).cuda_stream)
+    space = _WORKSPACE.get(key)
+    if space is None or space.numel() < size:
+        _WORKSPACE.pop(key, None)  # free the smaller one before the larger
+        space = _WORKSPACE[key] = torch.empty(size, dtype=torch.float16, device=xh.device)
+    weight = space[:size].view(16 * kb, 16 * nb)
+    if scale is not None:
+        ext.decode_scaled(trellis.contiguous(), k2, cb, weight, scale)
+        return torch.mm(xh, weight)
+    ext.decode(trellis.contiguous(), k2, cb, weight)
+    return torch.mm(xh, weight, out_dtype=torch.float32)
 
 
 def paged_attention(

@@ -26,7 +26,10 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
   ``unit_offset``: Gemma's single rounding), or the identity when ``norm_weight`` is
   None; ``normed`` (rows, cols) in x's dtype receives ``norm(x)`` (a LoRA's input).
 - ``gemm_parts(xhs, trellises, k2, codebook, splits) -> list[partials]``: ``xh @ Ŵ``
-  (the reference returns one split).
+  (the reference returns one split; so does CUDA past ``FUSED_MAX_ROWS`` rows, a
+  prompt: ``cuda_kernels.dense_sums``, decode + cuBLAS; with ``scales=`` (one float16 per
+  part) float16 sums of ``Ŵ * scale``: ``hadamard_out`` and ``glu_hadamard`` read
+  float16 (1, rows, width) partials too).
 - ``gemm_parts_low(xhs, trellises, k2, codebook, splits, x, a) -> (partials, low)``:
   ``gemm_parts`` and ``low = x @ a^T`` (an adapted projection's first LoRA product, in
   a's dtype), in the GEMM's own launch on CUDA when ``low_in_gemm(x, a)`` (its own blocks
@@ -59,6 +62,7 @@ import torch.nn.functional as F
 
 from exl3cli.codec import block_hadamard, decode_tiles
 from exl3cli.ops import cuda_kernels as kernels
+from exl3cli.ops import reference
 from exl3cli.ops.reference import apply_rotary
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -218,10 +222,26 @@ def norm_hadamard(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
 
 
 def gemm_parts(xhs: Sequence[torch.Tensor], trellises: Sequence[torch.Tensor], k2: int,
-               codebook: str, splits: int) -> list[torch.Tensor]:
+               codebook: str, splits: int,
+               scales: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """See the module docstring; every part has the same rows, input width and K."""
     ext = _ext(xhs[0])
     rows = xhs[0].shape[0]
+    if scales is not None and rows > kernels.FUSED_MAX_ROWS:  # float16 sums of Ŵ * scale
+        if ext is not None:
+            cb = kernels._codebook_id(codebook, k2)
+            half = [kernels.dense_sums(xh, t, k2, cb, s)
+                    for xh, t, s in zip(xhs, trellises, scales, strict=True)]
+        else:
+            half = [reference.dense_sums(xh, t, k2 / 2, codebook, s)
+                    for xh, t, s in zip(xhs, trellises, scales, strict=True)]
+        if all(s is not None for s in half):
+            return [s.unsqueeze(0) for s in half]  # type: ignore[union-attr]
+    if ext is not None and rows > kernels.FUSED_MAX_ROWS:  # a prompt: decode + cuBLAS
+        cb = kernels._codebook_id(codebook, k2)
+        sums = [kernels.dense_sums(xh, t, k2, cb) for xh, t in zip(xhs, trellises, strict=True)]
+        if all(s is not None for s in sums):
+            return [s.unsqueeze(0) for s in sums]  # type: ignore[union-attr]
     if ext is not None and 1 <= rows <= kernels.FUSED_MAX_ROWS:
         partials = [torch.empty(splits, rows, 16 * t.shape[1], dtype=torch.float32,
                                 device=xhs[0].device) for t in trellises]
@@ -241,7 +261,7 @@ def _rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
 def _output(partial: torch.Tensor, post: torch.Tensor | None, bias: torch.Tensor | None,
             cols: int) -> torch.Tensor:
     """float32 (rows, cols): H128 of the split sum, times post, plus bias."""
-    y = block_hadamard(partial.sum(0), dim=-1)
+    y = block_hadamard(partial.float().sum(0), dim=-1)
     if post is not None:
         y = y * post[: y.shape[-1]].float()
     y = y[:, :cols]

@@ -4,6 +4,8 @@ are tested against these, and every device without a kernel runs them.
 - ``exl3_linear(x, trellis, suh, svh, k_bits, codebook)``: an EXL3 linear's
   ``H(H(pad(x) * suh) @ Ŵ) * svh`` in float32 over the padded output (the caller trims
   and adds the bias); ``trellis`` is ``(kb, nb, words)`` as stored.
+- ``dense_sums(xh, trellis, k_bits, codebook, scale=None)``: ``xh @ Ŵ`` in float32 (the
+  prompt GEMM), or with a float16 scale ``xh @ (Ŵ * scale)`` in float16.
 - ``apply_rotary(x, cos, sin)``: rotate-half rotary embedding.
 """
 
@@ -25,6 +27,17 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     xs = F.pad(x.float(), (0, pad_in - x.shape[-1])) * F.pad(suh.float(), (0, pad_in - suh.numel()))
     y = block_hadamard(xs, dim=-1) @ decode_tiles(trellis, k_bits, codebook).float()
     return block_hadamard(y, dim=-1) * F.pad(svh.float(), (0, pad_out - svh.numel()))
+
+
+def dense_sums(xh: torch.Tensor, trellis: torch.Tensor, k_bits: float, codebook: str,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+    """xh (M, 16 kb) @ Ŵ in float32: the twin of cuda_kernels.dense_sums; with a float16
+    ``scale``, xh @ float16(Ŵ * scale) rounded to float16."""
+    weight = decode_tiles(trellis, k_bits, codebook)
+    if scale is None:
+        return xh.float() @ weight.float()
+    weight = (weight.float() * scale.float()).half()  # one rounding, as the kernel
+    return (xh.float() @ weight.float()).half()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,25 @@ void decode(const at::Tensor& trellis, int64_t k2, int64_t cb, at::Tensor& out) 
                "exl3 decode");
 }
 
+// decode with every value times scale (one float16 on the trellis's device).
+void decode_scaled(const at::Tensor& trellis, int64_t k2, int64_t cb, at::Tensor& out,
+                   const at::Tensor& scale) {
+  check_trellis(trellis, (int)k2);
+  const int kb = (int)trellis.size(0), nb = (int)trellis.size(1);
+  check_cuda(out, "out");
+  check_cuda(scale, "scale");
+  TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == 16 * kb && out.size(1) == 16 * nb,
+              "out must be contiguous float16 (16*kb, 16*nb)");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == 1 &&
+                  scale.device() == trellis.device(), "scale must be one float16 beside the trellis");
+  const c10::cuda::CUDAGuard guard(trellis.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_decode(trellis.data_ptr(), out.data_ptr(), kb, nb, (int)k2, (int)cb,
+                                   stream, scale.data_ptr()),
+               "exl3 decode scaled");
+}
+
 // One launch over parts with the same rows, kb, K and codebook (exl3_ops.h GemmParts),
 // with `lora`'s product (none: x null) in the same launch.
 void run_gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Tensor>& trellises,
@@ -250,6 +269,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "EXL3 CUDA kernels: trellis decode, fused decode+GEMM, 128-point Hadamard";
   m.def("decode", &decode, "trellis (kb, nb, 8*k2) int16 -> out (16kb, 16nb) float16",
         py::arg("trellis"), py::arg("k2"), py::arg("codebook"), py::arg("out"));
+  m.def("decode_scaled", &decode_scaled, "decode, every value times a float16 scale tensor",
+        py::arg("trellis"), py::arg("k2"), py::arg("codebook"), py::arg("out"),
+        py::arg("scale"));
   m.def("gemm_partial", &gemm_partial,
         "xh (rows<=64, 16kb) float16 x decoded trellis -> partial (splits, rows, 16nb) float32",
         py::arg("xh"), py::arg("trellis"), py::arg("k2"), py::arg("codebook"),

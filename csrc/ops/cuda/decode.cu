@@ -10,7 +10,7 @@ constexpr int kTilesPerBlock = 8;  // 8 warps: one row of 8 tiles = 16 rows x 12
 template <int K2, int CB>
 __global__ void __launch_bounds__(256)
     decode_kernel(const uint32_t* __restrict__ trellis, __half* __restrict__ out, int kb_total,
-                  int nb_total) {
+                  int nb_total, const __half* __restrict__ scale) {
   constexpr int W = TileBits<K2>::kWords;
   // Rows padded by 16 bytes: keeps 16-byte alignment, spreads banks.
   __shared__ __align__(16) __half tile_s[16][kTilesPerBlock * 16 + 8];
@@ -23,8 +23,15 @@ __global__ void __launch_bounds__(256)
     decode_lane<K2, CB>(trellis + ((size_t)kb * nb_total + nb) * W, lane, a);
     const int r0 = 2 * (lane & 3);
     const int c0 = warp * 16 + (lane >> 2);
-    const __half2 v01 = bits_h2(a[0]), v45 = bits_h2(a[1]);
-    const __half2 v23 = bits_h2(a[2]), v67 = bits_h2(a[3]);
+    __half2 v01 = bits_h2(a[0]), v45 = bits_h2(a[1]);
+    __half2 v23 = bits_h2(a[2]), v67 = bits_h2(a[3]);
+    if (scale != nullptr) {  // as float16 Ŵ times a float16 scale, one rounding each
+      const __half2 s = __half2half2(*scale);
+      v01 = __hmul2(v01, s);
+      v45 = __hmul2(v45, s);
+      v23 = __hmul2(v23, s);
+      v67 = __hmul2(v67, s);
+    }
     tile_s[r0][c0] = __low2half(v01);
     tile_s[r0 + 1][c0] = __high2half(v01);
     tile_s[r0 + 8][c0] = __low2half(v23);
@@ -47,28 +54,30 @@ __global__ void __launch_bounds__(256)
 }
 
 template <int K2, int CB>
-void run_decode(const void* trellis, void* out, int kb, int nb, cudaStream_t stream) {
+void run_decode(const void* trellis, void* out, int kb, int nb, cudaStream_t stream,
+                const void* scale) {
   dim3 grid((nb + kTilesPerBlock - 1) / kTilesPerBlock, kb);
   decode_kernel<K2, CB><<<grid, 256, 0, stream>>>(static_cast<const uint32_t*>(trellis),
-                                                  static_cast<__half*>(out), kb, nb);
+                                                  static_cast<__half*>(out), kb, nb,
+                                                  static_cast<const __half*>(scale));
 }
 
 }  // namespace
 
 bool launch_decode(const void* trellis, void* out, int kb, int nb, int k2, int cb,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const void* scale) {
   if (kb <= 0 || nb <= 0) return true;
 #define EXL3_ALL_CB(K2_)                                           \
   case K2_:                                                        \
-    if (cb == CB_MUL1) run_decode<K2_, CB_MUL1>(trellis, out, kb, nb, stream);   \
-    else if (cb == CB_MCG) run_decode<K2_, CB_MCG>(trellis, out, kb, nb, stream); \
-    else if (cb == CB_3INST) run_decode<K2_, CB_3INST>(trellis, out, kb, nb, stream); \
+    if (cb == CB_MUL1) run_decode<K2_, CB_MUL1>(trellis, out, kb, nb, stream, scale);   \
+    else if (cb == CB_MCG) run_decode<K2_, CB_MCG>(trellis, out, kb, nb, stream, scale); \
+    else if (cb == CB_3INST) run_decode<K2_, CB_3INST>(trellis, out, kb, nb, stream, scale); \
     else return false;                                             \
     return true;
 #define EXL3_MUL1_ONLY(K2_)                                        \
   case K2_:                                                        \
     if (cb != CB_MUL1) return false;                               \
-    run_decode<K2_, CB_MUL1>(trellis, out, kb, nb, stream);        \
+    run_decode<K2_, CB_MUL1>(trellis, out, kb, nb, stream, scale);        \
     return true;
   switch (k2) {
     EXL3_FOR_INTEGER_K2(EXL3_ALL_CB)

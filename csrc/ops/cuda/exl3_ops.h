@@ -12,9 +12,10 @@ namespace exl3 {
 // Element types of the Hadamard kernel's input and output.
 enum DType : int { DT_HALF = 0, DT_BF16 = 1, DT_FLOAT = 2 };
 
-// trellis: (kb, nb, 16*K) int16 -> out: (16*kb, 16*nb) float16, row-major.
+// trellis: (kb, nb, 16*K) int16 -> out: (16*kb, 16*nb) float16, row-major; with `scale`
+// (one float16 on the device, or null) every value times it, rounded once to float16.
 bool launch_decode(const void* trellis, void* out, int kb, int nb, int k2, int cb,
-                   cudaStream_t stream);
+                   cudaStream_t stream, const void* scale = nullptr);
 
 // partial[s, r, n] = sum over the s-th run of input tiles of xh[r, k] * Ŵ[k, n].
 // xh: (rows, 16*kb) float16; partial: (splits, rows, 16*nb) float32; rows <= 64.
@@ -143,7 +144,7 @@ struct LowRank {
 // (rows, out_cols) with out_row_stride. With lora.low set, each part's y gains its LoRA
 // delta (columns from lora_offset of bt) right after the bias, before rotary/residual.
 struct OutPart {
-  const float* partial;  // (splits, rows, width)
+  const void* partial;  // (splits, rows, width) float32, or (1, rows, width) float16 (half)
   int splits;
   int width;
   const float* post;
@@ -153,6 +154,7 @@ struct OutPart {
   int out_cols;
   int rope_cols;
   int lora_offset;  // first column of this part in LowRank::bt
+  bool half;        // partial is float16, one split (a prompt's cuBLAS sums)
 };
 struct OutParts {
   OutPart part[kMaxParts];
@@ -168,11 +170,13 @@ bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void*
 // tanh; columns >= inter are 0), then out = float16(H128(a * pre)) (rows, width): the
 // next (down) projection's rotated input. product (optional): a in dtype, (rows, inter)
 // with product_stride (the down projection's LoRA input).
-bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
+// half: gate/up are float16 (1, rows, width) (a prompt's cuBLAS sums), else float32.
+bool launch_glu_hadamard(int dtype, const void* gate, const void* up, int splits,
                          int width, const float* post_gate, const float* post_up,
                          const float* bias_gate, const float* bias_up, int inter, int act,
                          const float* pre, void* out, int rows, const LowRank& lora,
-                         void* product, int64_t product_stride, cudaStream_t stream);
+                         void* product, int64_t product_stride, cudaStream_t stream,
+                         bool half = false);
 
 // qk_norm_rope (qk_norm_rope.cu): in place on x (rows, heads * head_dim; row stride, unit
 // column stride), per head h: RMSNorm with weight[h, :] (float32, (heads, head_dim)) as

@@ -110,16 +110,18 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
     const at::Tensor& out = outs[p];
     check_contiguous(partial, "partial");
     check_cuda(out, "out");
-    TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3 &&
-                    partial.size(1) == rows, "partials must be float32 (splits, rows, width)");
+    const bool half = partial.scalar_type() == at::kHalf;
+    TORCH_CHECK((partial.scalar_type() == at::kFloat || (half && partial.size(0) == 1)) &&
+                    partial.dim() == 3 && partial.size(1) == rows,
+                "partials must be float32 (splits, rows, width) or float16 (1, rows, width)");
     TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == rows &&
                     out.scalar_type() == dtype, "outs must be (rows, cols) of one dtype");
     const int64_t width = partial.size(2);
-    parts.part[p] = exl3::OutPart{partial.data_ptr<float>(), (int)partial.size(0), (int)width,
+    parts.part[p] = exl3::OutPart{partial.data_ptr(), (int)partial.size(0), (int)width,
                                   optional_vector(posts[p], width, "post"),
                                   optional_vector(biases[p], out.size(1), "bias"),
                                   out.data_ptr(), out.stride(0), (int)out.size(1),
-                                  (int)rope_cols[p], (int)lora_cols};
+                                  (int)rope_cols[p], (int)lora_cols, half};
     lora_cols += out.size(1);
   }
   const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
@@ -170,8 +172,11 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
   check_contiguous(gate, "gate");
   check_contiguous(up, "up");
   check_contiguous(out, "out");
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && gate.dim() == 3 && up.sizes() == gate.sizes() &&
-                  up.scalar_type() == at::kFloat, "gate and up must be float32 (splits, rows, width)");
+  const bool half = gate.scalar_type() == at::kHalf;
+  TORCH_CHECK((gate.scalar_type() == at::kFloat || (half && gate.size(0) == 1)) &&
+                  gate.dim() == 3 && up.sizes() == gate.sizes() &&
+                  up.scalar_type() == gate.scalar_type(),
+              "gate and up must be float32 (splits, rows, width) or float16 (1, rows, width)");
   const int64_t rows = gate.size(1), width = gate.size(2);
   TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
                   out.size(1) == width, "out must be contiguous float16 (rows, width)");
@@ -181,13 +186,13 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
   const c10::cuda::CUDAGuard guard(gate.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(exl3::launch_glu_hadamard(
-                   (int)dtype, gate.data_ptr<float>(), up.data_ptr<float>(), (int)gate.size(0),
+                   (int)dtype, gate.data_ptr(), up.data_ptr(), (int)gate.size(0),
                    (int)width, optional_vector(post_gate, width, "post_gate"),
                    optional_vector(post_up, width, "post_up"),
                    optional_vector(bias_gate, inter, "bias_gate"),
                    optional_vector(bias_up, inter, "bias_up"), (int)inter, (int)act,
                    optional_vector(pre, width, "pre"), out.data_ptr(), (int)rows, lora,
-                   product_ptr, product.has_value() ? product->stride(0) : 0, stream),
+                   product_ptr, product.has_value() ? product->stride(0) : 0, stream, half),
                "exl3 glu hadamard");
 }
 

@@ -53,6 +53,23 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
   v[3] = s.w;
 }
 
+// The same from a float16 (1, rows, width) partial (a prompt's cuBLAS sums), or float32.
+__device__ __forceinline__ void load_sum(const void* partial, bool half, int splits, int rows,
+                                         int width, int row, int col, float (&v)[4]) {
+  if (!half) {
+    load_split_sum(static_cast<const float*>(partial), splits, rows, width, row, col, v);
+    return;
+  }
+  const __half* p = static_cast<const __half*>(partial) + (size_t)row * width + col;
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+  v[0] = lo.x;
+  v[1] = lo.y;
+  v[2] = hi.x;
+  v[3] = hi.y;
+}
+
 struct InParts {
   const float* pre[kMaxParts];
   __half* out[kMaxParts];
@@ -132,7 +149,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   LoraFetch<T, 1> lf;
   if (LORA) lora_fetch<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, lf);
   float v[4];
-  load_split_sum(part.partial, part.splits, rows, part.width, row, base, v);
+  load_sum(part.partial, part.half, part.splits, rows, part.width, row, base, v);
   hadamard128_warp(v, lane);
 #pragma unroll
   for (int e = 0; e < 4; e++) {
@@ -185,7 +202,7 @@ __device__ __forceinline__ float activation(float g, int act) {
 // LORA: with the LoRA update or the product output (the bare instance keeps its registers).
 template <typename T, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
-    glu_hadamard_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+    glu_hadamard_kernel(const void* __restrict__ gate, const void* __restrict__ up, bool half,
                         int splits, int width, const float* __restrict__ post_gate,
                         const float* __restrict__ post_up, const float* __restrict__ bias_gate,
                         const float* __restrict__ bias_up, int inter, int act,
@@ -204,8 +221,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   LoraFetch<T, 2> lf;
   if (LORA) lora_fetch<T, 2>(lora, row, lora_offset, base, inter, lane, lf);
   float g[4], u[4];
-  load_split_sum(gate, splits, rows, width, row, base, g);
-  load_split_sum(up, splits, rows, width, row, base, u);
+  load_sum(gate, half, splits, rows, width, row, base, g);
+  load_sum(up, half, splits, rows, width, row, base, u);
   hadamard128_warp(g, lane);
   hadamard128_warp(u, lane);
   float d[2][4];
@@ -268,14 +285,14 @@ void run_out(const OutParts& parts, int rows, const void* residual, int64_t resi
 }
 
 template <typename T>
-void run_glu(const float* gate, const float* up, int splits, int width, const float* post_gate,
-             const float* post_up, const float* bias_gate, const float* bias_up, int inter,
-             int act, const float* pre, void* out, int rows, const LowRank& lora,
-             void* product, int64_t product_stride, cudaStream_t stream) {
+void run_glu(const void* gate, const void* up, bool half, int splits, int width,
+             const float* post_gate, const float* post_up, const float* bias_gate,
+             const float* bias_up, int inter, int act, const float* pre, void* out, int rows,
+             const LowRank& lora, void* product, int64_t product_stride, cudaStream_t stream) {
   const bool extras = lora.low != nullptr || product != nullptr;
   launch(extras ? glu_hadamard_kernel<T, true> : glu_hadamard_kernel<T, false>,
          dim3(warp_blocks((int64_t)rows * (width / 128))),
-         dim3(kWarps * 32), 0, stream, gate, up, splits, width, post_gate, post_up, bias_gate,
+         dim3(kWarps * 32), 0, stream, gate, up, half, splits, width, post_gate, post_up, bias_gate,
          bias_up, inter, act, pre, static_cast<__half*>(out), rows, lora,
          static_cast<T*>(product), product_stride);
 }
@@ -317,6 +334,7 @@ bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void*
   for (int p = 0; p < parts.count; p++) {
     const OutPart& part = parts.part[p];
     if (part.width % 128 != 0 || part.out_cols > part.width || part.splits < 1) return false;
+    if (part.half && part.splits != 1) return false;
     if (part.rope_cols > 0 && (cos == nullptr || sin == nullptr)) return false;
   }
   if (cos != nullptr && head_dim != 64 && head_dim != 128) return false;
@@ -329,19 +347,21 @@ bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void*
   }
 }
 
-bool launch_glu_hadamard(int dtype, const float* gate, const float* up, int splits,
+bool launch_glu_hadamard(int dtype, const void* gate, const void* up, int splits,
                          int width, const float* post_gate, const float* post_up,
                          const float* bias_gate, const float* bias_up, int inter, int act,
                          const float* pre, void* out, int rows, const LowRank& lora,
-                         void* product, int64_t product_stride, cudaStream_t stream) {
-  if (width % 128 != 0 || inter > width || splits < 1 || (act != 0 && act != 1) ||
+                         void* product, int64_t product_stride, cudaStream_t stream,
+                         bool half) {
+  if (width % 128 != 0 || inter > width || splits < 1 || (half && splits != 1) ||
+      (act != 0 && act != 1) ||
       pre == nullptr || rows < 0 || !lora_ok(lora))
     return false;
   if (rows == 0) return true;
   switch (dtype) {
-    case DT_HALF: run_glu<__half>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
-    case DT_BF16: run_glu<__nv_bfloat16>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
-    case DT_FLOAT: run_glu<float>(gate, up, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
+    case DT_HALF: run_glu<__half>(gate, up, half, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
+    case DT_BF16: run_glu<__nv_bfloat16>(gate, up, half, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
+    case DT_FLOAT: run_glu<float>(gate, up, half, splits, width, post_gate, post_up, bias_gate, bias_up, inter, act, pre, out, rows, lora, product, product_stride, stream); return true;
     default: return false;
   }
 }

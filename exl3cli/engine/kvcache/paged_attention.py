@@ -174,6 +174,13 @@ class PagedBatch:
             # place, no gathered copy of the history.
             return self._attend_decode_fused(layer, query[0].transpose(0, 1),
                                              window).transpose(0, 1).unsqueeze(0)
+        if not self._decode_rows and len(self._chunk_rows) == 1:
+            # One prompt chunk (a cold prefill): SDPA's own output, no copy into a
+            # batch-wide buffer (flash writes [T, H, D] rows: the caller's transpose back
+            # to [N, H * D] is then free).
+            keys, values = self.pool.read(layer, self.row_slots(self._chunk_rows[0]))
+            return attend_chunk(query[0], keys.to(query.dtype), values.to(query.dtype),
+                                self.starts[self._chunk_rows[0]], window).unsqueeze(0)
         out = torch.empty_like(query[0])  # [H, N, D]
         if self._decode_rows:
             index = self._decode_index

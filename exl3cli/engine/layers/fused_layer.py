@@ -42,8 +42,14 @@ Public API:
   kernels, every linear an ``Exl3Linear`` in trellis mode, or such a linear wrapped in
   an ``AdaptedLinear``), or None.
   Without ``force`` it also needs CUDA kernels and ``EXL3_FUSED_LAYER`` not "0".
-- ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device) and
-  ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
+- ``plan.accepts(x) -> bool`` (1..64 rows on the plan's device; with
+  ``EXL3_PREFILL=fused`` also a prompt's rows, up to ``PREFILL_MAX_ROWS``, in a layer
+  without MoE or adapters) and ``plan.forward(x[B, T, hidden], step) -> [B, T, hidden]``.
+
+A prompt runs the same launches with each GEMM as decode + cuBLAS with float32 sums
+(``layer_kernels.gemm_parts`` past 64 rows, ``cuda_kernels.dense_sums``): one norm, rotary,
+activation and residual pass fewer per layer than ``DecoderLayer``'s ops, and no
+float16 fold of svh into Ŵ (bench/NOTES-gpu.md, "Prefill at 2,048").
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from exl3cli.ops import layer_kernels
 from exl3cli.ops.reference import apply_rotary
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+PREFILL_MAX_ROWS = 65535  # norm_hadamard's grid has a row per z index
 
 
 class _Parts(NamedTuple):
@@ -79,6 +86,7 @@ class _Parts(NamedTuple):
     codebook: str
     pad_in: int
     splits: dict[int, int]  # by row count, filled on first use
+    half: dict[str, list[torch.Tensor]]  # half_sums(), made on first use
 
     @staticmethod
     def of(layers: list[Linear]) -> _Parts | None:
@@ -98,7 +106,22 @@ class _Parts(NamedTuple):
             pres=[_f32(p, "suh") for p in parts], posts=[_f32(p, "svh") for p in parts],
             biases=[None if p.bias is None else p.bias.float().contiguous() for p in parts],
             widths=[p.out_features for p in parts], k2=k2s.pop(), codebook=parts[0].codebook,
-            pad_in=parts[0].padded_in, splits={})
+            pad_in=parts[0].padded_in, splits={}, half={})
+
+    def half_sums(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(scales, posts) of EXL3_PREFILL=half's float16 sums: each part's max|svh| in
+        float16 (the decode multiplies Ŵ by it, as the unfused prompt path's fold does)
+        and svh divided by it. Made on a prompt's first use, never in a graph capture."""
+        if not self.half:
+            scales = [p.abs().amax().clamp(2.0**-14, 65504.0).half().reshape(1)
+                      for p in self.posts]
+            self.half["scales"] = scales
+            self.half["posts"] = [p / s.float() for p, s in zip(self.posts, scales, strict=True)]
+        return self.half["scales"], self.half["posts"]
+
+    def posts_for(self, partials: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The svh vectors that go with these sums (scaled ones for float16 sums)."""
+        return self.half_sums()[1] if partials[0].dtype == torch.float16 else self.posts
 
     def gemm(self, xhs: list[torch.Tensor], adapted: AdaptedLinear | None = None,
              x_in: torch.Tensor | None = None
@@ -114,8 +137,11 @@ class _Parts(NamedTuple):
                       if device.type == "cuda" else 1)
             self.splits[rows] = splits
         if adapted is None or x_in is None:
+            scales = None
+            if rows > kernels.FUSED_MAX_ROWS and kernels.prefill_mode() == "half":
+                scales = self.half_sums()[0]
             return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook,
-                                            splits), None
+                                            splits, scales), None
         partials, low = layer_kernels.gemm_parts_low(xhs, self.trellises, self.k2,
                                                      self.codebook, splits, x_in,
                                                      adapted.lora_a)
@@ -218,7 +244,23 @@ class FusedDecodeLayer:
 
     def accepts(self, x: torch.Tensor) -> bool:
         rows = x.shape[0] * x.shape[1]
-        return 1 <= rows <= kernels.FUSED_MAX_ROWS and x.device == self.device
+        if x.device != self.device or rows < 1:
+            return False
+        if rows <= kernels.FUSED_MAX_ROWS:
+            return True
+        return rows <= PREFILL_MAX_ROWS and self._prefill_ok()
+
+    def _prefill_ok(self) -> bool:
+        """Whether a prompt's rows (more than FUSED_MAX_ROWS) take this path: with
+        EXL3_PREFILL=fused, no MoE block, no adapter (their many-row products stay
+        on the unfused path) and decode + cuBLAS available (cuda_kernels.dense_sums);
+        EXL3_PREFILL=half: the same with float16 sums (_Parts.half_sums)."""
+        if kernels.prefill_mode() not in ("fused", "half") or self.moe is not None:
+            return False
+        if any(a is not None for a in (self.qkv_lora, self.o_lora, self.gate_up_lora,
+                                       self.down_lora)):
+            return False
+        return kernels.dense_sums_available(self.device)
 
     def forward(self, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         batch, steps, hidden = x.shape
@@ -241,7 +283,8 @@ class FusedDecodeLayer:
         (gate, up), lora = mlp.gemm([xg, xu], self.gate_up_lora, normed)
         inter = mlp.widths[0]
         product = x2.new_empty(rows, inter) if self.down_lora is not None else None
-        xd = layer_kernels.glu_hadamard(gate, up, mlp.posts[0], mlp.posts[1], mlp.biases[0],
+        posts = mlp.posts_for([gate])
+        xd = layer_kernels.glu_hadamard(gate, up, posts[0], posts[1], mlp.biases[0],
                                         mlp.biases[1], inter, self.activation,
                                         self.down.pres[0], x.dtype, lora=lora, product=product)
         out = x2.new_empty(rows, hidden)
@@ -272,7 +315,7 @@ class FusedDecodeLayer:
             if self.fused_rope:
                 cos, sin = cos4.reshape(rows, dim), sin4.reshape(rows, dim)
                 rope_cols = self.rope_cols
-        layer_kernels.hadamard_out(partials, self.qkv.posts, self.qkv.biases, outs,
+        layer_kernels.hadamard_out(partials, self.qkv.posts_for(partials), self.qkv.biases, outs,
                                    rope_cols, cos=cos, sin=sin,
                                    head_dim=dim if cos is not None else 0, lora=lora)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
@@ -294,7 +337,7 @@ class FusedDecodeLayer:
                  residual: torch.Tensor | None = None, adapted: AdaptedLinear | None = None,
                  x_in: torch.Tensor | None = None) -> None:
         partials, lora = parts.gemm(xhs, adapted, x_in)
-        layer_kernels.hadamard_out(partials, parts.posts, parts.biases, outs,
+        layer_kernels.hadamard_out(partials, parts.posts_for(partials), parts.biases, outs,
                                    [0] * len(outs), residual=residual, lora=lora)
 
 
