@@ -7,7 +7,7 @@
 #
 # Usage (repo root): bash bench/gpu_generator.sh        carry: [".whl"] where .whl/ holds
 # the peer's wheels, its prebuilt extension (*.so.xz) and peer_exllamav3_jobs.py
-# (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" picks stages
+# (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" (also fold, lora, ab, ...) picks stages
 # ("unfused": the 1/16-job points again with EXL3_FUSED_LAYER=0, the before of the
 # fused decode layer; "ab": kernel build variants, see below). OURS_KV="fp16": the "ours"
 # stage's caches (default fp16,q4).
@@ -103,6 +103,25 @@ if [[ " $STAGES " == *" lora "* ]]; then
       || { echo "FAIL: $name"; tail -8 "$OUT/ours-8b-$name.err"; }
   done
   stamp "lora done"
+fi
+
+if [[ " $STAGES " == *" fold "* ]]; then
+  # The decode layer's folds (exl3cli/ops/layer_fold.py; NOTES-gpu "Launches per layer
+  # (issue 10, session 8)"): FOLD_VARIANTS="NAME:FOLDS ..." (default "kv:kv combine:combine
+  # all:all"), each the 8B generator at JOBS (fp16 and q4 cache; "ours" is the no-fold
+  # baseline of the same call) and, FOLD_PROFILE=1 (default), its one-job profile.
+  for variant in ${FOLD_VARIANTS:-"kv:kv" "combine:combine" "all:all"}; do
+    name=${variant%%:*} folds=${variant#*:}
+    EXL3_LAYER_FOLD=$folds timeout 200 python3 bench/generator_throughput.py "$M8" --device cuda \
+      --jobs "$JOBS" --prompt 128 --gen 64 --kv "${OURS_KV:-fp16,q4}" --repeat 3 --json \
+      >"$OUT/ours-8b-fold-$name.json" 2>"$OUT/ours-8b-fold-$name.err" \
+      || { echo "FAIL: fold $name"; tail -8 "$OUT/ours-8b-fold-$name.err"; }
+    [ "${FOLD_PROFILE:-1}" = 1 ] && { EXL3_LAYER_FOLD=$folds timeout 90 python3 \
+      bench/decode_profile.py "$M8" --jobs 1 --kv fp16 --json \
+      >"$OUT/profile-8b-fold-$name.json" 2>"$OUT/profile-8b-fold-$name.err" \
+      || echo "FAIL: fold profile $name"; }
+  done
+  stamp "fold done"
 fi
 
 if [[ " $STAGES " == *" attn "* ]]; then

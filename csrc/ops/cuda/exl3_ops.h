@@ -87,7 +87,17 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
                             const int64_t* page_table, int pages, const int64_t* lengths,
                             int page_size, int window, float softcap, float scale,
                             float* part_acc, float* part_ml, int chunks, void* out,
-                            cudaStream_t stream);
+                            cudaStream_t stream, bool combine = true);
+
+// combine_hadamard (layer_fold.cu): the o projection's input side with the attention's
+// chunk combine folded in. chunks > 1: a[r, c] = dtype(the combine of part_acc/part_ml
+// (rows, heads, chunks, head_dim) / (.., 2) at head c / head_dim, as launch_paged_attention's
+// second kernel makes it); chunks == 1: a = attended (rows, heads * head_dim) in dtype.
+// out (rows, width) float16 = H128(a * pre), columns >= heads * head_dim zero.
+bool launch_combine_hadamard(int dtype, const float* part_acc, const float* part_ml,
+                             int chunks, const void* attended, int heads, int head_dim,
+                             const float* pre, void* out, int rows, int width,
+                             cudaStream_t stream);
 
 // Quantize rows x (rows, channels; rows x_row_stride elements apart, unit channel stride)
 // in `dtype` into a quantized cache at `slots`: codes
@@ -158,9 +168,22 @@ struct OutParts {
   OutPart part[kMaxParts];
   int count;
 };
+// KvStore (optional, keys null: none): the output kernel also stores a decode step's new
+// keys and values in a float16/bfloat16 page pool (slots, row_stride elements per slot,
+// the outputs' dtype): part p's columns [k_lo[p], k_hi[p]) of row r go to
+// keys[slots[r] * row_stride + c - k_lo[p]], [v_lo[p], v_hi[p]) to values likewise, the
+// same bits as the output (after rotary; no residual then). Empty ranges: lo = hi = 0.
+struct KvStore {
+  void* keys;
+  void* values;
+  const int64_t* slots;
+  int64_t row_stride;
+  int k_lo[kMaxParts], k_hi[kMaxParts], v_lo[kMaxParts], v_hi[kMaxParts];
+};
 bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
                          int64_t residual_stride, const void* cos, const void* sin,
-                         int head_dim, const LowRank& lora, cudaStream_t stream);
+                         int head_dim, const LowRank& lora, cudaStream_t stream,
+                         const KvStore& kv = KvStore{});
 
 // glu_hadamard: gate and up partials (splits, rows, width) -> their outputs as
 // hadamard_out computes them (with lora.low set: plus their LoRA deltas, gate at bt

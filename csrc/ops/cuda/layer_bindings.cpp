@@ -86,6 +86,73 @@ void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_we
                "exl3 norm hadamard");
 }
 
+// The key/value store of hadamard_out (exl3_ops.h KvStore): keys/values (slots, KV, D)
+// contiguous in dtype, slots (>= rows,) int64, ranges 4 per part (k_lo, k_hi, v_lo, v_hi
+// in the part's columns), each range inside the part's output and one pool row wide at most.
+exl3::KvStore kv_store(const OptTensor& keys, const OptTensor& values, const OptTensor& slots,
+                       const std::vector<int64_t>& ranges, const exl3::OutParts& parts,
+                       int64_t rows, at::ScalarType dtype) {
+  exl3::KvStore kv{};
+  const int given = keys.has_value() + values.has_value() + slots.has_value();
+  if (given == 0) return kv;
+  TORCH_CHECK(given == 3, "kv_keys, kv_values and kv_slots come together");
+  TORCH_CHECK(ranges.size() == 4 * (size_t)parts.count, "kv_ranges: 4 per part");
+  for (const auto* t : {&*keys, &*values}) {
+    check_contiguous(*t, "kv_keys/kv_values");
+    TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 3 && t->sizes() == keys->sizes(),
+                "kv_keys and kv_values must be (slots, kv_heads, head_dim) in the outputs' dtype");
+  }
+  check_contiguous(*slots, "kv_slots");
+  TORCH_CHECK(slots->scalar_type() == at::kLong && slots->numel() >= rows,
+              "kv_slots must be contiguous int64 (>= rows,)");
+  const int64_t row = keys->size(1) * keys->size(2);
+  for (int p = 0; p < parts.count; p++) {
+    const int64_t* r = &ranges[4 * p];
+    for (int j = 0; j < 4; j += 2)
+      TORCH_CHECK(0 <= r[j] && r[j] <= r[j + 1] && r[j + 1] <= parts.part[p].out_cols &&
+                      r[j + 1] - r[j] <= row, "kv_ranges must lie in the part's columns");
+    kv.k_lo[p] = (int)r[0];
+    kv.k_hi[p] = (int)r[1];
+    kv.v_lo[p] = (int)r[2];
+    kv.v_hi[p] = (int)r[3];
+  }
+  kv.keys = keys->data_ptr();
+  kv.values = values->data_ptr();
+  kv.slots = slots->data_ptr<int64_t>();
+  kv.row_stride = row;
+  return kv;
+}
+
+// part_acc/part_ml: (rows, heads, chunks, head_dim) / (.., 2) float32 (chunks > 1) or
+// attended (rows, heads * head_dim) contiguous in dtype (code); out (rows, width) float16.
+void combine_hadamard(const at::Tensor& part_acc, const at::Tensor& part_ml,
+                      const at::Tensor& attended, const at::Tensor& pre, at::Tensor& out,
+                      int64_t dtype) {
+  check_contiguous(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2, "out must be float16 (rows, width)");
+  const int64_t rows = out.size(0), width = out.size(1);
+  TORCH_CHECK(part_acc.dim() == 4 && part_acc.size(0) == rows && part_ml.dim() == 4 &&
+                  part_ml.sizes() == at::IntArrayRef({rows, part_acc.size(1), part_acc.size(2), 2}),
+              "part_acc (rows, heads, chunks, head_dim) and part_ml (.., 2)");
+  const int64_t heads = part_acc.size(1), chunks = part_acc.size(2), dim = part_acc.size(3);
+  check_contiguous(part_acc, "part_acc");
+  check_contiguous(part_ml, "part_ml");
+  TORCH_CHECK(part_acc.scalar_type() == at::kFloat && part_ml.scalar_type() == at::kFloat,
+              "part_acc and part_ml must be float32");
+  check_contiguous(attended, "attended");
+  TORCH_CHECK(dtype_code(attended) == (int)dtype && attended.dim() == 2 &&
+                  attended.size(0) == rows && attended.size(1) == heads * dim,
+              "attended must be (rows, heads * head_dim) in dtype");
+  const float* pre_ptr = optional_vector(pre, width, "pre");
+  const c10::cuda::CUDAGuard guard(out.device());
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(exl3::launch_combine_hadamard(
+                   (int)dtype, part_acc.data_ptr<float>(), part_ml.data_ptr<float>(),
+                   (int)chunks, attended.data_ptr(), (int)heads, (int)dim, pre_ptr,
+                   out.data_ptr(), (int)rows, (int)width, stream),
+               "exl3 combine hadamard");
+}
+
 // partials: (splits, rows, width) float32; outs: (rows, out_cols) column views in dtype;
 // the LoRA tensors (low_rank above) cover the outs' columns in order.
 void hadamard_out(const std::vector<at::Tensor>& partials,
@@ -95,7 +162,9 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
                   const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& cos,
                   const c10::optional<at::Tensor>& sin, int64_t head_dim,
                   const OptTensor& lora_low, const OptTensor& lora_bt,
-                  const OptTensor& lora_columns, const OptTensor& lora_slots) {
+                  const OptTensor& lora_columns, const OptTensor& lora_slots,
+                  const OptTensor& kv_keys, const OptTensor& kv_values,
+                  const OptTensor& kv_slots, const std::vector<int64_t>& kv_ranges) {
   const size_t n = partials.size();
   TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
                   biases.size() == n && outs.size() == n && rope_cols.size() == n,
@@ -148,11 +217,13 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
     cos_ptr = cos->data_ptr();
     sin_ptr = sin->data_ptr();
   }
+  const exl3::KvStore kv = kv_store(kv_keys, kv_values, kv_slots, kv_ranges, parts, rows, dtype);
+  TORCH_CHECK(kv.keys == nullptr || res_ptr == nullptr, "a key/value store takes no residual");
   const c10::cuda::CUDAGuard guard(partials[0].device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(exl3::launch_hadamard_out(dtype_code(outs[0]), parts, (int)rows, res_ptr,
                                          res_stride, cos_ptr, sin_ptr, (int)head_dim, lora,
-                                         stream),
+                                         stream, kv),
                "exl3 hadamard out");
 }
 
@@ -266,7 +337,12 @@ void define_layer_ops(pybind11::module_& m) {
         py::arg("partials"), py::arg("posts"), py::arg("biases"), py::arg("outs"),
         py::arg("rope_cols"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
         py::arg("head_dim"), py::arg("lora_low"), py::arg("lora_bt"), py::arg("lora_columns"),
-        py::arg("lora_slots"));
+        py::arg("lora_slots"), py::arg("kv_keys") = py::none(), py::arg("kv_values") = py::none(),
+        py::arg("kv_slots") = py::none(), py::arg("kv_ranges") = std::vector<int64_t>{});
+  m.def("combine_hadamard", &combine_hadamard,
+        "the attention's chunk combine, then the o projection's suh + input Hadamard",
+        py::arg("part_acc"), py::arg("part_ml"), py::arg("attended"), py::arg("pre"),
+        py::arg("out"), py::arg("dtype"));
   m.def("glu_hadamard", &glu_hadamard,
         "act(gate) * up from their partials, then the down projection's input Hadamard",
         py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),

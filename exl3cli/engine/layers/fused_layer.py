@@ -61,7 +61,7 @@ from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.ops import cuda_kernels as kernels
-from exl3cli.ops import layer_kernels
+from exl3cli.ops import layer_fold, layer_kernels
 from exl3cli.ops.reference import apply_rotary
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -174,6 +174,15 @@ class FusedDecodeLayer:
         # q/k norms come before the rotation: then it is qk_norm_rope's (or PyTorch's).
         self.fused_rope = attention.rope and dim in (64, 128) and attention.qk_norm is None
         norm = attention.qk_norm
+        # EXL3_LAYER_FOLD (ops/layer_fold.py): the cache write in the q/k/v output kernel
+        # and the attention's chunk combine in the o input kernel, where they apply.
+        plain = (attention.softcap is None and attention.sinks is None
+                 and attention._query_factor is None)
+        self.kv_ranges = (layer_fold.kv_ranges(qkv.widths, heads, kv_heads, dim)
+                          if "kv" in layer_fold.FOLDS and plain and attention.qk_norm is None
+                          and (self.fused_rope or not attention.rope) else None)
+        self.fold_combine = ("combine" in layer_fold.FOLDS and plain and self.o_lora is None
+                             and dim in (64, 128, 256))
         self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
         if (type(norm) is RMSNorm and not norm.unit_offset
                 and tuple(norm.weight.shape) == (heads + kv_heads, dim)):
@@ -224,11 +233,12 @@ class FusedDecodeLayer:
         batch, steps, hidden = x.shape
         rows = batch * steps
         x2 = x.reshape(rows, hidden)
-        attended = self._attention(x2, step, batch, steps)
+        attended, xo = self._attention(x2, step, batch, steps)
+        if xo is None:
+            xo = layer_kernels.norm_hadamard(attended, None, 0.0, False, self.o.pres,
+                                             self.o.pad_in)
         h = x2.new_empty(rows, hidden)
-        self._project(self.o, layer_kernels.norm_hadamard(
-            attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2,
-            adapted=self.o_lora, x_in=attended)
+        self._project(self.o, xo, [h], residual=x2, adapted=self.o_lora, x_in=attended)
         if self.moe is not None:
             return self.moe.decode_block(h, self.norm2, self.norm2_weight).view(
                 batch, steps, hidden)
@@ -248,10 +258,11 @@ class FusedDecodeLayer:
         self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora, x_in=product)
         return out.view(batch, steps, hidden)
 
-    def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int,
-                   steps: int) -> torch.Tensor:
+    def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int, steps: int
+                   ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """q/k/v from the normed input (rotated in the output kernel), the cache write and
-        attention: the o projection's input (rows, heads * head_dim)."""
+        attention: the o projection's input (rows, heads * head_dim) and, where the chunk
+        combine is folded (``fold_combine``), its rotated form (else None)."""
         attention = self.attention
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = x2.shape[0]
@@ -272,10 +283,22 @@ class FusedDecodeLayer:
             if self.fused_rope:
                 cos, sin = cos4.reshape(rows, dim), sin4.reshape(rows, dim)
                 rope_cols = self.rope_cols
-        layer_kernels.hadamard_out(partials, self.qkv.posts, self.qkv.biases, outs,
-                                   rope_cols, cos=cos, sin=sin,
-                                   head_dim=dim if cos is not None else 0, lora=lora)
+        cache = step.cache
+        target = None
+        if self.kv_ranges is not None and steps == 1 and hasattr(cache, "kv_target"):
+            target = cache.kv_target(attention.layer_index, x2.dtype)
+        if target is not None:
+            layer_fold.hadamard_out_kv(partials, self.qkv.posts, self.qkv.biases, outs,
+                                       rope_cols, cos, sin, dim if cos is not None else 0,
+                                       layer_fold.KvStore(*target, self.kv_ranges), lora=lora)
+        else:
+            layer_kernels.hadamard_out(partials, self.qkv.posts, self.qkv.biases, outs,
+                                       rope_cols, cos=cos, sin=sin,
+                                       head_dim=dim if cos is not None else 0, lora=lora)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
+        if (target is not None or self.fold_combine) and steps == 1 and hasattr(
+                cache, "attend_parts"):
+            return self._attend_folded(qkv, target is not None, step)
         qk = qkv4[:, :, : heads + kv_heads]
         if self.qk_weight is not None:
             rotate = attention.rope
@@ -288,7 +311,27 @@ class FusedDecodeLayer:
             qk = attention.qk_norm(qk)
         if attention.rope and not self.fused_rope and self.qk_weight is None:
             qk = apply_rotary(qk, cos4, sin4)
-        return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1)
+        return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1), None
+
+    def _attend_folded(self, qkv: torch.Tensor, written: bool, step: AttentionStep
+                       ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """A fixed decode step's attention over qkv (rows, (H + 2 KV) * D), one token per
+        row, with the folds of ``layer_fold``: keys/values already stored (``written``),
+        the chunk combine in the o input kernel (``fold_combine``)."""
+        attention = self.attention
+        heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        rows = qkv.shape[0]
+        qkv3 = qkv.view(rows, heads + 2 * kv_heads, dim)
+        key = None if written else qkv3[:, heads : heads + kv_heads]
+        value = None if written else qkv3[:, heads + kv_heads :]
+        part_acc, part_ml, out = step.cache.attend_parts(
+            attention.layer_index, qkv3[:, :heads], key, value, attention.window,
+            combine=not self.fold_combine)
+        attended = out.reshape(rows, heads * dim)
+        if part_acc is None or part_ml is None:
+            return attended, None
+        return attended, [layer_fold.combine_hadamard(part_acc, part_ml, attended,
+                                                      self.o.pres[0], self.o.pad_in)]
 
     def _project(self, parts: _Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
                  residual: torch.Tensor | None = None, adapted: AdaptedLinear | None = None,
