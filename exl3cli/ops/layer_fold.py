@@ -9,7 +9,12 @@
   reads the chunks' partial results that ``paged_attention(parts=...)`` leaves and makes
   the o projection's rotated input, in place of the combine kernel and ``norm_hadamard``.
 
-``EXL3_LAYER_FOLD`` picks them: "kv", "combine", both as "kv,combine" or "all"; unset,
+- the o projection's output side and the MLP's input side in one launch: ``out_norm``
+  (h = residual + the o output, then RMSNorm + suh + H128 for gate and up; the row's
+  last block, by an integer ticket, runs the second half), in place of ``hadamard_out``
+  and ``norm_hadamard``.
+
+``EXL3_LAYER_FOLD`` picks them: "kv", "combine", "norm", a list "kv,combine", or "all"; unset,
 "" or "0": none (the path of runs 10-28). Any other name: ValueError at import.
 
 Public API:
@@ -20,6 +25,8 @@ Public API:
   not start at a pool row's first column.
 - ``hadamard_out_kv(partials, posts, biases, outs, rope_cols, cos, sin, head_dim, kv,
   lora=None)``: ``layer_kernels.hadamard_out`` (no residual) plus the stores.
+- ``out_norm_counters(device)`` (at load) and ``out_norm(partial, post, bias, residual,
+  h, norm_weight, eps, unit_offset, pres, width) -> list[float16 (rows, width)]``.
 - ``combine_reference(part_acc, part_ml, dtype) -> (rows, heads * head_dim)``: the chunk
   combine in ``dtype``; ``combine_hadamard(part_acc, part_ml, attended, pre, width)
   -> float16 (rows, width)``: ``H128(a * pre)`` with a the combine (more than one chunk)
@@ -40,7 +47,7 @@ from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_kernels
 from exl3cli.ops.layer_kernels import LowRank
 
-NAMES = ("kv", "combine")
+NAMES = ("kv", "combine", "norm")
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -142,6 +149,42 @@ def combine_hadamard(part_acc: torch.Tensor, part_ml: torch.Tensor, attended: to
          else attended)
     padded = F.pad(a.float(), (0, width - a.shape[1]))
     return block_hadamard(padded * pre[:width].float(), dim=-1).half()
+
+
+_OUT_NORM_MAX_ROWS, _OUT_NORM_MAX_COLS = 64, 12288  # exl3_ops.h kOutNorm*
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def out_norm_counters(device: torch.device) -> torch.Tensor | None:
+    """The out_norm kernel's per-row tickets on `device` (made once, zero, outside any
+    graph capture: call at load; they are never replaced, captured graphs hold them)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _counters:
+        _counters[device] = torch.zeros(_OUT_NORM_MAX_ROWS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def out_norm(partial: torch.Tensor, post: torch.Tensor | None, bias: torch.Tensor | None,
+             residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+             unit_offset: bool, pres: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
+    """``h = residual + hadamard_out(partial)`` (written to h) and the next input's
+    ``norm_hadamard(h, norm_weight, ...)`` outputs: one launch on CUDA (the row's last
+    block runs the second half), the two twins elsewhere."""
+    rows, cols = h.shape
+    ext = layer_kernels._ext(partial)
+    counters = _counters.get(h.device) if ext is not None else None
+    if (counters is not None and hasattr(ext, "out_norm") and h.dtype in layer_kernels._DTYPES
+            and 1 <= rows <= _OUT_NORM_MAX_ROWS and cols <= _OUT_NORM_MAX_COLS):
+        outs = [torch.empty(rows, width, dtype=torch.float16, device=h.device) for _ in pres]
+        ext.out_norm(partial, post, bias, residual, h, norm_weight, eps, unit_offset,
+                     list(pres), outs, width, counters)
+        return outs
+    layer_kernels.hadamard_out([partial], [post], [bias], [h], [0], residual=residual)
+    return layer_kernels.norm_hadamard(h, norm_weight, eps, unit_offset, pres, width)
 
 
 def attention_parts(rows: int, heads: int, pages: int, page_size: int, dim: int,

@@ -13,10 +13,12 @@ from exl3cli.convert.synthetic import write_synthetic_model
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.kvcache.paged_cache import PagePool
+from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_fold, layer_kernels
+from tests.fixtures.fused_shapes import write_fused_shapes
 
 cuda = pytest.mark.cuda
 
@@ -24,10 +26,10 @@ cuda = pytest.mark.cuda
 def test_fold_names():
     assert layer_fold.fold_names("") == frozenset()
     assert layer_fold.fold_names("0") == frozenset()
-    assert layer_fold.fold_names("all") == {"kv", "combine"}
+    assert layer_fold.fold_names("all") == {"kv", "combine", "norm"}
     assert layer_fold.fold_names(" kv ") == {"kv"}
     with pytest.raises(ValueError, match="unknown fold"):
-        layer_fold.fold_names("kv,norm")
+        layer_fold.fold_names("kv,rope")
 
 
 def test_kv_ranges_over_split_and_fused_parts():
@@ -195,3 +197,69 @@ def test_generator_with_every_fold_gives_the_same_tokens(tmp_path, monkeypatch, 
         tokens[folds] = [h.token_ids for h in handles]
         del generator, model
     assert tokens[""] == tokens["all"]
+
+
+def _out_norm_case(rows, width, cols, in_width, nparts, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    partial = torch.randn(5, rows, width, generator=gen).to(device)
+    post = torch.rand(width, generator=gen).add(0.5).to(device)
+    bias = torch.randn(cols, generator=gen).mul(0.1).to(device)
+    residual = torch.randn(rows, cols, generator=gen).to(device, dtype)
+    norm_w = torch.rand(cols, generator=gen).add(0.5).to(device)
+    pres = [torch.randn(in_width, generator=gen).to(device) for _ in range(nparts)]
+    return partial, post, bias, residual, norm_w, pres
+
+
+def _out_norm_both(rows, width, cols, in_width, nparts, dtype, device, unit_offset, seed):
+    partial, post, bias, residual, norm_w, pres = _out_norm_case(
+        rows, width, cols, in_width, nparts, dtype, device, seed)
+    h = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
+    got = layer_fold.out_norm(partial, post, bias, residual, h, norm_w, 1e-5, unit_offset,
+                              pres, in_width)
+    h_want = torch.empty_like(h)
+    layer_kernels.hadamard_out([partial], [post], [bias], [h_want], [0], residual=residual)
+    want = layer_kernels.norm_hadamard(h_want, norm_w, 1e-5, unit_offset, pres, in_width)
+    return h, got, h_want, want
+
+
+def test_out_norm_twin_is_hadamard_out_then_norm_hadamard():
+    h, got, h_want, want = _out_norm_both(3, 640, 576, 640, 2, torch.float32, "cpu", False, 4)
+    assert torch.equal(h, h_want) and all(torch.equal(g, w) for g, w in zip(got, want,
+                                                                            strict=True))
+
+
+def test_norm_fold_hands_the_next_layers_input_over_on_cpu(monkeypatch, tmp_path_factory):
+    folder = write_fused_shapes(tmp_path_factory, seed=7)["test-hd64"]
+    model = load_causal_lm(folder, device="cpu", dtype=torch.bfloat16, linear_mode="trellis")
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    results = {}
+    for folds in ("", "norm"):
+        monkeypatch.setattr(layer_fold, "FOLDS", layer_fold.fold_names(folds))
+        plans = [FusedDecodeLayer.of(layer, force=True) for layer in model.layers]
+        for _ in range(2):  # the first forward links the layers, the second hands over
+            step = model._plan_step(1, ids.shape[1])
+            hidden = model._embed(ids)
+            for plan in plans:
+                hidden = plan.forward(hidden, step)
+        linked = [p.successor is q for p, q in zip(plans, plans[1:], strict=False)]
+        assert all(linked) == (folds == "norm") and any(linked) == (folds == "norm")
+        results[folds] = hidden
+    assert torch.equal(results[""], results["norm"])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, width, cols, in_width, nparts, unit_offset", [
+    (1, 4096, 4096, 4096, 2, False), (7, 640, 576, 640, 2, True),
+    (64, 1024, 1024, 1024, 3, False), (2, 2048, 2048, 2048, 1, False)])
+def test_out_norm_kernel_gives_the_bits_of_the_two_launches(dtype, rows, width, cols, in_width,
+                                                            nparts, unit_offset):
+    assert kernels.available()
+    counters = layer_fold.out_norm_counters(torch.device("cuda"))
+    for seed in (1, 2):  # twice: the tickets are back at zero after each launch
+        h, got, h_want, want = _out_norm_both(rows, width, cols, in_width, nparts, dtype,
+                                              "cuda", unit_offset, seed)
+        assert torch.equal(h, h_want)
+        for g, w in zip(got, want, strict=True):
+            assert not g.isnan().any() and torch.equal(g, w)
+        assert (counters == 0).all()

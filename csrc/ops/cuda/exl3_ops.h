@@ -94,6 +94,20 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
 // (rows, heads, chunks, head_dim) / (.., 2) at head c / head_dim, as launch_paged_attention's
 // second kernel makes it); chunks == 1: a = attended (rows, heads * head_dim) in dtype.
 // out (rows, width) float16 = H128(a * pre), columns >= heads * head_dim zero.
+// out_norm (layer_fold.cu): h (rows, cols; h_stride) = residual + dtype(H128(sum of the
+// splits of partial (splits, rows, width)) * post + bias), as launch_hadamard_out with a
+// residual, then outs[p] (rows, in_width) float16 = launch_norm_hadamard's outputs for h
+// (norm_w float32 (cols), eps, unit_offset; pre[p] float32 (>= in_width)). counters:
+// kOutNormMaxRows int32, zero before the first launch (the kernel leaves them zero).
+constexpr int kOutNormMaxRows = 64;
+constexpr int kOutNormMaxCols = 12288;  // h's row in shared memory (48 KB)
+bool launch_out_norm(int dtype, const float* partial, int splits, int width, int cols,
+                     const float* post, const float* bias, const void* residual,
+                     int64_t residual_stride, void* h, int64_t h_stride, int rows,
+                     const float* norm_w, float eps, bool unit_offset, int nparts,
+                     const float* const* pre, void* const* out, int in_width, int* counters,
+                     cudaStream_t stream);
+
 bool launch_combine_hadamard(int dtype, const float* part_acc, const float* part_ml,
                              int chunks, const void* attended, int heads, int head_dim,
                              const float* pre, void* out, int rows, int width,

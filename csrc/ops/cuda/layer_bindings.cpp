@@ -9,6 +9,9 @@
 #include "exl3_ops.h"
 
 namespace exl3_bind {
+
+void define_fold_ops(pybind11::module_& m);
+
 namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
@@ -121,36 +124,6 @@ exl3::KvStore kv_store(const OptTensor& keys, const OptTensor& values, const Opt
   kv.slots = slots->data_ptr<int64_t>();
   kv.row_stride = row;
   return kv;
-}
-
-// part_acc/part_ml: (rows, heads, chunks, head_dim) / (.., 2) float32 (chunks > 1) or
-// attended (rows, heads * head_dim) contiguous in dtype (code); out (rows, width) float16.
-void combine_hadamard(const at::Tensor& part_acc, const at::Tensor& part_ml,
-                      const at::Tensor& attended, const at::Tensor& pre, at::Tensor& out,
-                      int64_t dtype) {
-  check_contiguous(out, "out");
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2, "out must be float16 (rows, width)");
-  const int64_t rows = out.size(0), width = out.size(1);
-  TORCH_CHECK(part_acc.dim() == 4 && part_acc.size(0) == rows && part_ml.dim() == 4 &&
-                  part_ml.sizes() == at::IntArrayRef({rows, part_acc.size(1), part_acc.size(2), 2}),
-              "part_acc (rows, heads, chunks, head_dim) and part_ml (.., 2)");
-  const int64_t heads = part_acc.size(1), chunks = part_acc.size(2), dim = part_acc.size(3);
-  check_contiguous(part_acc, "part_acc");
-  check_contiguous(part_ml, "part_ml");
-  TORCH_CHECK(part_acc.scalar_type() == at::kFloat && part_ml.scalar_type() == at::kFloat,
-              "part_acc and part_ml must be float32");
-  check_contiguous(attended, "attended");
-  TORCH_CHECK(dtype_code(attended) == (int)dtype && attended.dim() == 2 &&
-                  attended.size(0) == rows && attended.size(1) == heads * dim,
-              "attended must be (rows, heads * head_dim) in dtype");
-  const float* pre_ptr = optional_vector(pre, width, "pre");
-  const c10::cuda::CUDAGuard guard(out.device());
-  auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_launch(exl3::launch_combine_hadamard(
-                   (int)dtype, part_acc.data_ptr<float>(), part_ml.data_ptr<float>(),
-                   (int)chunks, attended.data_ptr(), (int)heads, (int)dim, pre_ptr,
-                   out.data_ptr(), (int)rows, (int)width, stream),
-               "exl3 combine hadamard");
 }
 
 // partials: (splits, rows, width) float32; outs: (rows, out_cols) column views in dtype;
@@ -339,16 +312,13 @@ void define_layer_ops(pybind11::module_& m) {
         py::arg("head_dim"), py::arg("lora_low"), py::arg("lora_bt"), py::arg("lora_columns"),
         py::arg("lora_slots"), py::arg("kv_keys") = py::none(), py::arg("kv_values") = py::none(),
         py::arg("kv_slots") = py::none(), py::arg("kv_ranges") = std::vector<int64_t>{});
-  m.def("combine_hadamard", &combine_hadamard,
-        "the attention's chunk combine, then the o projection's suh + input Hadamard",
-        py::arg("part_acc"), py::arg("part_ml"), py::arg("attended"), py::arg("pre"),
-        py::arg("out"), py::arg("dtype"));
   m.def("glu_hadamard", &glu_hadamard,
         "act(gate) * up from their partials, then the down projection's input Hadamard",
         py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),
         py::arg("bias_gate"), py::arg("bias_up"), py::arg("inter"), py::arg("act"),
         py::arg("pre"), py::arg("out"), py::arg("dtype"), py::arg("lora_low"),
         py::arg("lora_bt"), py::arg("lora_columns"), py::arg("lora_slots"), py::arg("product"));
+  define_fold_ops(m);  // fold_bindings.cpp
 }
 
 }  // namespace exl3_bind

@@ -6,7 +6,11 @@
 // combine_chunks_kernel operation for operation (max, then the sum of l * exp(m_c - m),
 // then the accumulators in chunk order, one division), so the rounded attention output
 // has the same bits, and the input side follows norm_hadamard_kernel without a norm.
-// No atomics: the same order on every run.
+// No float atomics: the same order on every run.
+//
+// out_norm (exl3_ops.h): the o projection's output side (split sum, H128, svh, bias,
+// residual -> h) and the MLP's input side (RMSNorm of h, suh, H128 for gate and up) in
+// one launch: the last block of each row (an integer ticket) runs the second half.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
@@ -14,6 +18,7 @@
 #include "exl3_convert.cuh"
 #include "../../codec/exl3_hadamard.cuh"
 #include "exl3_launch.cuh"
+#include "exl3_lora.cuh"
 #include "exl3_ops.h"
 
 namespace exl3 {
@@ -75,6 +80,129 @@ __global__ void __launch_bounds__(kWarps * 32)
   out2[1] = __floats2half2_rn(v[2] * kHadamardScale, v[3] * kHadamardScale);
 }
 
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+struct TailParts {
+  const float* pre[kMaxParts];
+  __half* out[kMaxParts];
+};
+
+// out_norm: grid (blocks of 8 of the row's 128-column blocks, rows). Each warp makes 128
+// columns of h = residual + dtype(H128(split sum) * post + bias) as hadamard_out_kernel
+// does; the row's last block to finish (an int ticket per row, set back to 0 by it) reads
+// the whole row of h back and runs norm_hadamard_kernel's work for the next input (the
+// same sums in the same order: the same bits). Dynamic shared memory: the row of h.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    out_norm_kernel(const float* __restrict__ partial, int splits, int width, int cols,
+                    const float* __restrict__ post, const float* __restrict__ bias,
+                    const T* __restrict__ residual, int64_t residual_stride, T* h,
+                    int64_t h_stride, int rows, const float* __restrict__ norm_w, float eps,
+                    bool unit_offset, const __grid_constant__ TailParts tail, int nparts,
+                    int in_width, int* counters) {
+  pdl_trigger();
+  pdl_wait();
+  extern __shared__ float hrow[];  // [cols]
+  __shared__ float partial_sums[kWarps];
+  __shared__ bool last;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int row = blockIdx.y;
+  // The tail's constants on their way to L2 while the sums run (every block takes a share).
+  for (int i = (blockIdx.x * kWarps * 32 + threadIdx.x) * 32; i < cols; i += gridDim.x * kWarps * 32 * 32) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(norm_w + i));
+    for (int p = 0; p < nparts; p++) asm volatile("prefetch.global.L2 [%0];" ::"l"(tail.pre[p] + i));
+  }
+  const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
+  if (base < width) {
+    const size_t slice = (size_t)rows * width;
+    const float* pp = partial + (size_t)row * width + base;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int sl = 0; sl < splits; sl++) {
+      const float4 t = __ldg(reinterpret_cast<const float4*>(pp + sl * slice));
+      sum.x += t.x;
+      sum.y += t.y;
+      sum.z += t.z;
+      sum.w += t.w;
+    }
+    float v[4] = {sum.x, sum.y, sum.z, sum.w};
+    hadamard128_warp(v, lane);
+    T* hr = h + (size_t)row * h_stride;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int c = base + e;
+      float y = v[e] * kHadamardScale;
+      if (post != nullptr) y *= post[c];
+      if (bias != nullptr && c < cols) y += bias[c];
+      y = round_to<T>(y);
+      if (c < cols) hr[c] = from_f32<T>(to_f32(residual[(size_t)row * residual_stride + c]) + y);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's h before its ticket
+    const int ticket = atomicAdd(counters + row, 1);
+    last = ticket == (int)gridDim.x - 1;
+    if (last) counters[row] = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // norm_hadamard_kernel's sum of squares, thread for thread.
+  const T* hr = h + (size_t)row * h_stride;
+  float s = 0.0f;
+  for (int c = threadIdx.x; c < cols; c += kWarps * 32) {
+    const float f = to_f32(__ldcg(hr + c));
+    hrow[c] = f;
+    s += f * f;
+  }
+  s = warp_sum(s);
+  if (lane == 0) partial_sums[warp] = s;
+  __syncthreads();
+  s = warp_sum(lane < kWarps ? partial_sums[lane] : 0.0f);
+  const float rs = rsqrtf(s / (float)cols + eps);
+  const int in_blocks = in_width / 128;
+  for (int t = warp; t < nparts * in_blocks; t += kWarps) {
+    const int p = t / in_blocks;
+    const int b = (t % in_blocks) * 128 + lane * 4;
+    const float* pre = tail.pre[p];
+    float x[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int c = b + e;
+      float f = 0.0f;
+      if (c < cols) {
+        f = unit_offset ? round_to<T>(hrow[c] * rs * norm_w[c])
+                        : round_to<T>(round_to<T>(hrow[c] * rs) * norm_w[c]);
+        f *= pre[c];
+      }
+      x[e] = f;
+    }
+    hadamard128_warp(x, lane);
+    __half2* out2 = reinterpret_cast<__half2*>(tail.out[p] + (size_t)row * in_width + b);
+    out2[0] = __floats2half2_rn(x[0] * kHadamardScale, x[1] * kHadamardScale);
+    out2[1] = __floats2half2_rn(x[2] * kHadamardScale, x[3] * kHadamardScale);
+  }
+}
+
+template <typename T>
+void run_out_norm(const float* partial, int splits, int width, int cols, const float* post,
+                  const float* bias, const void* residual, int64_t residual_stride, void* h,
+                  int64_t h_stride, int rows, const float* norm_w, float eps, bool unit_offset,
+                  const TailParts& tail, int nparts, int in_width, int* counters,
+                  cudaStream_t stream) {
+  const dim3 grid((unsigned)((width / 128 + kWarps - 1) / kWarps), (unsigned)rows);
+  launch(out_norm_kernel<T>, grid, dim3(kWarps * 32), (size_t)cols * sizeof(float), stream,
+         partial, splits, width, cols, post, bias, static_cast<const T*>(residual),
+         residual_stride, static_cast<T*>(h), h_stride, rows, norm_w, eps, unit_offset, tail,
+         nparts, in_width, counters);
+}
+
 template <typename T>
 void run_combine(const float* part_acc, const float* part_ml, int chunks, const void* attended,
                  int heads, int head_dim, const float* pre, void* out, int rows, int width,
@@ -100,6 +228,32 @@ bool launch_combine_hadamard(int dtype, const float* part_acc, const float* part
   switch (dtype) {
     case DT_HALF: run_combine<__half>(part_acc, part_ml, chunks, attended, heads, head_dim, pre, out, rows, width, stream); return true;
     case DT_BF16: run_combine<__nv_bfloat16>(part_acc, part_ml, chunks, attended, heads, head_dim, pre, out, rows, width, stream); return true;
+    default: return false;
+  }
+}
+
+bool launch_out_norm(int dtype, const float* partial, int splits, int width, int cols,
+                     const float* post, const float* bias, const void* residual,
+                     int64_t residual_stride, void* h, int64_t h_stride, int rows,
+                     const float* norm_w, float eps, bool unit_offset, int nparts,
+                     const float* const* pre, void* const* out, int in_width, int* counters,
+                     cudaStream_t stream) {
+  if (width % 128 != 0 || in_width % 128 != 0 || cols > width || cols > in_width ||
+      cols * sizeof(float) > kOutNormMaxCols * sizeof(float) || splits < 1 || nparts < 1 ||
+      nparts > kMaxParts || rows < 0 || rows > kOutNormMaxRows || norm_w == nullptr ||
+      residual == nullptr || h == nullptr || counters == nullptr)
+    return false;
+  TailParts tail{};
+  for (int p = 0; p < nparts; p++) {
+    if (pre[p] == nullptr || out[p] == nullptr) return false;
+    tail.pre[p] = pre[p];
+    tail.out[p] = static_cast<__half*>(out[p]);
+  }
+  if (rows == 0) return true;
+  switch (dtype) {
+    case DT_HALF: run_out_norm<__half>(partial, splits, width, cols, post, bias, residual, residual_stride, h, h_stride, rows, norm_w, eps, unit_offset, tail, nparts, in_width, counters, stream); return true;
+    case DT_BF16: run_out_norm<__nv_bfloat16>(partial, splits, width, cols, post, bias, residual, residual_stride, h, h_stride, rows, norm_w, eps, unit_offset, tail, nparts, in_width, counters, stream); return true;
+    case DT_FLOAT: run_out_norm<float>(partial, splits, width, cols, post, bias, residual, residual_stride, h, h_stride, rows, norm_w, eps, unit_offset, tail, nparts, in_width, counters, stream); return true;
     default: return false;
   }
 }
