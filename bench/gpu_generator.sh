@@ -107,19 +107,21 @@ fi
 
 if [[ " $STAGES " == *" fold "* ]]; then
   # The decode layer's folds (exl3cli/ops/layer_fold.py; NOTES-gpu "Launches per layer
-  # (issue 10, session 8)"): FOLD_VARIANTS="NAME:FOLDS ..." (default "kv:kv combine:combine
-  # all:all"), each the 8B generator at JOBS (fp16 and q4 cache; "ours" is the no-fold
-  # baseline of the same call) and, FOLD_PROFILE=1 (default), its one-job profile.
-  for variant in ${FOLD_VARIANTS:-"kv:kv" "combine:combine" "all:all"}; do
-    name=${variant%%:*} folds=${variant#*:}
-    EXL3_LAYER_FOLD=$folds timeout 200 python3 bench/generator_throughput.py "$M8" --device cuda \
-      --jobs "$JOBS" --prompt 128 --gen 64 --kv "${OURS_KV:-fp16,q4}" --repeat 3 --json \
-      >"$OUT/ours-8b-fold-$name.json" 2>"$OUT/ours-8b-fold-$name.err" \
+  # (issue 10, session 8)"): FOLD_VARIANTS="NAME:ENV=VALUE[,ENV=VALUE] ..." (default
+  # "all:EXL3_LAYER_FOLD=all"), each the 8B generator at FOLD_JOBS (default JOBS) with the
+  # FOLD_KV caches (default fp16); "ours" in the same call is the no-fold baseline.
+  # FOLD_PROFILE="NAME ...": those variants' one-job profile too (default: all of them).
+  for variant in ${FOLD_VARIANTS:-"all:EXL3_LAYER_FOLD=all"}; do
+    name=${variant%%:*} envs=${variant#*:}
+    env ${envs//,EXL3_/ EXL3_} timeout 200 python3 bench/generator_throughput.py "$M8" \
+      --device cuda --jobs "${FOLD_JOBS:-$JOBS}" --prompt 128 --gen 64 --kv "${FOLD_KV:-fp16}" \
+      --repeat 3 --json >"$OUT/ours-8b-fold-$name.json" 2>"$OUT/ours-8b-fold-$name.err" \
       || { echo "FAIL: fold $name"; tail -8 "$OUT/ours-8b-fold-$name.err"; }
-    [ "${FOLD_PROFILE:-1}" = 1 ] && { EXL3_LAYER_FOLD=$folds timeout 90 python3 \
-      bench/decode_profile.py "$M8" --jobs 1 --kv fp16 --json \
-      >"$OUT/profile-8b-fold-$name.json" 2>"$OUT/profile-8b-fold-$name.err" \
-      || echo "FAIL: fold profile $name"; }
+    if [[ " ${FOLD_PROFILE:-$name} " == *" $name "* ]]; then
+      env ${envs//,EXL3_/ EXL3_} timeout 90 python3 bench/decode_profile.py "$M8" --jobs 1 \
+        --kv fp16 --json >"$OUT/profile-8b-fold-$name.json" 2>"$OUT/profile-8b-fold-$name.err" \
+        || echo "FAIL: fold profile $name"
+    fi
   done
   stamp "fold done"
 fi
