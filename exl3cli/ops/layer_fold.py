@@ -26,7 +26,8 @@ Public API:
 - ``hadamard_out_kv(partials, posts, biases, outs, rope_cols, cos, sin, head_dim, kv,
   lora=None)``: ``layer_kernels.hadamard_out`` (no residual) plus the stores.
 - ``out_norm_counters(device)`` (at load) and ``out_norm(partial, post, bias, residual,
-  h, norm_weight, eps, unit_offset, pres, width) -> list[float16 (rows, width)]``.
+  h, norm_weight, eps, unit_offset, pres, width, counters) -> list[float16 (rows,
+  width)]`` (counters None: the two twins).
 - ``combine_reference(part_acc, part_ml, dtype) -> (rows, heads * head_dim)``: the chunk
   combine in ``dtype``; ``combine_hadamard(part_acc, part_ml, attended, pre, width)
   -> float16 (rows, width)``: ``H128(a * pre)`` with a the combine (more than one chunk)
@@ -102,7 +103,7 @@ def hadamard_out_kv(partials: Sequence[torch.Tensor], posts: Sequence[torch.Tens
                     head_dim: int, kv: KvStore, lora: LowRank | None = None) -> None:
     """See the module docstring."""
     ext = layer_kernels._ext(partials[0])
-    if ext is not None and head_dim in (0, 64, 128) and outs[0].dtype in _DTYPES:
+    if ext is not None and head_dim in (0, 64, 128) and outs[0].dtype in layer_kernels._DTYPES:
         ext.hadamard_out(list(partials), list(posts), list(biases), list(outs),
                          [int(c) for c in rope_cols], None, cos, sin, head_dim,
                          *(lora.args() if lora is not None else (None,) * 4),
@@ -151,33 +152,29 @@ def combine_hadamard(part_acc: torch.Tensor, part_ml: torch.Tensor, attended: to
     return block_hadamard(padded * pre[:width].float(), dim=-1).half()
 
 
-_OUT_NORM_MAX_ROWS, _OUT_NORM_MAX_COLS = 64, 12288  # exl3_ops.h kOutNorm*
-_counters: dict[torch.device, torch.Tensor] = {}
+_OUT_NORM_MAX_ROWS, _OUT_NORM_MAX_COLS = 64, 12032  # exl3_ops.h kOutNorm*
 
 
 def out_norm_counters(device: torch.device) -> torch.Tensor | None:
-    """The out_norm kernel's per-row tickets on `device` (made once, zero, outside any
-    graph capture: call at load; they are never replaced, captured graphs hold them)."""
+    """New per-row tickets for out_norm on a CUDA `device` (zero; the kernel leaves them
+    zero), None elsewhere. Make them outside any graph capture (a decode layer makes its
+    own at load, so launches on other streams never share them)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _counters:
-        _counters[device] = torch.zeros(_OUT_NORM_MAX_ROWS, dtype=torch.int32, device=device)
-    return _counters[device]
+    return torch.zeros(_OUT_NORM_MAX_ROWS, dtype=torch.int32, device=device)
 
 
 def out_norm(partial: torch.Tensor, post: torch.Tensor | None, bias: torch.Tensor | None,
              residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-             unit_offset: bool, pres: Sequence[torch.Tensor], width: int) -> list[torch.Tensor]:
+             unit_offset: bool, pres: Sequence[torch.Tensor], width: int,
+             counters: torch.Tensor | None) -> list[torch.Tensor]:
     """``h = residual + hadamard_out(partial)`` (written to h) and the next input's
     ``norm_hadamard(h, norm_weight, ...)`` outputs: one launch on CUDA (the row's last
     block runs the second half), the two twins elsewhere."""
     rows, cols = h.shape
     ext = layer_kernels._ext(partial)
-    counters = _counters.get(h.device) if ext is not None else None
-    if (counters is not None and hasattr(ext, "out_norm") and h.dtype in layer_kernels._DTYPES
+    if (ext is not None and counters is not None and counters.device == h.device and hasattr(ext, "out_norm") and h.dtype in layer_kernels._DTYPES
             and 1 <= rows <= _OUT_NORM_MAX_ROWS and cols <= _OUT_NORM_MAX_COLS):
         outs = [torch.empty(rows, width, dtype=torch.float16, device=h.device) for _ in pres]
         ext.out_norm(partial, post, bias, residual, h, norm_weight, eps, unit_offset,

@@ -128,7 +128,7 @@ def test_hadamard_out_kv_twin_stores_the_rotated_keys_and_values():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 6, 64])
 def test_hadamard_out_kv_kernel_gives_the_plain_outputs_and_stores(dtype, rows):
-    assert kernels.available()
+    assert kernels.available() and layer_kernels._ext(torch.empty(1, device="cuda"))
     outs, plain, pool, slots = _run_out_kv(rows, dtype, "cuda", 10 + rows)
     assert all(torch.equal(o, p) for o, p in zip(outs, plain, strict=True))
     assert torch.equal(pool.keys[0][slots].reshape(rows, -1), outs[1])
@@ -145,7 +145,7 @@ def test_hadamard_out_kv_kernel_gives_the_plain_outputs_and_stores(dtype, rows):
 @pytest.mark.parametrize("pages", [1, 3])
 def test_combine_hadamard_gives_the_bits_of_combine_then_norm_hadamard(
         dtype, rows, heads, kv_heads, dim, width, pages):
-    assert kernels.available()
+    assert hasattr(layer_kernels._ext(torch.empty(1, device="cuda")), "combine_hadamard")
     gen = torch.Generator(device="cuda").manual_seed(rows * 7 + pages)
     slots_n = 8 * 256
     keys = torch.randn(slots_n, kv_heads, dim, generator=gen, device="cuda").to(dtype)
@@ -210,12 +210,13 @@ def _out_norm_case(rows, width, cols, in_width, nparts, dtype, device, seed):
     return partial, post, bias, residual, norm_w, pres
 
 
-def _out_norm_both(rows, width, cols, in_width, nparts, dtype, device, unit_offset, seed):
+def _out_norm_both(rows, width, cols, in_width, nparts, dtype, device, unit_offset, seed,
+                   counters=None):
     partial, post, bias, residual, norm_w, pres = _out_norm_case(
         rows, width, cols, in_width, nparts, dtype, device, seed)
     h = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
     got = layer_fold.out_norm(partial, post, bias, residual, h, norm_w, 1e-5, unit_offset,
-                              pres, in_width)
+                              pres, in_width, counters)
     h_want = torch.empty_like(h)
     layer_kernels.hadamard_out([partial], [post], [bias], [h_want], [0], residual=residual)
     want = layer_kernels.norm_hadamard(h_want, norm_w, 1e-5, unit_offset, pres, in_width)
@@ -254,11 +255,11 @@ def test_norm_fold_hands_the_next_layers_input_over_on_cpu(monkeypatch, tmp_path
     (64, 1024, 1024, 1024, 3, False), (2, 2048, 2048, 2048, 1, False)])
 def test_out_norm_kernel_gives_the_bits_of_the_two_launches(dtype, rows, width, cols, in_width,
                                                             nparts, unit_offset):
-    assert kernels.available()
+    assert hasattr(layer_kernels._ext(torch.empty(1, device="cuda")), "out_norm")
     counters = layer_fold.out_norm_counters(torch.device("cuda"))
     for seed in (1, 2):  # twice: the tickets are back at zero after each launch
         h, got, h_want, want = _out_norm_both(rows, width, cols, in_width, nparts, dtype,
-                                              "cuda", unit_offset, seed)
+                                              "cuda", unit_offset, seed, counters)
         assert torch.equal(h, h_want)
         for g, w in zip(got, want, strict=True):
             assert not g.isnan().any() and torch.equal(g, w)

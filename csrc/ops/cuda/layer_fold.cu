@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (c < cols) hr[c] = from_f32<T>(to_f32(residual[(size_t)row * residual_stride + c]) + y);
     }
   }
+  __threadfence();  // every thread's h stores visible on the device before the ticket
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // this block's h before its ticket
     const int ticket = atomicAdd(counters + row, 1);
     last = ticket == (int)gridDim.x - 1;
     if (last) counters[row] = 0;  // ready for the next launch
@@ -239,7 +239,7 @@ bool launch_out_norm(int dtype, const float* partial, int splits, int width, int
                      const float* const* pre, void* const* out, int in_width, int* counters,
                      cudaStream_t stream) {
   if (width % 128 != 0 || in_width % 128 != 0 || cols > width || cols > in_width ||
-      cols * sizeof(float) > kOutNormMaxCols * sizeof(float) || splits < 1 || nparts < 1 ||
+      cols > kOutNormMaxCols || splits < 1 || nparts < 1 ||
       nparts > kMaxParts || rows < 0 || rows > kOutNormMaxRows || norm_w == nullptr ||
       residual == nullptr || h == nullptr || counters == nullptr)
     return false;

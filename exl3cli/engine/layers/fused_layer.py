@@ -193,8 +193,7 @@ class FusedDecodeLayer:
                              and dim in (64, 128, 256))
         self.fold_norm = ("norm" in layer_fold.FOLDS and self.o_lora is None
                           and self.gate_up_lora is None and self.moe is None)
-        if self.fold_norm:
-            layer_fold.out_norm_counters(self.device)
+        self.counters = layer_fold.out_norm_counters(self.device) if self.fold_norm else None
         # The next layer's plan, linked at run time (forward: the "norm" fold across layers).
         self.successor: FusedDecodeLayer | None = None
         self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
@@ -257,7 +256,8 @@ class FusedDecodeLayer:
             partials, _ = self.o.gemm(xo)
             xg, xu = layer_fold.out_norm(partials[0], self.o.posts[0], self.o.biases[0], x2, h,
                                          self.norm2_weight, self.norm2.eps,
-                                         self.norm2.unit_offset, mlp.pres, mlp.pad_in)
+                                         self.norm2.unit_offset, mlp.pres, mlp.pad_in,
+                                         self.counters)
             return self._mlp(x, h, xg, xu, None, step)
         self._project(self.o, xo, [h], residual=x2, adapted=self.o_lora, x_in=attended)
         if self.moe is not None:
@@ -313,7 +313,7 @@ class FusedDecodeLayer:
         partials, _ = self.down.gemm([xd])
         xhs = layer_fold.out_norm(partials[0], self.down.posts[0], self.down.biases[0], h, out,
                                   nxt.norm1_weight, nxt.norm1.eps, nxt.norm1.unit_offset,
-                                  nxt.qkv.pres, nxt.qkv.pad_in)
+                                  nxt.qkv.pres, nxt.qkv.pad_in, self.counters)
         result = out.view(batch, steps, hidden)
         step.carry = (self, result, xhs)
         return result
