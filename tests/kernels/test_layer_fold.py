@@ -162,7 +162,6 @@ def test_combine_hadamard_gives_the_bits_of_combine_then_norm_hadamard(
     acc, ml = layer_fold.attention_parts(rows, heads, pages, 256, dim, torch.device("cuda"))
     acc.fill_(float("nan"))
     ml.fill_(float("nan"))
-    out = torch.full_like(query, float("nan"))
     got_attn = kernels.paged_attention(query, keys, values, 16, 16, table, lengths, 256, None,
                                        parts=(acc, ml))
     if kernels.attention_chunks(pages, 256) == 1:
@@ -170,10 +169,13 @@ def test_combine_hadamard_gives_the_bits_of_combine_then_norm_hadamard(
     else:  # the chunks stay uncombined; their twin gives the kernel's combine closely
         twin = layer_fold.combine_reference(acc, ml, dtype)
         assert (twin.float() - want_attn.reshape(rows, -1).float()).abs().max() < 2e-2
-    got = layer_fold.combine_hadamard(acc, ml, got_attn.reshape(rows, -1), pre, width)
+    got = torch.full((rows, width), float("nan"), dtype=torch.float16, device="cuda")
+    layer_kernels._ext(acc).combine_hadamard(acc, ml, got_attn.reshape(rows, -1), pre, got,
+                                             0 if dtype == torch.float16 else 1)
     assert not got.isnan().any()
     assert torch.equal(got, want)
-    del out
+    assert torch.equal(layer_fold.combine_hadamard(acc, ml, got_attn.reshape(rows, -1), pre,
+                                                   width), want)
     cpu = block_hadamard(torch.nn.functional.pad(want_attn.reshape(rows, -1).float().cpu(),
                                                  (0, width - heads * dim)) * pre.cpu(), dim=-1)
     assert (got.float().cpu() - cpu).abs().max() <= 2e-3 * cpu.abs().max() + 1e-3
@@ -195,6 +197,9 @@ def test_generator_with_every_fold_gives_the_same_tokens(tmp_path, monkeypatch, 
                                                   ignore_eos=True)) for j in range(3)]
         generator.run_until_done()
         tokens[folds] = [h.token_ids for h in handles]
+        plans = [layer._fused for layer in model.layers]
+        assert all(isinstance(p, FusedDecodeLayer) for p in plans)
+        assert (plans[0].successor is plans[1]) == (folds == "all")  # the hand-over ran
         del generator, model
     assert tokens[""] == tokens["all"]
 
@@ -215,8 +220,14 @@ def _out_norm_both(rows, width, cols, in_width, nparts, dtype, device, unit_offs
     partial, post, bias, residual, norm_w, pres = _out_norm_case(
         rows, width, cols, in_width, nparts, dtype, device, seed)
     h = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
-    got = layer_fold.out_norm(partial, post, bias, residual, h, norm_w, 1e-5, unit_offset,
-                              pres, in_width, counters)
+    if counters is None:
+        got = layer_fold.out_norm(partial, post, bias, residual, h, norm_w, 1e-5, unit_offset,
+                                  pres, in_width, counters)
+    else:  # the kernel itself, into poisoned outputs
+        got = [torch.full((rows, in_width), float("nan"), dtype=torch.float16, device=device)
+               for _ in pres]
+        layer_kernels._ext(partial).out_norm(partial, post, bias, residual, h, norm_w, 1e-5,
+                                             unit_offset, pres, got, in_width, counters)
     h_want = torch.empty_like(h)
     layer_kernels.hadamard_out([partial], [post], [bias], [h_want], [0], residual=residual)
     want = layer_kernels.norm_hadamard(h_want, norm_w, 1e-5, unit_offset, pres, in_width)
