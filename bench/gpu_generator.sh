@@ -58,6 +58,13 @@ if [[ " $STAGES " == *" tests "* ]]; then
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
   # The same kernels launched with programmatic dependent launch (csrc/ops/cuda/exl3_launch.cuh).
+  # FOLD_TESTS="files": those again with every fold on (EXL3_LAYER_FOLD=all, ops/layer_fold.py).
+  if [ -n "${FOLD_TESTS:-}" ]; then
+    EXL3_LAYER_FOLD=all timeout 200 python3 -m pytest -q -m cuda -p no:randomly $FOLD_TESTS \
+      >"$OUT/tests-cuda-fold.log" 2>&1
+    stamp "cuda tests, EXL3_LAYER_FOLD=all: $(tail -1 "$OUT/tests-cuda-fold.log")"
+    grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda-fold.log" | head -12
+  fi
   [ "${PDL_TESTS:-0}" = 1 ] && EXL3_PDL=1 timeout 200 python3 -m pytest -q -m cuda -p no:randomly tests/kernels \
     tests/engine/test_generator_cuda.py >"$OUT/tests-cuda-pdl.log" 2>&1
   [ "${PDL_TESTS:-0}" = 1 ] && stamp "cuda tests, EXL3_PDL=1: $(tail -1 "$OUT/tests-cuda-pdl.log")"
