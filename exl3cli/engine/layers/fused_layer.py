@@ -275,7 +275,7 @@ class FusedDecodeLayer:
         across layers), or None. The hand-over holds only for the very tensor that layer
         returned (anything between the layers makes a new one); an unlinked producer is
         linked here, so from its next forward on it makes this layer's input."""
-        carry, step.carry = step.carry, None
+        carry, step.carry = getattr(step, "carry", None), None
         if carry is None or carry[1] is not x:
             return None
         producer, _, xhs = carry
