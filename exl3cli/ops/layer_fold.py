@@ -152,7 +152,7 @@ def combine_hadamard(part_acc: torch.Tensor, part_ml: torch.Tensor, attended: to
     return block_hadamard(padded * pre[:width].float(), dim=-1).half()
 
 
-_OUT_NORM_MAX_ROWS, _OUT_NORM_MAX_COLS = 64, 12032  # exl3_ops.h kOutNorm*
+_OUT_NORM_MAX_ROWS, _OUT_NORM_MAX_COLS = 64, 12288  # exl3_ops.h kOutNorm*
 
 
 def out_norm_counters(device: torch.device) -> torch.Tensor | None:

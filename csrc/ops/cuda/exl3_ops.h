@@ -100,7 +100,7 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
 // (norm_w float32 (cols), eps, unit_offset; pre[p] float32 (>= in_width)). counters:
 // kOutNormMaxRows int32, zero before the first launch (the kernel leaves them zero).
 constexpr int kOutNormMaxRows = 64;
-constexpr int kOutNormMaxCols = 12032;  // h's row in shared memory (< 48 KB with the static)
+constexpr int kOutNormMaxCols = 12288;  // h's row and the norm weight in shared memory (96 KB)
 bool launch_out_norm(int dtype, const float* partial, int splits, int width, int cols,
                      const float* post, const float* bias, const void* residual,
                      int64_t residual_stride, void* h, int64_t h_stride, int rows,

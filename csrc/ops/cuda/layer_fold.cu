@@ -91,6 +91,23 @@ struct TailParts {
   __half* out[kMaxParts];
 };
 
+constexpr int kTailBatch = 4;  // tasks of a warp whose pre values are loaded together
+
+// The pre values of the kTailBatch tasks t0, t0 + 8, ... (task t: part t / in_blocks,
+// column block t % in_blocks) at this lane's 4 columns; 0 past cols or past the tasks.
+__device__ __forceinline__ void load_pre(const TailParts& tail, int in_blocks, int tasks,
+                                         int t0, int lane, int cols,
+                                         float (&pv)[kTailBatch][4]) {
+#pragma unroll
+  for (int j = 0; j < kTailBatch; j++) {
+    const int t = t0 + j * kWarps;
+    const int b = (t % in_blocks) * 128 + lane * 4;
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      pv[j][e] = t < tasks && b + e < cols ? __ldg(tail.pre[t / in_blocks] + b + e) : 0.0f;
+  }
+}
+
 // out_norm: grid (blocks of 8 of the row's 128-column blocks, rows). Each warp makes 128
 // columns of h = residual + dtype(H128(split sum) * post + bias) as hadamard_out_kernel
 // does; the row's last block to finish (an int ticket per row, set back to 0 by it) reads
@@ -106,7 +123,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                     int in_width, int* counters) {
   pdl_trigger();
   pdl_wait();
-  extern __shared__ float hrow[];  // [cols]
+  extern __shared__ float hrow[];  // [cols] h, then [cols] the norm weight
   __shared__ float partial_sums[kWarps];
   __shared__ bool last;
   const int lane = threadIdx.x & 31;
@@ -153,11 +170,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  // norm_hadamard_kernel's sum of squares, thread for thread.
+  // The tail is latency-bound: every load it needs is issued before what waits on it.
+  // The pre values of this warp's first kTailBatch tasks, in flight during the norm pass.
+  const int in_blocks = in_width / 128, tasks = nparts * in_blocks;
+  float pv[kTailBatch][4];
+  load_pre(tail, in_blocks, tasks, warp, lane, cols, pv);
+  // norm_hadamard_kernel's sum of squares, thread for thread (same order: same bits);
+  // h and the norm weight kept in shared memory.
+  float* wrow = hrow + cols;
   const T* hr = h + (size_t)row * h_stride;
   float s = 0.0f;
+#pragma unroll 4
   for (int c = threadIdx.x; c < cols; c += kWarps * 32) {
     const float f = to_f32(__ldcg(hr + c));
+    wrow[c] = __ldg(norm_w + c);
     hrow[c] = f;
     s += f * f;
   }
@@ -166,27 +192,31 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
   s = warp_sum(lane < kWarps ? partial_sums[lane] : 0.0f);
   const float rs = rsqrtf(s / (float)cols + eps);
-  const int in_blocks = in_width / 128;
-  for (int t = warp; t < nparts * in_blocks; t += kWarps) {
-    const int p = t / in_blocks;
-    const int b = (t % in_blocks) * 128 + lane * 4;
-    const float* pre = tail.pre[p];
-    float x[4];
+  for (int t0 = warp; t0 < tasks; t0 += kWarps * kTailBatch) {
+    if (t0 != warp) load_pre(tail, in_blocks, tasks, t0, lane, cols, pv);
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int c = b + e;
-      float f = 0.0f;
-      if (c < cols) {
-        f = unit_offset ? round_to<T>(hrow[c] * rs * norm_w[c])
-                        : round_to<T>(round_to<T>(hrow[c] * rs) * norm_w[c]);
-        f *= pre[c];
+    for (int j = 0; j < kTailBatch; j++) {
+      const int t = t0 + j * kWarps;
+      if (t >= tasks) break;
+      const int p = t / in_blocks;
+      const int b = (t % in_blocks) * 128 + lane * 4;
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int c = b + e;
+        float f = 0.0f;
+        if (c < cols) {
+          f = unit_offset ? round_to<T>(hrow[c] * rs * wrow[c])
+                          : round_to<T>(round_to<T>(hrow[c] * rs) * wrow[c]);
+          f *= pv[j][e];
+        }
+        x[e] = f;
       }
-      x[e] = f;
+      hadamard128_warp(x, lane);
+      __half2* out2 = reinterpret_cast<__half2*>(tail.out[p] + (size_t)row * in_width + b);
+      out2[0] = __floats2half2_rn(x[0] * kHadamardScale, x[1] * kHadamardScale);
+      out2[1] = __floats2half2_rn(x[2] * kHadamardScale, x[3] * kHadamardScale);
     }
-    hadamard128_warp(x, lane);
-    __half2* out2 = reinterpret_cast<__half2*>(tail.out[p] + (size_t)row * in_width + b);
-    out2[0] = __floats2half2_rn(x[0] * kHadamardScale, x[1] * kHadamardScale);
-    out2[1] = __floats2half2_rn(x[2] * kHadamardScale, x[3] * kHadamardScale);
   }
 }
 
@@ -197,7 +227,11 @@ void run_out_norm(const float* partial, int splits, int width, int cols, const f
                   const TailParts& tail, int nparts, int in_width, int* counters,
                   cudaStream_t stream) {
   const dim3 grid((unsigned)((width / 128 + kWarps - 1) / kWarps), (unsigned)rows);
-  launch(out_norm_kernel<T>, grid, dim3(kWarps * 32), (size_t)cols * sizeof(float), stream,
+  const size_t smem = 2 * (size_t)cols * sizeof(float);  // h and the norm weight
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(out_norm_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         (int)smem);
+  launch(out_norm_kernel<T>, grid, dim3(kWarps * 32), smem, stream,
          partial, splits, width, cols, post, bias, static_cast<const T*>(residual),
          residual_stride, static_cast<T*>(h), h_stride, rows, norm_w, eps, unit_offset, tail,
          nparts, in_width, counters);
