@@ -87,8 +87,8 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
                 print(f"{model} {jobs} jobs, {kv}, EXL3_LAYER_FOLD={variant}: {value:.1f} "
                       f"tok/s; no fold {base or 0:.1f} (fold / none {ratio(value, base).strip()})")
         for path in sorted(folder.glob(f"profile-{model}-fold-*.json")):
-            _print_profile(f"{model} 1 job, fold {path.stem.removeprefix(f'profile-{model}-fold-')}",
-                           _json(path), 12)
+            name = path.stem.removeprefix(f"profile-{model}-fold-")
+            _print_profile(f"{model} 1 job, fold {name}", _json(path), 12)
         for path in sorted(folder.glob(f"profile-{model}-moe-*.json")):
             _print_profile(f"{model} 1 job, {path.stem.removeprefix(f'profile-{model}-moe-')}",
                            _json(path), 14)

@@ -33,8 +33,8 @@ from exl3cli.codec import block_hadamard, decode_tiles
 from exl3cli.ops import reference
 from exl3cli.ops.build import CSRC, LazyExtension, build_extension
 
-_SOURCES = ("bindings.cpp", "layer_bindings.cpp", "fold_bindings.cpp", "moe_bindings.cpp", "decode.cu",
-            "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
+_SOURCES = ("bindings.cpp", "layer_bindings.cpp", "fold_bindings.cpp", "moe_bindings.cpp",
+            "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
             "layer_fused.cu", "qk_norm_rope.cu", "moe_decode.cu", "moe_gemm_mul1.cu", "moe_gemm_mcg.cu",
             "moe_gemm_3inst.cu", "moe_norm_route.cu", "lora_low.cu", "layer_fold.cu")
 # csrc/ mirrors the package: ops/cuda (these kernels), ops/cpu, codec (the format's

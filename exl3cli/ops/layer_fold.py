@@ -174,7 +174,8 @@ def out_norm(partial: torch.Tensor, post: torch.Tensor | None, bias: torch.Tenso
     block runs the second half), the two twins elsewhere."""
     rows, cols = h.shape
     ext = layer_kernels._ext(partial)
-    if (ext is not None and counters is not None and counters.device == h.device and hasattr(ext, "out_norm") and h.dtype in layer_kernels._DTYPES
+    if (ext is not None and counters is not None and counters.device == h.device
+            and hasattr(ext, "out_norm") and h.dtype in layer_kernels._DTYPES
             and 1 <= rows <= _OUT_NORM_MAX_ROWS and cols <= _OUT_NORM_MAX_COLS):
         outs = [torch.empty(rows, width, dtype=torch.float16, device=h.device) for _ in pres]
         ext.out_norm(partial, post, bias, residual, h, norm_weight, eps, unit_offset,

@@ -130,9 +130,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int warp = threadIdx.x >> 5;
   const int row = blockIdx.y;
   // The tail's constants on their way to L2 while the sums run (every block takes a share).
-  for (int i = (blockIdx.x * kWarps * 32 + threadIdx.x) * 32; i < cols; i += gridDim.x * kWarps * 32 * 32) {
+  const int lines = gridDim.x * kWarps * 32 * 32;  // 128-byte lines, one per thread a pass
+  for (int i = (blockIdx.x * kWarps * 32 + threadIdx.x) * 32; i < cols; i += lines) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(norm_w + i));
-    for (int p = 0; p < nparts; p++) asm volatile("prefetch.global.L2 [%0];" ::"l"(tail.pre[p] + i));
+    for (int p = 0; p < nparts; p++)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(tail.pre[p] + i));
   }
   const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
   if (base < width) {

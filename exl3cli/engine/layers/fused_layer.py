@@ -372,13 +372,14 @@ class FusedDecodeLayer:
             qk = attention.qk_norm(qk)
         if attention.rope and not self.fused_rope and self.qk_weight is None:
             qk = apply_rotary(qk, cos4, sin4)
-        return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1), None
+        attended = attention.attend(qk, qkv4[:, :, heads + kv_heads :], step)
+        return attended.reshape(rows, -1), None
 
     def _attend_folded(self, qkv: torch.Tensor, written: bool, step: AttentionStep
                        ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """A fixed decode step's attention over qkv (rows, (H + 2 KV) * D) (its rows, in
-        order, are the step's rows), with the folds of ``layer_fold``: keys/values already stored (``written``),
-        the chunk combine in the o input kernel (``fold_combine``)."""
+        """A fixed decode step's attention over qkv (rows, (H + 2 KV) * D; its rows, in
+        order, are the step's rows) with the folds of ``layer_fold``: keys/values already
+        stored (``written``), the chunk combine in the o input kernel (``fold_combine``)."""
         attention = self.attention
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = qkv.shape[0]
