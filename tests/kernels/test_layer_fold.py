@@ -142,29 +142,31 @@ def test_hadamard_out_kv_kernel_gives_the_plain_outputs_and_stores(dtype, rows):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows, heads, kv_heads, dim, width", [
     (1, 32, 8, 128, 4096), (5, 9, 3, 64, 640), (64, 8, 2, 128, 1024), (3, 4, 4, 256, 1152)])
-@pytest.mark.parametrize("pages", [1, 3])
+@pytest.mark.parametrize("pages, page_size", [(1, 64), (1, 256), (3, 256)])  # 1, 4, 12 chunks
 def test_combine_hadamard_gives_the_bits_of_combine_then_norm_hadamard(
-        dtype, rows, heads, kv_heads, dim, width, pages):
+        dtype, rows, heads, kv_heads, dim, width, pages, page_size):
     assert hasattr(layer_kernels._ext(torch.empty(1, device="cuda")), "combine_hadamard")
     gen = torch.Generator(device="cuda").manual_seed(rows * 7 + pages)
-    slots_n = 8 * 256
+    slots_n = 8 * page_size
     keys = torch.randn(slots_n, kv_heads, dim, generator=gen, device="cuda").to(dtype)
     values = torch.randn(slots_n, kv_heads, dim, generator=gen, device="cuda").to(dtype)
     table = torch.stack([torch.randperm(8, generator=gen, device="cuda")[:pages]
                          for _ in range(rows)])
-    lengths = torch.randint(1, pages * 256 + 1, (rows,), generator=gen, device="cuda")
+    lengths = torch.randint(1, pages * page_size + 1, (rows,), generator=gen, device="cuda")
     lengths[0] = 1
     query = torch.randn(rows, heads, dim, generator=gen, device="cuda").to(dtype)
     pre = torch.rand(width, generator=gen, device="cuda") + 0.5
-    want_attn = kernels.paged_attention(query, keys, values, 16, 16, table, lengths, 256, None)
+    want_attn = kernels.paged_attention(query, keys, values, 16, 16, table, lengths, page_size,
+                                        None)
     want = layer_kernels.norm_hadamard(want_attn.reshape(rows, -1), None, 0.0, False, [pre],
                                        width)[0]
-    acc, ml = layer_fold.attention_parts(rows, heads, pages, 256, dim, torch.device("cuda"))
+    acc, ml = layer_fold.attention_parts(rows, heads, pages, page_size, dim,
+                                         torch.device("cuda"))
     acc.fill_(float("nan"))
     ml.fill_(float("nan"))
-    got_attn = kernels.paged_attention(query, keys, values, 16, 16, table, lengths, 256, None,
-                                       parts=(acc, ml))
-    if kernels.attention_chunks(pages, 256) == 1:
+    got_attn = kernels.paged_attention(query, keys, values, 16, 16, table, lengths, page_size,
+                                       None, parts=(acc, ml))
+    if kernels.attention_chunks(pages, page_size) == 1:
         assert torch.equal(got_attn, want_attn)
     else:  # the chunks stay uncombined; their twin gives the kernel's combine closely
         twin = layer_fold.combine_reference(acc, ml, dtype)
