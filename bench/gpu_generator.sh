@@ -7,7 +7,7 @@
 #
 # Usage (repo root): bash bench/gpu_generator.sh        carry: [".whl"] where .whl/ holds
 # the peer's wheels, its prebuilt extension (*.so.xz) and peer_exllamav3_jobs.py
-# (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" picks stages
+# (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" (also fold, lora, ab, ...) picks stages
 # ("unfused": the 1/16-job points again with EXL3_FUSED_LAYER=0, the before of the
 # fused decode layer; "ab": kernel build variants, see below). OURS_KV="fp16": the "ours"
 # stage's caches (default fp16,q4).
@@ -58,6 +58,13 @@ if [[ " $STAGES " == *" tests "* ]]; then
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
   # The same kernels launched with programmatic dependent launch (csrc/ops/cuda/exl3_launch.cuh).
+  # FOLD_TESTS="files": those again with every fold on (EXL3_LAYER_FOLD=all, ops/layer_fold.py).
+  if [ -n "${FOLD_TESTS:-}" ]; then
+    EXL3_LAYER_FOLD=all timeout 200 python3 -m pytest -q -m cuda -p no:randomly $FOLD_TESTS \
+      >"$OUT/tests-cuda-fold.log" 2>&1
+    stamp "cuda tests, EXL3_LAYER_FOLD=all: $(tail -1 "$OUT/tests-cuda-fold.log")"
+    grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda-fold.log" | head -12
+  fi
   [ "${PDL_TESTS:-0}" = 1 ] && EXL3_PDL=1 timeout 200 python3 -m pytest -q -m cuda -p no:randomly tests/kernels \
     tests/engine/test_generator_cuda.py >"$OUT/tests-cuda-pdl.log" 2>&1
   [ "${PDL_TESTS:-0}" = 1 ] && stamp "cuda tests, EXL3_PDL=1: $(tail -1 "$OUT/tests-cuda-pdl.log")"
@@ -103,6 +110,27 @@ if [[ " $STAGES " == *" lora "* ]]; then
       || { echo "FAIL: $name"; tail -8 "$OUT/ours-8b-$name.err"; }
   done
   stamp "lora done"
+fi
+
+if [[ " $STAGES " == *" fold "* ]]; then
+  # The decode layer's folds (exl3cli/ops/layer_fold.py; NOTES-gpu "Launches per layer
+  # (issue 10, session 8)"): FOLD_VARIANTS="NAME:ENV=VALUE[,ENV=VALUE] ..." (default
+  # "all:EXL3_LAYER_FOLD=all"), each the 8B generator at FOLD_JOBS (default JOBS) with the
+  # FOLD_KV caches (default fp16); "ours" in the same call is the no-fold baseline.
+  # FOLD_PROFILE="NAME ...": those variants' one-job profile too (default: all of them).
+  for variant in ${FOLD_VARIANTS:-"all:EXL3_LAYER_FOLD=all"}; do
+    name=${variant%%:*} envs=${variant#*:}
+    env ${envs//,EXL3_/ EXL3_} timeout 200 python3 bench/generator_throughput.py "$M8" \
+      --device cuda --jobs "${FOLD_JOBS:-$JOBS}" --prompt 128 --gen 64 --kv "${FOLD_KV:-fp16}" \
+      --repeat 3 --json >"$OUT/ours-8b-fold-$name.json" 2>"$OUT/ours-8b-fold-$name.err" \
+      || { echo "FAIL: fold $name"; tail -8 "$OUT/ours-8b-fold-$name.err"; }
+    if [[ " ${FOLD_PROFILE:-$name} " == *" $name "* ]]; then
+      env ${envs//,EXL3_/ EXL3_} timeout 90 python3 bench/decode_profile.py "$M8" --jobs 1 \
+        --kv fp16 --json >"$OUT/profile-8b-fold-$name.json" 2>"$OUT/profile-8b-fold-$name.err" \
+        || echo "FAIL: fold profile $name"
+    fi
+  done
+  stamp "fold done"
 fi
 
 if [[ " $STAGES " == *" attn "* ]]; then

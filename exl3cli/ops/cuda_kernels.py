@@ -35,10 +35,10 @@ from exl3cli.codec import block_hadamard, decode_tiles
 from exl3cli.ops import reference
 from exl3cli.ops.build import CSRC, LazyExtension, build_extension
 
-_SOURCES = ("bindings.cpp", "layer_bindings.cpp", "moe_bindings.cpp", "decode.cu",
-            "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
+_SOURCES = ("bindings.cpp", "layer_bindings.cpp", "fold_bindings.cpp", "moe_bindings.cpp",
+            "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
             "layer_fused.cu", "qk_norm_rope.cu", "moe_decode.cu", "moe_gemm_mul1.cu", "moe_gemm_mcg.cu",
-            "moe_gemm_3inst.cu", "moe_norm_route.cu", "lora_low.cu")
+            "moe_gemm_3inst.cu", "moe_norm_route.cu", "lora_low.cu", "layer_fold.cu")
 # csrc/ mirrors the package: ops/cuda (these kernels), ops/cpu, codec (the format's
 # decode and Hadamard, included by the kernels).
 CUDA_DIR = CSRC / "ops" / "cuda"
@@ -382,6 +382,7 @@ def paged_attention(
     *,
     softcap: float | None = None,
     scale: float | None = None,
+    parts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Decode attention straight over a paged cache, or None where no kernel applies
     (the caller then runs the PyTorch reference, engine/generation/decode_step.py).
@@ -391,7 +392,10 @@ def paged_attention(
     [slots, KV*D/32]) for a quantized cache (key_bits/value_bits < 16); page_table
     [B, P] (int64 page indices), lengths [B] (keys per row, the query's own included).
     Row b attends to its positions max(0, lengths[b] - window) .. lengths[b] - 1,
-    scores q.k * scale (default D**-0.5), soft-capped when `softcap` is set."""
+    scores q.k * scale (default D**-0.5), soft-capped when `softcap` is set.
+    `parts` (float32 (B, H, attention_chunks(P, page_size), D) and (.., 2)): with more
+    than one chunk the unnormalised chunk results stay there, uncombined (the caller
+    combines them: ops/layer_fold.py combine_hadamard) and the output is not written."""
     ext = _use_ext(query)
     if ext is None or not hasattr(ext, "paged_attention"):
         return None
@@ -418,8 +422,14 @@ def paged_attention(
         page_table.contiguous(), lengths.contiguous(), out, int(page_size), kv_heads,
         -1 if window is None else int(window),
         0.0 if softcap is None else float(softcap),
-        dim**-0.5 if scale is None else float(scale))
+        dim**-0.5 if scale is None else float(scale),
+        *(parts if parts is not None else (None, None)))
     return out
+
+
+def attention_chunks(pages: int, page_size: int) -> int:
+    """The 64-position chunks paged_attention splits a row of `pages` pages into."""
+    return (pages * page_size + 63) // 64
 
 
 def kv_quant_write(rows: torch.Tensor, slots: torch.Tensor, bits: int, codes: torch.Tensor,

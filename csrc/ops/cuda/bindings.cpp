@@ -179,7 +179,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& v, const at::Tensor& v_scales, int64_t k_bits,
                      int64_t v_bits, const at::Tensor& page_table, const at::Tensor& lengths,
                      at::Tensor& out, int64_t page_size, int64_t kv_heads, int64_t window,
-                     double softcap, double scale) {
+                     double softcap, double scale, const c10::optional<at::Tensor>& parts_acc,
+                     const c10::optional<at::Tensor>& parts_ml) {
   check_contiguous(q, "q");
   check_contiguous(k, "k");
   check_contiguous(v, "v");
@@ -220,7 +221,23 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::Tensor part_acc, part_ml;
   float* acc_ptr = nullptr;
   float* ml_ptr = nullptr;
-  if (chunks > 1) {
+  // parts_acc/parts_ml given: the chunks' partial results stay there and the caller
+  // combines them (layer_fold.cu combine_hadamard); with one chunk `out` is written.
+  const bool caller_combines = parts_acc.has_value() || parts_ml.has_value();
+  if (caller_combines) {
+    TORCH_CHECK(parts_acc.has_value() && parts_ml.has_value(), "parts_acc and parts_ml come together");
+    check_contiguous(*parts_acc, "parts_acc");
+    check_contiguous(*parts_ml, "parts_ml");
+    TORCH_CHECK(parts_acc->scalar_type() == at::kFloat && parts_ml->scalar_type() == at::kFloat &&
+                    parts_acc->sizes() == at::IntArrayRef({batch, heads, chunks, dim}) &&
+                    parts_ml->sizes() == at::IntArrayRef({batch, heads, chunks, 2}),
+                "parts_acc (B, H, chunks, D) and parts_ml (B, H, chunks, 2) must be float32, "
+                "chunks = pages * page_size / 64 rounded up");
+    if (chunks > 1) {
+      acc_ptr = parts_acc->data_ptr<float>();
+      ml_ptr = parts_ml->data_ptr<float>();
+    }
+  } else if (chunks > 1) {
     auto options = q.options().dtype(at::kFloat);
     part_acc = at::empty({batch, heads, chunks, dim}, options);
     part_ml = at::empty({batch, heads, chunks, 2}, options);
@@ -234,7 +251,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                    vq ? v_scales.data_ptr() : nullptr, (int)v_bits,
                    page_table.data_ptr<int64_t>(), (int)pages, lengths.data_ptr<int64_t>(),
                    (int)page_size, (int)window, (float)softcap, (float)scale, acc_ptr, ml_ptr,
-                   chunks, out.data_ptr(), stream),
+                   chunks, out.data_ptr(), stream, !caller_combines),
                "exl3 paged attention");
 }
 
@@ -296,7 +313,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("k_scales"), py::arg("v"), py::arg("v_scales"),
         py::arg("k_bits"), py::arg("v_bits"), py::arg("page_table"), py::arg("lengths"),
         py::arg("out"), py::arg("page_size"), py::arg("kv_heads"), py::arg("window"),
-        py::arg("softcap"), py::arg("scale"));
+        py::arg("softcap"), py::arg("scale"), py::arg("parts_acc") = py::none(),
+        py::arg("parts_ml") = py::none());
   m.def("kv_quant_write", &kv_quant_write, "quantize rows into a paged quantized KV cache",
         py::arg("x"), py::arg("slots"), py::arg("bits"), py::arg("codes"), py::arg("scales"));
 }

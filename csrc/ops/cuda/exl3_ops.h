@@ -88,7 +88,31 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
                             const int64_t* page_table, int pages, const int64_t* lengths,
                             int page_size, int window, float softcap, float scale,
                             float* part_acc, float* part_ml, int chunks, void* out,
-                            cudaStream_t stream);
+                            cudaStream_t stream, bool combine = true);
+
+// combine_hadamard (layer_fold.cu): the o projection's input side with the attention's
+// chunk combine folded in. chunks > 1: a[r, c] = dtype(the combine of part_acc/part_ml
+// (rows, heads, chunks, head_dim) / (.., 2) at head c / head_dim, as launch_paged_attention's
+// second kernel makes it); chunks == 1: a = attended (rows, heads * head_dim) in dtype.
+// out (rows, width) float16 = H128(a * pre), columns >= heads * head_dim zero.
+// out_norm (layer_fold.cu): h (rows, cols; h_stride) = residual + dtype(H128(sum of the
+// splits of partial (splits, rows, width)) * post + bias), as launch_hadamard_out with a
+// residual, then outs[p] (rows, in_width) float16 = launch_norm_hadamard's outputs for h
+// (norm_w float32 (cols), eps, unit_offset; pre[p] float32 (>= in_width)). counters:
+// kOutNormMaxRows int32, zero before the first launch (the kernel leaves them zero).
+constexpr int kOutNormMaxRows = 64;
+constexpr int kOutNormMaxCols = 12288;  // h's row and the norm weight in shared memory (96 KB)
+bool launch_out_norm(int dtype, const float* partial, int splits, int width, int cols,
+                     const float* post, const float* bias, const void* residual,
+                     int64_t residual_stride, void* h, int64_t h_stride, int rows,
+                     const float* norm_w, float eps, bool unit_offset, int nparts,
+                     const float* const* pre, void* const* out, int in_width, int* counters,
+                     cudaStream_t stream);
+
+bool launch_combine_hadamard(int dtype, const float* part_acc, const float* part_ml,
+                             int chunks, const void* attended, int heads, int head_dim,
+                             const float* pre, void* out, int rows, int width,
+                             cudaStream_t stream);
 
 // Quantize rows x (rows, channels; rows x_row_stride elements apart, unit channel stride)
 // in `dtype` into a quantized cache at `slots`: codes
@@ -160,9 +184,22 @@ struct OutParts {
   OutPart part[kMaxParts];
   int count;
 };
+// KvStore (optional, keys null: none): the output kernel also stores a decode step's new
+// keys and values in a float16/bfloat16 page pool (slots, row_stride elements per slot,
+// the outputs' dtype): part p's columns [k_lo[p], k_hi[p]) of row r go to
+// keys[slots[r] * row_stride + c - k_lo[p]], [v_lo[p], v_hi[p]) to values likewise, the
+// same bits as the output (after rotary; no residual then). Empty ranges: lo = hi = 0.
+struct KvStore {
+  void* keys;
+  void* values;
+  const int64_t* slots;
+  int64_t row_stride;
+  int k_lo[kMaxParts], k_hi[kMaxParts], v_lo[kMaxParts], v_hi[kMaxParts];
+};
 bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
                          int64_t residual_stride, const void* cos, const void* sin,
-                         int head_dim, const LowRank& lora, cudaStream_t stream);
+                         int head_dim, const LowRank& lora, cudaStream_t stream,
+                         const KvStore& kv = KvStore{});
 
 // glu_hadamard: gate and up partials (splits, rows, width) -> their outputs as
 // hadamard_out computes them (with lora.low set: plus their LoRA deltas, gate at bt

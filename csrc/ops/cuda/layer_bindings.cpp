@@ -9,6 +9,9 @@
 #include "exl3_ops.h"
 
 namespace exl3_bind {
+
+void define_fold_ops(pybind11::module_& m);
+
 namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
@@ -86,6 +89,43 @@ void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_we
                "exl3 norm hadamard");
 }
 
+// The key/value store of hadamard_out (exl3_ops.h KvStore): keys/values (slots, KV, D)
+// contiguous in dtype, slots (>= rows,) int64, ranges 4 per part (k_lo, k_hi, v_lo, v_hi
+// in the part's columns), each range inside the part's output and one pool row wide at most.
+exl3::KvStore kv_store(const OptTensor& keys, const OptTensor& values, const OptTensor& slots,
+                       const std::vector<int64_t>& ranges, const exl3::OutParts& parts,
+                       int64_t rows, at::ScalarType dtype) {
+  exl3::KvStore kv{};
+  const int given = keys.has_value() + values.has_value() + slots.has_value();
+  if (given == 0) return kv;
+  TORCH_CHECK(given == 3, "kv_keys, kv_values and kv_slots come together");
+  TORCH_CHECK(ranges.size() == 4 * (size_t)parts.count, "kv_ranges: 4 per part");
+  for (const auto* t : {&*keys, &*values}) {
+    check_contiguous(*t, "kv_keys/kv_values");
+    TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 3 && t->sizes() == keys->sizes(),
+                "kv_keys and kv_values must be (slots, kv_heads, head_dim) in the outputs' dtype");
+  }
+  check_contiguous(*slots, "kv_slots");
+  TORCH_CHECK(slots->scalar_type() == at::kLong && slots->numel() >= rows,
+              "kv_slots must be contiguous int64 (>= rows,)");
+  const int64_t row = keys->size(1) * keys->size(2);
+  for (int p = 0; p < parts.count; p++) {
+    const int64_t* r = &ranges[4 * p];
+    for (int j = 0; j < 4; j += 2)
+      TORCH_CHECK(0 <= r[j] && r[j] <= r[j + 1] && r[j + 1] <= parts.part[p].out_cols &&
+                      r[j + 1] - r[j] <= row, "kv_ranges must lie in the part's columns");
+    kv.k_lo[p] = (int)r[0];
+    kv.k_hi[p] = (int)r[1];
+    kv.v_lo[p] = (int)r[2];
+    kv.v_hi[p] = (int)r[3];
+  }
+  kv.keys = keys->data_ptr();
+  kv.values = values->data_ptr();
+  kv.slots = slots->data_ptr<int64_t>();
+  kv.row_stride = row;
+  return kv;
+}
+
 // partials: (splits, rows, width) float32; outs: (rows, out_cols) column views in dtype;
 // the LoRA tensors (low_rank above) cover the outs' columns in order.
 void hadamard_out(const std::vector<at::Tensor>& partials,
@@ -95,7 +135,9 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
                   const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& cos,
                   const c10::optional<at::Tensor>& sin, int64_t head_dim,
                   const OptTensor& lora_low, const OptTensor& lora_bt,
-                  const OptTensor& lora_columns, const OptTensor& lora_slots) {
+                  const OptTensor& lora_columns, const OptTensor& lora_slots,
+                  const OptTensor& kv_keys, const OptTensor& kv_values,
+                  const OptTensor& kv_slots, const std::vector<int64_t>& kv_ranges) {
   const size_t n = partials.size();
   TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
                   biases.size() == n && outs.size() == n && rope_cols.size() == n,
@@ -150,11 +192,13 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
     cos_ptr = cos->data_ptr();
     sin_ptr = sin->data_ptr();
   }
+  const exl3::KvStore kv = kv_store(kv_keys, kv_values, kv_slots, kv_ranges, parts, rows, dtype);
+  TORCH_CHECK(kv.keys == nullptr || res_ptr == nullptr, "a key/value store takes no residual");
   const c10::cuda::CUDAGuard guard(partials[0].device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(exl3::launch_hadamard_out(dtype_code(outs[0]), parts, (int)rows, res_ptr,
                                          res_stride, cos_ptr, sin_ptr, (int)head_dim, lora,
-                                         stream),
+                                         stream, kv),
                "exl3 hadamard out");
 }
 
@@ -271,13 +315,15 @@ void define_layer_ops(pybind11::module_& m) {
         py::arg("partials"), py::arg("posts"), py::arg("biases"), py::arg("outs"),
         py::arg("rope_cols"), py::arg("residual"), py::arg("cos"), py::arg("sin"),
         py::arg("head_dim"), py::arg("lora_low"), py::arg("lora_bt"), py::arg("lora_columns"),
-        py::arg("lora_slots"));
+        py::arg("lora_slots"), py::arg("kv_keys") = py::none(), py::arg("kv_values") = py::none(),
+        py::arg("kv_slots") = py::none(), py::arg("kv_ranges") = std::vector<int64_t>{});
   m.def("glu_hadamard", &glu_hadamard,
         "act(gate) * up from their partials, then the down projection's input Hadamard",
         py::arg("gate"), py::arg("up"), py::arg("post_gate"), py::arg("post_up"),
         py::arg("bias_gate"), py::arg("bias_up"), py::arg("inter"), py::arg("act"),
         py::arg("pre"), py::arg("out"), py::arg("dtype"), py::arg("lora_low"),
         py::arg("lora_bt"), py::arg("lora_columns"), py::arg("lora_slots"), py::arg("product"));
+  define_fold_ops(m);  // fold_bindings.cpp
 }
 
 }  // namespace exl3_bind

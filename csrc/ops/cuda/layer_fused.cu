@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     hadamard_out_kernel(const __grid_constant__ OutParts parts, int rows,
                         const T* __restrict__ residual, int64_t residual_stride,
                         const T* __restrict__ cos, const T* __restrict__ sin, int head_dim,
-                        const __grid_constant__ LowRank lora) {
+                        const __grid_constant__ LowRank lora, const __grid_constant__ KvStore kv) {
   pdl_trigger();
   pdl_wait();
   const OutPart& part = parts.part[blockIdx.y];
@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int row = id / blocks_per_row;
   if (row >= rows) return;  // whole warps
   const int base = (id % blocks_per_row) * 128 + lane * 4;
+  const int64_t kv_slot = kv.keys != nullptr ? kv.slots[row] : 0;  // in flight with the sums
   const int lora_offset[1] = {part.lora_offset};
   LoraFetch<T, 1> lf;
   if (LORA) lora_fetch<T, 1>(lora, row, lora_offset, base, part.out_cols, lane, lf);
@@ -183,6 +184,17 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
   T* out = static_cast<T*>(part.out) + (size_t)row * part.out_row_stride;
+  if (kv.keys != nullptr) {  // the decode step's new key/value rows (exl3_ops.h KvStore)
+    const int p = blockIdx.y;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int c = base + e;
+      if (c >= kv.k_lo[p] && c < kv.k_hi[p])
+        static_cast<T*>(kv.keys)[kv_slot * kv.row_stride + (c - kv.k_lo[p])] = from_f32<T>(v[e]);
+      else if (c >= kv.v_lo[p] && c < kv.v_hi[p])
+        static_cast<T*>(kv.values)[kv_slot * kv.row_stride + (c - kv.v_lo[p])] = from_f32<T>(v[e]);
+    }
+  }
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     const int c = base + e;
@@ -274,14 +286,14 @@ void run_norm(const void* x, int64_t row_stride, int x_cols, int width, const fl
 template <typename T>
 void run_out(const OutParts& parts, int rows, const void* residual, int64_t residual_stride,
              const void* cos, const void* sin, int head_dim, const LowRank& lora,
-             cudaStream_t stream) {
+             const KvStore& kv, cudaStream_t stream) {
   int width = 0;
   for (int p = 0; p < parts.count; p++) width = max(width, parts.part[p].width);
   dim3 grid(warp_blocks((int64_t)rows * (width / 128)), parts.count);
   launch(lora.low != nullptr ? hadamard_out_kernel<T, true> : hadamard_out_kernel<T, false>,
          grid, dim3(kWarps * 32), 0, stream, parts, rows,
          static_cast<const T*>(residual), residual_stride, static_cast<const T*>(cos),
-         static_cast<const T*>(sin), head_dim, lora);
+         static_cast<const T*>(sin), head_dim, lora, kv);
 }
 
 template <typename T>
@@ -329,8 +341,11 @@ bool launch_norm_hadamard(int dtype, const void* x, int64_t row_stride, int x_co
 
 bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void* residual,
                          int64_t residual_stride, const void* cos, const void* sin,
-                         int head_dim, const LowRank& lora, cudaStream_t stream) {
+                         int head_dim, const LowRank& lora, cudaStream_t stream,
+                         const KvStore& kv) {
   if (parts.count < 1 || parts.count > kMaxParts || rows < 0 || !lora_ok(lora)) return false;
+  if (kv.keys != nullptr && (kv.values == nullptr || kv.slots == nullptr || residual != nullptr))
+    return false;
   for (int p = 0; p < parts.count; p++) {
     const OutPart& part = parts.part[p];
     if (part.width % 128 != 0 || part.out_cols > part.width || part.splits < 1) return false;
@@ -340,9 +355,9 @@ bool launch_hadamard_out(int dtype, const OutParts& parts, int rows, const void*
   if (cos != nullptr && head_dim != 64 && head_dim != 128) return false;
   if (rows == 0) return true;
   switch (dtype) {
-    case DT_HALF: run_out<__half>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, stream); return true;
-    case DT_BF16: run_out<__nv_bfloat16>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, stream); return true;
-    case DT_FLOAT: run_out<float>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, stream); return true;
+    case DT_HALF: run_out<__half>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, kv, stream); return true;
+    case DT_BF16: run_out<__nv_bfloat16>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, kv, stream); return true;
+    case DT_FLOAT: run_out<float>(parts, rows, residual, residual_stride, cos, sin, head_dim, lora, kv, stream); return true;
     default: return false;
   }
 }

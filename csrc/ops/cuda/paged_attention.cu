@@ -378,7 +378,7 @@ __global__ void combine_chunks_kernel(const float* part_acc, const float* part_m
 }
 
 template <typename T, int D>
-bool launch_dim(const Args& a, cudaStream_t stream, int batch) {
+bool launch_dim(const Args& a, cudaStream_t stream, int batch, bool combine) {
   const int G = a.heads / a.kv_heads;
   if (G * (D / 32) > 64) return false;
   const size_t smem = (size_t)(2 * G * D + G * kChunk) * sizeof(float) + kChunk * sizeof(int);
@@ -393,7 +393,7 @@ bool launch_dim(const Args& a, cudaStream_t stream, int batch) {
           cudaSuccess)
     return false;
   launch(kernel, grid, dim3(kThreads), smem, stream, a);
-  if (a.chunks > 1) {
+  if (a.chunks > 1 && combine) {  // else the caller combines (layer_fold.cu)
     launch(combine_chunks_kernel<T>, dim3(batch * a.heads), dim3(D < 128 ? D : 128), 0, stream,
            a.part_acc, a.part_ml, reinterpret_cast<T*>(a.out), a.chunks, D);
   }
@@ -401,11 +401,11 @@ bool launch_dim(const Args& a, cudaStream_t stream, int batch) {
 }
 
 template <typename T>
-bool launch_typed(const Args& a, cudaStream_t stream, int batch) {
+bool launch_typed(const Args& a, cudaStream_t stream, int batch, bool combine) {
   switch (a.dim) {
-    case 64: return launch_dim<T, 64>(a, stream, batch);
-    case 128: return launch_dim<T, 128>(a, stream, batch);
-    case 256: return launch_dim<T, 256>(a, stream, batch);
+    case 64: return launch_dim<T, 64>(a, stream, batch, combine);
+    case 128: return launch_dim<T, 128>(a, stream, batch, combine);
+    case 256: return launch_dim<T, 256>(a, stream, batch, combine);
     default: return false;
   }
 }
@@ -466,7 +466,7 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
                             const int64_t* page_table, int pages, const int64_t* lengths,
                             int page_size, int window, float softcap, float scale,
                             float* part_acc, float* part_ml, int chunks, void* out,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, bool combine) {
   if (kv_heads <= 0 || heads % kv_heads || (dim != 64 && dim != 128 && dim != 256)) return false;
   const int G = heads / kv_heads;
   if (G > 16 || G * dim > kMaxGroupDim) return false;
@@ -475,8 +475,8 @@ bool launch_paged_attention(int dtype, const void* q, int batch, int heads, int 
   Args a{q, k, reinterpret_cast<const __half*>(k_scales), v,
          reinterpret_cast<const __half*>(v_scales), k_bits, v_bits, page_table, lengths, pages,
          page_size, heads, kv_heads, dim, window, softcap, scale, chunks, part_acc, part_ml, out};
-  if (dtype == DT_HALF) return launch_typed<__half>(a, stream, batch);
-  if (dtype == DT_BF16) return launch_typed<__nv_bfloat16>(a, stream, batch);
+  if (dtype == DT_HALF) return launch_typed<__half>(a, stream, batch, combine);
+  if (dtype == DT_BF16) return launch_typed<__nv_bfloat16>(a, stream, batch, combine);
   return false;
 }
 

@@ -190,6 +190,52 @@ class FixedDecodeStep:
                                             self.kv_lengths, window, softcap, scale, sinks)
         return out.transpose(0, 1).unsqueeze(0)
 
+    def kv_target(self, layer: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(keys, values, write slots) of `layer` where a kernel may store the step's new
+        keys/values itself (ops/layer_fold.py): an unquantized pool in `dtype`; else None."""
+        pool = self.pool
+        if pool.cache_type.quantized or pool.dtype != dtype or self.write_slots is None:
+            return None
+        keys, values = pool.keys[layer], pool.values[layer]
+        if not (keys.is_contiguous() and values.is_contiguous()):
+            return None
+        return keys, values, self.write_slots
+
+    def attend_parts(self, layer: int, query: torch.Tensor, key: torch.Tensor | None,
+                     value: torch.Tensor | None, window: int | None, combine: bool = False
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """`attend` for rows query [B, H, D] and new key/value [B, KV, D] (None: already
+        stored, `kv_target`), leaving the chunks uncombined: (part_acc, part_ml, out) for
+        ops/layer_fold.combine_hadamard (out is written when there is one chunk); with
+        `combine` (None, None, out) from the kernel's own combine, and without the kernel
+        (None, None, out) from the PyTorch reference."""
+        pool = self.pool
+        if key is not None and value is not None:
+            pool.write(layer, self.write_slots, key, value)
+        batch, heads, dim = query.shape
+        if combine:
+            out = kernels.paged_attention(
+                query, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
+                pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
+                window)
+            if out is None:
+                out = reference_paged_attention(query, pool, layer, self.read_slots,
+                                                self.kv_lengths, window)
+            return None, None, out
+        part_acc = torch.empty(batch, heads, kernels.attention_chunks(self.pages, pool.page_size),
+                               dim, dtype=torch.float32, device=query.device)
+        part_ml = part_acc.new_empty(*part_acc.shape[:3], 2)
+        out = kernels.paged_attention(
+            query, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
+            pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
+            window, parts=(part_acc, part_ml))
+        if out is None:
+            out = reference_paged_attention(query, pool, layer, self.read_slots,
+                                            self.kv_lengths, window)
+            return None, None, out
+        return part_acc, part_ml, out
+
     def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden  # one token per row: every row is its own last token
 

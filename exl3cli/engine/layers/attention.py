@@ -10,6 +10,7 @@ side), see engine/layers/linear.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,9 @@ class AttentionStep:
     # those attend bidirectionally within their run (Gemma 3), else None.
     blocks: torch.Tensor | None = None
     _masks: dict[int | None, tuple[torch.Tensor | None, bool]] = field(default_factory=dict)
+    # What one fused decode layer hands the next (engine/layers/fused_layer.py, the
+    # "norm" fold of ops/layer_fold.py): (producer, its output, the next q/k/v input).
+    carry: Any = None
 
     def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for a layer: the sliding layers' own tables when `local`."""

@@ -25,6 +25,13 @@ Mixtral, Qwen3-MoE) takes the place of the last five launches: ``MoEMLP.decode_b
 with ``EXL3_MOE_DECODE=new`` six launches: norm + router + top-k in one, the residual in
 the last).
 
+``EXL3_LAYER_FOLD`` (``exl3cli/ops/layer_fold.py``) takes up to five more launches out:
+"kv" stores the new keys/values in the q/k/v output kernel (fp16/bf16 cache of a fixed
+decode step), "combine" makes the o input from attention's uncombined chunks, "norm"
+runs the o output + the MLP's input side as one launch and the down output + the next
+layer's input side as one (the next plan links itself at run time: ``successor``, the
+hand-over in ``AttentionStep.carry``, taken only for the very tensor the layer returned).
+
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
 on this path: the first low-rank product ``x_in @ A_all^T`` (one per input: q|k|v and
 gate|up share theirs), on the normed input that ``norm_hadamard`` writes next to its
@@ -67,7 +74,7 @@ from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.ops import cuda_kernels as kernels
-from exl3cli.ops import layer_kernels
+from exl3cli.ops import layer_fold, layer_kernels
 from exl3cli.ops.reference import apply_rotary
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -200,6 +207,21 @@ class FusedDecodeLayer:
         # q/k norms come before the rotation: then it is qk_norm_rope's (or PyTorch's).
         self.fused_rope = attention.rope and dim in (64, 128) and attention.qk_norm is None
         norm = attention.qk_norm
+        # EXL3_LAYER_FOLD (ops/layer_fold.py): the cache write in the q/k/v output kernel
+        # and the attention's chunk combine in the o input kernel, where they apply.
+        # Both need q and k final out of the output kernel (no q/k norm, rotary there).
+        plain = (attention.softcap is None and attention.sinks is None
+                 and attention._query_factor is None and attention.qk_norm is None
+                 and (self.fused_rope or not attention.rope))
+        self.kv_ranges = (layer_fold.kv_ranges(qkv.widths, heads, kv_heads, dim)
+                          if "kv" in layer_fold.FOLDS and plain else None)
+        self.fold_combine = ("combine" in layer_fold.FOLDS and plain and self.o_lora is None
+                             and dim in (64, 128, 256))
+        self.fold_norm = ("norm" in layer_fold.FOLDS and self.o_lora is None
+                          and self.gate_up_lora is None and self.moe is None)
+        self.counters = layer_fold.out_norm_counters(self.device) if self.fold_norm else None
+        # The next layer's plan, linked at run time (forward: the "norm" fold across layers).
+        self.successor: FusedDecodeLayer | None = None
         self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
         if (type(norm) is RMSNorm and not norm.unit_offset
                 and tuple(norm.weight.shape) == (heads + kv_heads, dim)):
@@ -266,20 +288,55 @@ class FusedDecodeLayer:
         batch, steps, hidden = x.shape
         rows = batch * steps
         x2 = x.reshape(rows, hidden)
-        attended = self._attention(x2, step, batch, steps)
+        attended, xo = self._attention(x2, step, batch, steps, self._carried(x, step))
+        if xo is None:
+            xo = layer_kernels.norm_hadamard(attended, None, 0.0, False, self.o.pres,
+                                             self.o.pad_in)
         h = x2.new_empty(rows, hidden)
-        self._project(self.o, layer_kernels.norm_hadamard(
-            attended, None, 0.0, False, self.o.pres, self.o.pad_in), [h], residual=x2,
-            adapted=self.o_lora, x_in=attended)
+        mlp = self.gate_up
+        if self.fold_norm and mlp is not None:
+            partials, _ = self.o.gemm(xo)
+            xg, xu = layer_fold.out_norm(partials[0], self.o.posts[0], self.o.biases[0], x2, h,
+                                         self.norm2_weight, self.norm2.eps,
+                                         self.norm2.unit_offset, mlp.pres, mlp.pad_in,
+                                         self.counters)
+            return self._mlp(x, h, xg, xu, None, step)
+        self._project(self.o, xo, [h], residual=x2, adapted=self.o_lora, x_in=attended)
         if self.moe is not None:
             return self.moe.decode_block(h, self.norm2, self.norm2_weight).view(
                 batch, steps, hidden)
-        mlp = self.gate_up
         assert mlp is not None and self.down is not None
         normed = x2.new_empty(rows, hidden) if self.gate_up_lora is not None else None
         xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
                                              self.norm2.unit_offset, mlp.pres, mlp.pad_in,
                                              normed=normed)
+        return self._mlp(x, h, xg, xu, normed, step)
+
+    def _carried(self, x: torch.Tensor, step: AttentionStep) -> list[torch.Tensor] | None:
+        """The rotated q/k/v input the layer before made for this one (the "norm" fold
+        across layers), or None. The hand-over holds only for the very tensor that layer
+        returned (anything between the layers makes a new one); an unlinked producer is
+        linked here, so from its next forward on it makes this layer's input."""
+        carry, step.carry = getattr(step, "carry", None), None
+        if carry is None or carry[1] is not x:
+            return None
+        producer, _, xhs = carry
+        if not self.fold_norm or self.qkv_lora is not None:
+            producer.successor = None  # e.g. an adapter arrived: this plan takes none
+            return None
+        if producer.successor is self:
+            return xhs
+        producer.successor = self
+        return None
+
+    def _mlp(self, x: torch.Tensor, h: torch.Tensor, xg: torch.Tensor, xu: torch.Tensor,
+             normed: torch.Tensor | None, step: AttentionStep) -> torch.Tensor:
+        """The gated MLP from its rotated inputs and the residual h: the layer's output."""
+        batch, steps, hidden = x.shape
+        rows = batch * steps
+        x2 = x.reshape(rows, hidden)
+        mlp = self.gate_up
+        assert mlp is not None and self.down is not None
         (gate, up), lora = mlp.gemm([xg, xu], self.gate_up_lora, normed)
         inter = mlp.widths[0]
         product = x2.new_empty(rows, inter) if self.down_lora is not None else None
@@ -288,20 +345,36 @@ class FusedDecodeLayer:
                                         mlp.biases[1], inter, self.activation,
                                         self.down.pres[0], x.dtype, lora=lora, product=product)
         out = x2.new_empty(rows, hidden)
-        self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora, x_in=product)
-        return out.view(batch, steps, hidden)
+        nxt = self.successor if self.fold_norm and self.down_lora is None else None
+        if nxt is None:
+            self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora,
+                          x_in=product)
+            result = out.view(batch, steps, hidden)
+            if self.fold_norm and self.down_lora is None:
+                step.carry = (self, result, None)  # the next layer links itself
+            return result
+        partials, _ = self.down.gemm([xd])
+        xhs = layer_fold.out_norm(partials[0], self.down.posts[0], self.down.biases[0], h, out,
+                                  nxt.norm1_weight, nxt.norm1.eps, nxt.norm1.unit_offset,
+                                  nxt.qkv.pres, nxt.qkv.pad_in, self.counters)
+        result = out.view(batch, steps, hidden)
+        step.carry = (self, result, xhs)
+        return result
 
-    def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int,
-                   steps: int) -> torch.Tensor:
+    def _attention(self, x2: torch.Tensor, step: AttentionStep, batch: int, steps: int,
+                   xhs: list[torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """q/k/v from the normed input (rotated in the output kernel), the cache write and
-        attention: the o projection's input (rows, heads * head_dim)."""
+        attention: the o projection's input (rows, heads * head_dim) and, where the chunk
+        combine is folded (``fold_combine``), its rotated form (else None)."""
         attention = self.attention
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = x2.shape[0]
         normed = x2.new_empty(x2.shape) if self.qkv_lora is not None else None
-        xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
-                                          self.norm1.unit_offset, self.qkv.pres,
-                                          self.qkv.pad_in, normed=normed)
+        if xhs is None:  # else the layer before made them (the "norm" fold)
+            xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
+                                              self.norm1.unit_offset, self.qkv.pres,
+                                              self.qkv.pad_in, normed=normed)
         partials, lora = self.qkv.gemm(xhs, self.qkv_lora, normed)
         qkv = x2.new_empty(rows, self.qkv_width)
         outs, start = [], 0
@@ -315,10 +388,21 @@ class FusedDecodeLayer:
             if self.fused_rope:
                 cos, sin = cos4.reshape(rows, dim), sin4.reshape(rows, dim)
                 rope_cols = self.rope_cols
-        layer_kernels.hadamard_out(partials, self.qkv.posts_for(partials), self.qkv.biases, outs,
-                                   rope_cols, cos=cos, sin=sin,
-                                   head_dim=dim if cos is not None else 0, lora=lora)
+        cache = step.cache
+        target = None
+        if self.kv_ranges is not None and hasattr(cache, "kv_target"):
+            target = cache.kv_target(attention.layer_index, x2.dtype)
+        if target is not None:
+            layer_fold.hadamard_out_kv(partials, self.qkv.posts_for(partials), self.qkv.biases,
+                                       outs, rope_cols, cos, sin, dim if cos is not None else 0,
+                                       layer_fold.KvStore(*target, self.kv_ranges), lora=lora)
+        else:
+            layer_kernels.hadamard_out(partials, self.qkv.posts_for(partials), self.qkv.biases, outs,
+                                       rope_cols, cos=cos, sin=sin,
+                                       head_dim=dim if cos is not None else 0, lora=lora)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
+        if (target is not None or self.fold_combine) and hasattr(cache, "attend_parts"):
+            return self._attend_folded(qkv, target is not None, step)
         qk = qkv4[:, :, : heads + kv_heads]
         if self.qk_weight is not None:
             rotate = attention.rope
@@ -331,7 +415,28 @@ class FusedDecodeLayer:
             qk = attention.qk_norm(qk)
         if attention.rope and not self.fused_rope and self.qk_weight is None:
             qk = apply_rotary(qk, cos4, sin4)
-        return attention.attend(qk, qkv4[:, :, heads + kv_heads :], step).reshape(rows, -1)
+        attended = attention.attend(qk, qkv4[:, :, heads + kv_heads :], step)
+        return attended.reshape(rows, -1), None
+
+    def _attend_folded(self, qkv: torch.Tensor, written: bool, step: AttentionStep
+                       ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """A fixed decode step's attention over qkv (rows, (H + 2 KV) * D; its rows, in
+        order, are the step's rows) with the folds of ``layer_fold``: keys/values already
+        stored (``written``), the chunk combine in the o input kernel (``fold_combine``)."""
+        attention = self.attention
+        heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        rows = qkv.shape[0]
+        qkv3 = qkv.view(rows, heads + 2 * kv_heads, dim)
+        key = None if written else qkv3[:, heads : heads + kv_heads]
+        value = None if written else qkv3[:, heads + kv_heads :]
+        part_acc, part_ml, out = step.cache.attend_parts(
+            attention.layer_index, qkv3[:, :heads], key, value, attention.window,
+            combine=not self.fold_combine)
+        attended = out.reshape(rows, heads * dim)
+        if part_acc is None or part_ml is None:
+            return attended, None
+        return attended, [layer_fold.combine_hadamard(part_acc, part_ml, attended,
+                                                      self.o.pres[0], self.o.pad_in)]
 
     def _project(self, parts: _Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
                  residual: torch.Tensor | None = None, adapted: AdaptedLinear | None = None,
