@@ -99,7 +99,7 @@ fi
 
 if [[ " $STAGES " == *" lora "* ]]; then
   # One random rank-16 LoRA adapter on all projections, every job using it (issue 16).
-  # LORA_VARIANTS="old:EXL3_LORA_GEMM=0 ...": more runs, each NAME:ENV=VALUE[,ENV=VALUE]
+  # LORA_VARIANTS="gemm:EXL3_LORA_GEMM=1 ...": more runs, each NAME:ENV=VALUE[,ENV=VALUE]
   # (EXL3_LORA_GEMM=0: the first product as its own launch; EXL3_LORA_LOW=torch: by cuBLAS).
   for variant in "lora:" ${LORA_VARIANTS:-}; do
     name=${variant%%:*} envs=${variant#*:}

@@ -10,7 +10,7 @@
 # SHAPES="qwen3 mixtral" picks the models (one per call if both do not fit in 10 min),
 # STAGES="tests ours peer" the stages (and "profile": one job's decode step under
 # torch.profiler per variant), JOBS=1,16,64 the job counts, KV=fp16 our caches.
-# MOE_VARIANTS="old:EXL3_MOE_DECODE=old ...": more runs of ours in the same call, each
+# MOE_VARIANTS="new:EXL3_MOE_DECODE=new ...": more runs of ours in the same call, each
 # NAME:ENV=VALUE[,ENV=VALUE], at VARIANT_JOBS (default 1) jobs; the table prints each
 # against the default run. PROFILE_VARIANTS (same form, default "default:") picks the
 # profile stage's runs.
