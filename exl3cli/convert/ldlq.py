@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from exl3cli.codec import codebook_lut, pack_states
+from exl3cli.codec.device_tables import on_device
 from exl3cli.codec.tiles import matrix_to_tiles, steps_to_tile, tile_to_steps, tiles_to_matrix
 from exl3cli.ops.viterbi import viterbi_states
 
@@ -101,7 +102,8 @@ def trellis_block_quantizer(k_bits: float, codebook: str = "mul1") -> BlockQuant
 
     def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if rows.device not in lut_cache:
-            lut_cache[rows.device] = codebook_lut(codebook).to(rows.device, torch.float32)
+            lut_cache[rows.device] = on_device(codebook_lut(codebook), rows.device,
+                                                    torch.float32)
         tiles = matrix_to_tiles(rows)  # (1, nb, 16, 16)
         targets = tile_to_steps(tiles).reshape(-1, 256)
         states = viterbi_states(targets, k_bits, codebook)

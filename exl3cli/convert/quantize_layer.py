@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field, replace
+from functools import cache
 
 import torch
 
 from exl3cli.codec import MARKER_VALUES, block_hadamard, codebook_lut, dequantize_linear
+from exl3cli.codec.device_tables import on_device
 from exl3cli.codec.format import padded_size
 from exl3cli.codec.tiles import matrix_to_tiles, tile_to_steps
 from exl3cli.convert.hessian import damp_hessian, pad_hessian, proxy_error, rotate_hessian
@@ -110,7 +112,13 @@ def _pad(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def _codebook_rms(codebook: str, device: torch.device) -> float:
-    return float(codebook_lut(codebook).to(device, torch.float32).pow(2).mean().sqrt())
+    return _codebook_rms_on(codebook, torch.device(device))
+
+
+@cache
+def _codebook_rms_on(codebook: str, device: torch.device) -> float:
+    # Reduced on the device as before (same rounding), once: float() syncs.
+    return float(on_device(codebook_lut(codebook), device, torch.float32).pow(2).mean().sqrt())
 
 
 def _sample_tiles(rotated: torch.Tensor, count: int) -> torch.Tensor:
@@ -133,15 +141,18 @@ def _search_scales(
     # One Viterbi call for every tensor and candidate: small calls waste the machine.
     batch = torch.cat([s * m for s in samples for m in candidates])
     states = viterbi_states(batch, settings.k_bits, settings.codebook)
-    lut = codebook_lut(settings.codebook).to(batch.device, torch.float32)
+    lut = on_device(codebook_lut(settings.codebook), batch.device, torch.float32)
     mse_per_tile = (lut[states] - batch).pow(2).mean(dim=1)
-    chosen, offset = [], 0
+    means, offset = [], 0
     for s in samples:
-        errors = []
-        for m in candidates:
-            # Error measured back in Ŵ units, so candidates compare fairly.
-            errors.append(float(mse_per_tile[offset : offset + s.shape[0]].mean()) / m**2)
+        for _ in candidates:
+            means.append(mse_per_tile[offset : offset + s.shape[0]].mean())
             offset += s.shape[0]
+    means = torch.stack(means).tolist()  # one sync for all
+    chosen = []
+    for t in range(len(samples)):
+        # Error measured back in Ŵ units, so candidates compare fairly.
+        errors = [means[t * len(candidates) + c] / m**2 for c, m in enumerate(candidates)]
         chosen.append(candidates[min(range(len(errors)), key=errors.__getitem__)])
     return chosen
 
