@@ -126,7 +126,7 @@ if [ -n "${TIMING:-}" ]; then
     # shellcheck disable=SC2086
     timeout "$(left)" python3 bench/convert_quality.py "$SRC" --bits 4 --text "$TEXT" \
       --calib "$CALIB" --windows 4 --work "/tmp/cq-time-$name" --tag "time-$name" $args \
-      2>&1 | grep " bpw: ppl" | sed "s/^/timing alone, $name: /"
+      2>&1 | grep -E " bpw: ppl|sensitivity measured|conversion phases" | sed "s/^/timing alone, $name: /"
   done
 fi
 
