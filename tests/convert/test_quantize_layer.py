@@ -80,16 +80,18 @@ def test_fisher_strength_goes_from_rms_to_the_optimum():
     assert torch.allclose(half, geo * sigma.mean() / geo.mean(), rtol=1e-5)
 
 
-def test_mixed_bits_are_the_groups_of_each_k_alone():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_mixed_bits_are_the_groups_of_each_k_alone(device):
     # quantize_mixed runs the parts' LDLQ passes in lock step (one Viterbi call per
-    # block for all): each part must come out bit for bit as quantize_group of it alone
-    # (what quantize_mixed did before, one K after another), refit and Fisher included.
+    # block for all; on CUDA one launch of tile segments): each part must come out bit
+    # for bit as quantize_group of it alone (what quantize_mixed did before, one K after
+    # another), refit and Fisher included.
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(512, 192, generator=gen) @ torch.randn(192, 192, generator=gen)
-    h = (x.T @ x / 512).double()
+    h = (x.T @ x / 512).double().to(device)
     names = ["q", "k", "v"]
-    weights = [torch.randn(192, n, generator=gen) * 0.05 for n in (192, 64, 64)]
-    fisher = [torch.rand(n, generator=gen) + 0.1 for n in (192, 64, 64)]
+    weights = [(torch.randn(192, n, generator=gen) * 0.05).to(device) for n in (192, 64, 64)]
+    fisher = [(torch.rand(n, generator=gen) + 0.1).to(device) for n in (192, 64, 64)]
     settings = QuantSettings(4, scale_search_tiles=4, fisher_strength=0.5, refit_rounds=2)
     mixed = quantize_mixed(names, weights, [None, None, None], h, settings, [3, 4, 3], fisher)
     expected = {}
