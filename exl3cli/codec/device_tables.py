@@ -23,12 +23,14 @@ def on_device(table: torch.Tensor, device: torch.device | str,
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """``table.to(device, dtype)``, copied once per (table, device, dtype)."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one copy
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype = dtype or table.dtype
     if device == table.device and dtype == table.dtype:
         return table
     key = (id(table), device, dtype)
     hit = _copies.get(key)
-    if hit is None or hit[0] is not table:  # the source keeps its id valid
+    if hit is None or hit[0] is not table:  # the cache holds the source: its id stays its own
         hit = (table, table.to(device, dtype))
         _copies[key] = hit
     return hit[1]
