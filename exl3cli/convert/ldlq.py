@@ -10,6 +10,7 @@ of ``H`` with the block order reversed, computed here from a Cholesky factor.
 Public API:
 - ``block_ldl_feedback(h, block=16) -> (a, d)``: ``a`` (n, n) strictly block-lower
   feedback matrix, ``d`` (n/block, block, block) diagonal blocks; ``h = (I+a)ᵀ·D·(I+a)``.
+  ``block_ldl_diagonal(h, block=16) -> d`` alone (the same values, no solve).
 - ``ldlq(target, h, quantize_block, block=16) -> (q, payloads)``: runs the loop with
   any block quantizer ``quantize_block(rows[block, out]) -> (values[block, out],
   payload)``; returns the quantized matrix and the payloads in block order.
@@ -49,8 +50,9 @@ def _cholesky_with_retry(h: torch.Tensor) -> torch.Tensor:
     raise ValueError("Hessian is not positive definite even after damping")
 
 
-def block_ldl_feedback(h: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, d)`` with ``h = (I + a)ᵀ · blockdiag(d) · (I + a)``, ``a`` strictly block-lower."""
+def _reversed_cholesky(h: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Cholesky factor ``C`` of ``h`` with its order reversed, and its diagonal
+    blocks ``C_kk`` (blocks, block, block)."""
     n = h.shape[0]
     if n % block:
         raise ValueError(f"Hessian size {n} is not a multiple of {block}")
@@ -60,7 +62,20 @@ def block_ldl_feedback(h: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, 
     chol = _cholesky_with_retry(reversed_h)  # reversed_h = C Cᵀ
     blocks = n // block
     diag_blocks = chol.view(blocks, block, blocks, block).diagonal(dim1=0, dim2=2)
-    diag_blocks = diag_blocks.permute(2, 0, 1)  # (blocks, block, block), lower triangular
+    return chol, diag_blocks.permute(2, 0, 1)  # (blocks, block, block), lower triangular
+
+
+def block_ldl_diagonal(h: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """``block_ldl_feedback(h, block)[1]`` (the same values) without the feedback matrix."""
+    _, diag_blocks = _reversed_cholesky(h, block)
+    d_rev = diag_blocks @ diag_blocks.transpose(1, 2)
+    return d_rev.flip(0).flip(1).flip(2)
+
+
+def block_ldl_feedback(h: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, d)`` with ``h = (I + a)ᵀ · blockdiag(d) · (I + a)``, ``a`` strictly block-lower."""
+    n = h.shape[0]
+    chol, diag_blocks = _reversed_cholesky(h, block)
     # L' = C · blockdiag(C_kk)^-1 has identity diagonal blocks; D'_k = C_kk C_kkᵀ.
     block_diag = torch.block_diag(*diag_blocks)
     unit_lower = torch.linalg.solve_triangular(block_diag, chol, upper=False, left=False)
