@@ -67,6 +67,10 @@ def main() -> None:
                                 force=True)
         seconds = time.perf_counter() - started
         print(summary.table(), flush=True)
+        layers = sum(r.seconds for r in summary.layers)
+        print(f"{bits} bpw conversion phases: {seconds:.1f} s in all, layers' quantization "
+              f"{layers:.1f} s, the rest (setup, plan, calibration forwards, head, "
+              f"writing) {seconds - layers:.1f} s", flush=True)
         model = load_causal_lm(out, device, torch.float16 if device.type == "cuda" else None)
         result = evaluate(model, windows, reference)
         del model

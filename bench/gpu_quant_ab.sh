@@ -33,6 +33,7 @@
 # refit) at 4.0 bpw alone (clean seconds: the 1.2x criterion); TIMING_VARIANTS picks others
 # (`BITS= PEER_BITS= TIMING=1 TIMING_VARIANTS="final=;old=--allocation fixed ..."`: only
 # the timings, today's defaults against the first table's settings).
+# CUDA_TESTS="tests/..." runs those cuda tests after the install, before the conversions.
 # Outputs ($OUT): quality-<variant>.json, quality-peer.json, table.txt, logs.tgz.
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-quant-out}
@@ -50,6 +51,9 @@ export MAX_JOBS=16 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=2
 . bench/real_models/smollm2_source.sh
 [ -f "$SRC/config.json" ] && [ -f "$TEXT" ] || { echo "FAIL: source or text missing (stash calls?)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# CUDA_TESTS: cuda test files run first (e.g. the Viterbi segment kernel before timing it).
+[ -n "${CUDA_TESTS:-}" ] && { timeout 400 python3 -m pytest -q -m cuda -p no:randomly $CUDA_TESTS \
+  2>&1 | tail -4 | sed "s/^/cuda tests: /"; stamp "cuda tests done"; }
 
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c GPU); [ "$NGPU" -gt 0 ] || NGPU=1
 slot=0 specs=()
@@ -126,7 +130,7 @@ if [ -n "${TIMING:-}" ]; then
     # shellcheck disable=SC2086
     timeout "$(left)" python3 bench/convert_quality.py "$SRC" --bits 4 --text "$TEXT" \
       --calib "$CALIB" --windows 4 --work "/tmp/cq-time-$name" --tag "time-$name" $args \
-      2>&1 | grep " bpw: ppl" | sed "s/^/timing alone, $name: /"
+      2>&1 | grep -E " bpw: ppl|sensitivity measured|conversion phases" | sed "s/^/timing alone, $name: /"
   done
 fi
 

@@ -20,6 +20,8 @@ from functools import cache
 
 import torch
 
+from exl3cli.codec.device_tables import on_device
+
 STEPS = 256
 INTEGER_K = (1, 2, 3, 4, 5, 6, 7, 8)
 HALF_K = (1.5, 2.5, 3.5)
@@ -96,12 +98,15 @@ def unpack_states(trellis: torch.Tensor, k_bits: float) -> torch.Tensor:
             f"trellis has {trellis.shape[-1]} words per tile, K={k_bits} needs "
             f"{words_per_tile(k_bits)}"
         )
-    first, second, shift = (t.to(trellis.device) for t in _unpack_index(float(k_bits)))
+    first, second, shift = (on_device(t, trellis.device) for t in _unpack_index(float(k_bits)))
     words = _to_uint32_words(trellis)
     # A 48-bit window: the whole first word then the top half of the next one; any
     # 16-bit run starting inside the first word lies within it.
     window = (words[..., first] << 16) | (words[..., second] >> 16)
     return (window >> shift) & 0xFFFF
+
+
+_WORD_WEIGHTS = torch.arange(31, -1, -1, dtype=torch.int64)  # bit i of a word: 1 << (31-i)
 
 
 @cache
@@ -128,10 +133,10 @@ def pack_states(states: torch.Tensor, k_bits: float) -> torch.Tensor:
     """
     if states.shape[-1] != STEPS:
         raise ValueError(f"expected {STEPS} states per tile, got {states.shape[-1]}")
-    step_of_bit, shift_of_bit = (t.to(states.device) for t in _pack_index(float(k_bits)))
+    step_of_bit, shift_of_bit = (on_device(t, states.device) for t in _pack_index(float(k_bits)))
     bits = (states.to(torch.int64)[..., step_of_bit] >> shift_of_bit) & 1
     bits = bits.reshape(*bits.shape[:-1], -1, 32)
-    weights = torch.arange(31, -1, -1, device=states.device, dtype=torch.int64)
+    weights = on_device(_WORD_WEIGHTS, states.device)
     words = (bits << weights).sum(-1)
     halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).flatten(-2)
     return (halves - ((halves >> 15) << 16)).to(torch.int16)

@@ -21,6 +21,7 @@ import torch
 
 from exl3cli.codec.bitstream import k_bits_from_words, unpack_states
 from exl3cli.codec.codebooks import MARKER_VALUES, codebook_lut
+from exl3cli.codec.device_tables import on_device
 from exl3cli.codec.hadamard import block_hadamard
 from exl3cli.codec.tiles import position_to_step
 from exl3cli.errors import ModelLoadError
@@ -57,8 +58,8 @@ def decode_tiles(
     kb, nb, words = trellis.shape
     if k_bits is None:
         k_bits = k_bits_from_words(words)
-    lut = codebook_lut(codebook).to(trellis.device)
-    order = position_to_step().to(trellis.device)
+    lut = on_device(codebook_lut(codebook), trellis.device)
+    order = on_device(position_to_step(), trellis.device)
     out = torch.empty(kb, 16, nb, 16, dtype=torch.float16, device=trellis.device)
     rows_per_chunk = max(1, _DECODE_CHUNK_TILES // max(nb, 1))
     for start in range(0, kb, rows_per_chunk):

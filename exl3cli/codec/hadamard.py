@@ -18,6 +18,8 @@ from functools import cache
 
 import torch
 
+from exl3cli.codec.device_tables import on_device
+
 
 @cache
 def _sylvester(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -41,7 +43,7 @@ def block_hadamard(x: torch.Tensor, dim: int, block: int = 128) -> torch.Tensor:
     if size % block:
         raise ValueError(f"dimension {dim} has size {size}, not a multiple of {block}")
     work_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = hadamard_matrix(block, work_dtype).to(x.device)
+    h = on_device(hadamard_matrix(block, work_dtype), x.device)
     moved = x.to(work_dtype).movedim(dim, -1)
     blocks = moved.reshape(*moved.shape[:-1], size // block, block)
     # H is symmetric, so right-multiplying each row vector by H applies H to it.

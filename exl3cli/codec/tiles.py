@@ -17,6 +17,8 @@ from functools import cache
 
 import torch
 
+from exl3cli.codec.device_tables import on_device
+
 
 @cache
 def _tables() -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,14 +46,14 @@ def position_to_step() -> torch.Tensor:
 
 def steps_to_tile(values: torch.Tensor) -> torch.Tensor:
     """Values in step order (..., 256) -> tiles (..., 16, 16)."""
-    flat = values[..., position_to_step().to(values.device)]
+    flat = values[..., on_device(position_to_step(), values.device)]
     return flat.reshape(*values.shape[:-1], 16, 16)
 
 
 def tile_to_steps(tiles: torch.Tensor) -> torch.Tensor:
     """Tiles (..., 16, 16) -> values in step order (..., 256)."""
     flat = tiles.reshape(*tiles.shape[:-2], 256)
-    return flat[..., step_to_position().to(tiles.device)]
+    return flat[..., on_device(step_to_position(), tiles.device)]
 
 
 def tiles_to_matrix(tiles: torch.Tensor) -> torch.Tensor:

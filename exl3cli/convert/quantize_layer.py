@@ -36,14 +36,21 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field, replace
+from functools import cache
 
 import torch
 
 from exl3cli.codec import MARKER_VALUES, block_hadamard, codebook_lut, dequantize_linear
+from exl3cli.codec.device_tables import on_device
 from exl3cli.codec.format import padded_size
 from exl3cli.codec.tiles import matrix_to_tiles, tile_to_steps
 from exl3cli.convert.hessian import damp_hessian, pad_hessian, proxy_error, rotate_hessian
-from exl3cli.convert.ldlq import ldlq, trellis_block_quantizer
+from exl3cli.convert.ldlq import (
+    ldlq,
+    ldlq_parts,
+    trellis_block_quantizer,
+    trellis_parts_quantizer,
+)
 from exl3cli.convert.scale_refit import refit_scales
 from exl3cli.ops.viterbi import viterbi_states
 
@@ -110,7 +117,13 @@ def _pad(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def _codebook_rms(codebook: str, device: torch.device) -> float:
-    return float(codebook_lut(codebook).to(device, torch.float32).pow(2).mean().sqrt())
+    return _codebook_rms_on(codebook, torch.device(device))
+
+
+@cache
+def _codebook_rms_on(codebook: str, device: torch.device) -> float:
+    # Reduced on the device as before (same rounding), once: float() syncs.
+    return float(on_device(codebook_lut(codebook), device, torch.float32).pow(2).mean().sqrt())
 
 
 def _sample_tiles(rotated: torch.Tensor, count: int) -> torch.Tensor:
@@ -133,15 +146,18 @@ def _search_scales(
     # One Viterbi call for every tensor and candidate: small calls waste the machine.
     batch = torch.cat([s * m for s in samples for m in candidates])
     states = viterbi_states(batch, settings.k_bits, settings.codebook)
-    lut = codebook_lut(settings.codebook).to(batch.device, torch.float32)
+    lut = on_device(codebook_lut(settings.codebook), batch.device, torch.float32)
     mse_per_tile = (lut[states] - batch).pow(2).mean(dim=1)
-    chosen, offset = [], 0
+    means, offset = [], 0
     for s in samples:
-        errors = []
-        for m in candidates:
-            # Error measured back in Ŵ units, so candidates compare fairly.
-            errors.append(float(mse_per_tile[offset : offset + s.shape[0]].mean()) / m**2)
+        for _ in candidates:
+            means.append(mse_per_tile[offset : offset + s.shape[0]].mean())
             offset += s.shape[0]
+    means = torch.stack(means).tolist()  # one sync for all
+    chosen = []
+    for t in range(len(samples)):
+        # Error measured back in Ŵ units, so candidates compare fairly.
+        errors = [means[t * len(candidates) + c] / m**2 for c, m in enumerate(candidates)]
         chosen.append(candidates[min(range(len(errors)), key=errors.__getitem__)])
     return chosen
 
@@ -219,18 +235,40 @@ def quantize_mixed(
     out_weights: list[torch.Tensor | None] | None = None,
 ) -> list[QuantizedLinear]:
     """``quantize_group`` with bits per tensor: the tensors of each distinct K are
-    quantized together (in their order), results come back in the order given."""
+    quantized together (in their order), results come back in the order given. The
+    parts' LDLQ passes run in lock step (one Viterbi launch per block for all of them:
+    ldlq.ldlq_parts); each part's result is the same as ``quantize_group`` of it alone."""
     if len(set(k_bits)) == 1:
         return quantize_group(names, weights, biases, hessian, replace(settings, k_bits=k_bits[0]),
                               out_weights)
+    ks = sorted(set(k_bits))
+    parts = []
+    for k in ks:
+        index = [i for i, b in enumerate(k_bits) if b == k]
+        parts.append(_prepare([names[i] for i in index], [weights[i] for i in index],
+                              [biases[i] for i in index], hessian, replace(settings, k_bits=k),
+                              None if out_weights is None else [out_weights[i] for i in index]))
+    solved = ldlq_parts([p.target for p in parts], [p.h_rot for p in parts],
+                        trellis_parts_quantizer(ks, settings.codebook))
     results: dict[str, QuantizedLinear] = {}
-    for k in sorted(set(k_bits)):
-        part = [i for i, b in enumerate(k_bits) if b == k]
-        done = quantize_group([names[i] for i in part], [weights[i] for i in part],
-                              [biases[i] for i in part], hessian, replace(settings, k_bits=k),
-                              None if out_weights is None else [out_weights[i] for i in part])
-        results.update({q.name: q for q in done})
+    for part, (_, payloads) in zip(parts, solved, strict=True):
+        results.update({q.name: q for q in _finish(part, torch.cat(payloads, dim=0))})
     return [results[n] for n in names]
+
+
+@dataclass
+class _Prepared:
+    """A group before its LDLQ pass: the rotated target and Hessian, and the scales."""
+    names: list[str]
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    hessian: torch.Tensor
+    settings: QuantSettings
+    out_weights: list[torch.Tensor | None] | None
+    suh: torch.Tensor
+    svh: list[torch.Tensor]
+    target: torch.Tensor
+    h_rot: torch.Tensor
 
 
 def quantize_group(
@@ -243,6 +281,16 @@ def quantize_group(
 ) -> list[QuantizedLinear]:
     """Quantize linears sharing an input; ``weights[i]`` is (in, out_i), ``y = x W``;
     ``out_weights``: see ``group_scales``."""
+    part = _prepare(names, weights, biases, hessian, settings, out_weights)
+    _, payloads = ldlq(part.target, part.h_rot,
+                       trellis_block_quantizer(settings.k_bits, settings.codebook))
+    return _finish(part, torch.cat(payloads, dim=0))
+
+
+def _prepare(names: list[str], weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+             hessian: torch.Tensor, settings: QuantSettings,
+             out_weights: list[torch.Tensor | None] | None) -> _Prepared:
+    """Scales, the global scale search, the rotated target and Hessian of one group."""
     device = weights[0].device
     in_features = weights[0].shape[0]
     in_pad = padded_size(in_features)
@@ -269,13 +317,17 @@ def quantize_group(
     target = torch.cat(targets, dim=1)
 
     h = damp_hessian(pad_hessian(hessian.to(device, torch.float64), in_pad), settings.damping)
-    h_rot = rotate_hessian(h, suh)
-    _, payloads = ldlq(target, h_rot, trellis_block_quantizer(settings.k_bits, settings.codebook))
-    trellis = torch.cat(payloads, dim=0)  # (in_pad/16, total_out/16, words)
+    return _Prepared(names, weights, biases, hessian, settings, out_weights, suh, svh_list,
+                     target, rotate_hessian(h, suh))
 
-    fisher_of = {} if out_weights is None else dict(zip(names, out_weights, strict=True))
+
+def _finish(part: _Prepared, trellis: torch.Tensor) -> list[QuantizedLinear]:
+    """The stored tensors of a group from its searched trellis (in_pad/16, out/16, words)."""
+    settings, suh, device = part.settings, part.suh, part.weights[0].device
+    fisher_of = {} if part.out_weights is None else dict(zip(part.names, part.out_weights,
+                                                             strict=True))
     results, col_start = [], 0
-    for name, w, b, svh in zip(names, weights, biases, svh_list, strict=True):
+    for name, w, b, svh in zip(part.names, part.weights, part.biases, part.svh, strict=True):
         tiles = svh.numel() // 16
         tensors = {
             "trellis": trellis[:, col_start : col_start + tiles].contiguous(),
@@ -291,10 +343,11 @@ def quantize_group(
             tensors["bias"] = b.to(torch.float16)
         dense = dequantize_linear(tensors, w.shape[0], w.shape[1])
         if settings.refit_rounds > 0:
-            tensors, dense = _refit(tensors, w, dense, hessian, settings, fisher_of.get(name))
+            tensors, dense = _refit(tensors, w, dense, part.hessian, settings,
+                                    fisher_of.get(name))
         results.append(QuantizedLinear(
             name=name, tensors=tensors, weight=dense,
-            proxy_error=proxy_error(hessian.to(device), w, dense),
+            proxy_error=proxy_error(part.hessian.to(device), w, dense),
         ))
     return results
 

@@ -74,6 +74,8 @@ def refit_scales(
         # The ridge pulls towards "no change" (a step of 1), not towards 0.
         ridge = _RIDGE * system.diagonal().mean().clamp_min(1e-30)
         system.diagonal().add_(ridge)
-        step = torch.linalg.solve(system, rhs + ridge)
+        # solve_ex: linalg.solve without its error check, which syncs a GPU (a singular
+        # system gives non-finite steps, which _usable turns into 1).
+        step = torch.linalg.solve_ex(system, rhs + ridge)[0]
         r = r * _usable(step).to(work)
     return r.to(torch.float32), c.to(torch.float32)

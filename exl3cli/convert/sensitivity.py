@@ -47,7 +47,7 @@ from torch import nn
 
 from exl3cli.convert.engine_layer import slot_module
 from exl3cli.convert.hessian import HessianAccumulator, damp_hessian, pad_hessian, rotate_hessian
-from exl3cli.convert.ldlq import block_ldl_feedback
+from exl3cli.convert.ldlq import block_ldl_diagonal
 from exl3cli.convert.quantize_layer import group_scales
 
 
@@ -60,7 +60,7 @@ def predicted_error(hessian: torch.Tensor, names: list[str], weights: list[torch
     scales = group_scales(names, weights, seed, out_weights, strength)
     h = damp_hessian(pad_hessian(hessian.to(weights[0].device, torch.float64),
                                  scales.suh.numel()), damping)
-    _, d = block_ldl_feedback(rotate_hessian(h, scales.suh))
+    d = block_ldl_diagonal(rotate_hessian(h, scales.suh))
     trace = float(d.diagonal(dim1=1, dim2=2).sum())
     return [trace * s.double().pow(2) for s in scales.sides]
 

@@ -11,6 +11,8 @@ Public API:
 - ``viterbi_states_cuda(targets[N, 256] (CUDA), k_bits, codebook="mul1")
   -> states[int64, (N, 256)]`` on targets' device: the same states as
   ``exl3cli.ops.viterbi.viterbi_states_reference``.
+- ``viterbi_states_segments_cuda(targets, k_bits[list], counts[list], codebook)``: tiles
+  in consecutive segments of their own K (at most ``MAX_SEGMENTS``), one launch.
 Environment: ``EXL3_NO_EXT=1``, ``EXL3_KERNEL_CACHE`` (default ``~/.cache/exl3/kernels``),
 ``EXL3_EXT_VERBOSE=1`` as for ``exl3cli.ops.cuda_kernels``.
 """
@@ -105,4 +107,31 @@ def viterbi_states_cuda(
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     lut, lut_h = _device_luts(codebook, device)
-    return ext.viterbi_states(targets.detach().to(torch.float32), per_step, lut, lut_h)
+    return ext.viterbi_states(targets.detach().to(torch.float32), [per_step],
+                              [targets.shape[0]], lut, lut_h)
+
+
+MAX_SEGMENTS = 4  # kMaxSegments in viterbi_cuda.cu
+
+
+def viterbi_states_segments_cuda(
+    targets: torch.Tensor, k_bits: list[float], counts: list[int], codebook: str = "mul1"
+) -> torch.Tensor:
+    """``viterbi_states_cuda`` of consecutive segments of ``targets`` (``counts[i]``
+    tiles at ``k_bits[i]``; at most MAX_SEGMENTS) in one launch: the same states as one
+    call per segment."""
+    from exl3cli.codec.bitstream import bits_per_step
+
+    ext = _extension() if available() else None
+    if ext is None:
+        raise RuntimeError(f"CUDA Viterbi kernel unavailable: {unavailable_reason()}")
+    if not 1 <= len(k_bits) <= MAX_SEGMENTS or len(k_bits) != len(counts):
+        raise ValueError(f"1..{MAX_SEGMENTS} segments, one count each, got {k_bits} {counts}")
+    if codebook != "mul1" and not all(float(k).is_integer() for k in k_bits):
+        raise ValueError("half-integer bits per weight need the mul1 codebook")
+    device = targets.device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    lut, lut_h = _device_luts(codebook, device)
+    return ext.viterbi_states(targets.detach().to(torch.float32),
+                              [bits_per_step(k) for k in k_bits], list(counts), lut, lut_h)

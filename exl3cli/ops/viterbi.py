@@ -24,6 +24,8 @@ on a GPU they run one after another, each as large as the memory budget allows.
 
 Public API:
 - ``viterbi_states(targets[N, 256], k_bits, codebook) -> states[N, 256]`` (int64)
+- ``viterbi_states_segments(targets, k_bits[list], counts[list], codebook)``: consecutive
+  segments of tiles at their own K, one launch on a GPU; the same states as a call each.
 - ``viterbi_states_reference(targets, k_bits, codebook)``: the PyTorch path alone.
 - ``encode_tiles(values, k_bits, codebook) -> trellis int16 (kb, nb, 16*K)``;
   ``values`` is a tile grid ``(kb, nb, 16, 16)`` or a matrix ``(16*kb, 16*nb)``.
@@ -156,6 +158,24 @@ def viterbi_states(targets: torch.Tensor, k_bits: float, codebook: str = "mul1")
         if cpu_kernels.available():
             return cpu_kernels.viterbi_states_cpu(targets, k_bits, codebook)
     return viterbi_states_reference(targets, k_bits, codebook)
+
+
+def viterbi_states_segments(targets: torch.Tensor, k_bits: list[float], counts: list[int],
+                            codebook: str = "mul1") -> torch.Tensor:
+    """``viterbi_states`` of consecutive segments of ``targets``: ``counts[i]`` tiles at
+    ``k_bits[i]``. One CUDA launch for all (a chain of small launches, as in LDLQ,
+    leaves most of a GPU idle); elsewhere one call per segment. Same states either way."""
+    if sum(counts) != targets.shape[0] or len(counts) != len(k_bits):
+        raise ValueError(f"segments {counts} do not cover the {targets.shape[0]} tiles given")
+    for k in k_bits:
+        _check_args(targets, k, codebook)
+    if targets.is_cuda and 1 < len(k_bits):
+        from exl3cli.ops import cuda_viterbi
+
+        if cuda_viterbi.available() and len(k_bits) <= cuda_viterbi.MAX_SEGMENTS:
+            return cuda_viterbi.viterbi_states_segments_cuda(targets, k_bits, counts, codebook)
+    parts = torch.split(targets, list(counts))
+    return torch.cat([viterbi_states(t, k, codebook) for t, k in zip(parts, k_bits, strict=True)])
 
 
 def viterbi_states_reference(

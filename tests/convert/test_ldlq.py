@@ -1,7 +1,12 @@
 import torch
 
 from exl3cli.convert.hessian import proxy_error
-from exl3cli.convert.ldlq import block_ldl_feedback, ldlq, trellis_block_quantizer
+from exl3cli.convert.ldlq import (
+    block_ldl_diagonal,
+    block_ldl_feedback,
+    ldlq,
+    trellis_block_quantizer,
+)
 
 
 def _correlated_hessian(n: int, seed: int) -> torch.Tensor:
@@ -41,3 +46,11 @@ def test_ldlq_with_trellis_tiles_beats_tilewise_viterbi():
     q_plain = torch.cat([quantize(w[i : i + 16])[0] for i in (0, 16)])
     assert [tuple(p.shape) for p in payloads] == [(1, 1, 32), (1, 1, 32)]
     assert proxy_error(h, w, q_ldlq) < proxy_error(h, w, q_plain)
+
+
+def test_block_ldl_diagonal_is_the_feedbacks_d_exactly():
+    # The sensitivity pass reads only D (its trace): the same bits without the solve.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 96, generator=gen, dtype=torch.float64)
+    h = x.T @ x + 0.1 * torch.eye(96, dtype=torch.float64)
+    assert torch.equal(block_ldl_diagonal(h), block_ldl_feedback(h)[1])

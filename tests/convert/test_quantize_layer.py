@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from exl3cli.convert.quantize_layer import QuantSettings, fisher_out_scales, quantize_group
+from exl3cli.convert.quantize_layer import (
+    QuantSettings,
+    fisher_out_scales,
+    quantize_group,
+    quantize_mixed,
+)
 
 
 def _relative_mse(out_features: int, in_features: int, seed: int) -> float:
@@ -71,3 +78,31 @@ def test_fisher_strength_goes_from_rms_to_the_optimum():
     full, half = fisher_out_scales(sigma, fisher), fisher_out_scales(sigma, fisher, 0.5)
     geo = (sigma * full).sqrt()
     assert torch.allclose(half, geo * sigma.mean() / geo.mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_mixed_bits_are_the_groups_of_each_k_alone(device):
+    # quantize_mixed runs the parts' LDLQ passes in lock step (one Viterbi call per
+    # block for all; on CUDA one launch of tile segments): each part must come out bit
+    # for bit as quantize_group of it alone (what quantize_mixed did before, one K after
+    # another), refit and Fisher included.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 192, generator=gen) @ torch.randn(192, 192, generator=gen)
+    h = (x.T @ x / 512).double().to(device)
+    names = ["q", "k", "v"]
+    weights = [(torch.randn(192, n, generator=gen) * 0.05).to(device) for n in (192, 64, 64)]
+    fisher = [(torch.rand(n, generator=gen) + 0.1).to(device) for n in (192, 64, 64)]
+    settings = QuantSettings(4, scale_search_tiles=4, fisher_strength=0.5, refit_rounds=2)
+    mixed = quantize_mixed(names, weights, [None, None, None], h, settings, [3, 4, 3], fisher)
+    expected = {}
+    for k, index in ((3, [0, 2]), (4, [1])):
+        alone = quantize_group([names[i] for i in index], [weights[i] for i in index],
+                               [None] * len(index), h, replace(settings, k_bits=k),
+                               [fisher[i] for i in index])
+        expected.update({q.name: q for q in alone})
+    assert [q.name for q in mixed] == names
+    for q in mixed:
+        e = expected[q.name]
+        assert q.tensors.keys() == e.tensors.keys()
+        assert all(torch.equal(q.tensors[t], e.tensors[t]) for t in q.tensors)
+        assert torch.equal(q.weight, e.weight) and q.proxy_error == e.proxy_error

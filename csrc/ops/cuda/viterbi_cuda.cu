@@ -17,6 +17,10 @@
 // The arg-min of every node at every step (which h) goes to a uint8 back-pointer
 // array in global memory (256 x 2^(16-K) bytes per block: K=4 1 MB), and one thread
 // walks it back. One 1024-thread block per tile, persistent over tiles.
+// Tiles come in up to kMaxSegments consecutive segments, each with its own bits per
+// step (the tensors of one LDLQ block quantized at different K in one launch); a
+// tile's search reads only its own segment's bits, so it returns the same states as
+// a launch of that segment alone.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -28,6 +32,7 @@ constexpr int kThreads = 1024;
 constexpr int kSteps = 256;
 constexpr int kStates = 65536;
 constexpr int kMaxNodesPerThread = 32768 / kThreads;  // K = 1
+constexpr int kMaxSegments = 4;
 
 struct Params {
   const float* targets;  // (n, 256) step order
@@ -37,7 +42,9 @@ struct Params {
   int64_t* states;       // (n, 256) out
   int n;
   int nodes_max;
-  unsigned char kbits[kSteps];
+  int segments;
+  int seg_end[kMaxSegments];  // tiles [seg_end[s-1], seg_end[s]) use kbits[s]
+  unsigned char kbits[kMaxSegments][kSteps];
 };
 
 template <bool kSharedLut>
@@ -94,11 +101,11 @@ __device__ int block_argmin(float v, int idx, float* red_v, int* red_i) {
 // first_kept; writes those states to out_states[walk position] when out_states is set.
 // Returns (to every thread) the state at walk position first_kept.
 template <bool kSharedLut>
-__device__ int search(const Params& p, const __half* lut_s, const float* tgt, float* m,
-                      uint8_t* back, int offset, int start_node, int first_kept,
-                      int64_t* out_states, float* red_v, int* red_i) {
+__device__ int search(const Params& p, const unsigned char* kbits, const __half* lut_s,
+                      const float* tgt, float* m, uint8_t* back, int offset, int start_node,
+                      int first_kept, int64_t* out_states, float* red_v, int* red_i) {
   const int tid = threadIdx.x;
-  const int k0 = p.kbits[offset & 255];
+  const int k0 = kbits[offset & 255];
   const int nodes0 = 1 << (16 - k0);
   for (int j = tid; j < nodes0; j += kThreads) {
     m[j] = (start_node < 0 || j == start_node) ? 0.0f : __int_as_float(0x7f800000);
@@ -106,7 +113,7 @@ __device__ int search(const Params& p, const __half* lut_s, const float* tgt, fl
   __syncthreads();
   for (int pos = 1; pos < kSteps; ++pos) {
     const int step = (pos + offset) & 255, prev = (pos - 1 + offset) & 255;
-    const int k = p.kbits[step], kp = p.kbits[prev];
+    const int k = kbits[step], kp = kbits[prev];
     const int nodes = 1 << (16 - k), heads = 1 << k, shift = 16 - k;
     const float m2t = __fmul_rn(-2.0f, tgt[prev]);
     const bool record = pos > first_kept;
@@ -144,7 +151,7 @@ __device__ int search(const Params& p, const __half* lut_s, const float* tgt, fl
   // Final state: the least cost over all states (free end) or over the states that
   // close the ring on start_node.
   const int last = (kSteps - 1 + offset) & 255;
-  const int k_last = p.kbits[last];
+  const int k_last = kbits[last];
   const float m2t_last = __fmul_rn(-2.0f, tgt[last]);
   float best = __int_as_float(0x7f800000);
   int best_state = 0x7fffffff;
@@ -175,7 +182,7 @@ __device__ int search(const Params& p, const __half* lut_s, const float* tgt, fl
   if (tid == 0) {
     if (out_states) out_states[kSteps - 1] = state;
     for (int pos = kSteps - 1; pos > first_kept; --pos) {
-      const int k = p.kbits[(pos + offset) & 255];
+      const int k = kbits[(pos + offset) & 255];
       const int node = state >> k;
       const int h = back[static_cast<size_t>(pos) * p.nodes_max + node];
       state = (h << (16 - k)) | node;
@@ -208,13 +215,16 @@ __global__ void __launch_bounds__(kThreads, 1) viterbi_kernel(const Params p) {
     __syncthreads();  // the previous tile is done with tgt
     for (int i = threadIdx.x; i < kSteps; i += kThreads) tgt[i] = p.targets[tile * kSteps + i];
     __syncthreads();
+    int seg = 0;
+    while (seg + 1 < p.segments && tile >= p.seg_end[seg]) ++seg;
+    const unsigned char* kbits = p.kbits[seg];
     // Pass 1: free ends on the ring rotated by half a tile; step 255 (walk position
     // 127) fixes the entry node.
-    const int s255 = search<kSharedLut>(p, lut_s, tgt, m, back, kSteps / 2, -1, kSteps / 2 - 1,
-                                        nullptr, red_v, red_i);
-    const int start_node = s255 & ((1 << (16 - p.kbits[0])) - 1);
+    const int s255 = search<kSharedLut>(p, kbits, lut_s, tgt, m, back, kSteps / 2, -1,
+                                        kSteps / 2 - 1, nullptr, red_v, red_i);
+    const int start_node = s255 & ((1 << (16 - kbits[0])) - 1);
     // Pass 2: the real ring, entered from that node and closed on it.
-    search<kSharedLut>(p, lut_s, tgt, m, back, 0, start_node, 0,
+    search<kSharedLut>(p, kbits, lut_s, tgt, m, back, 0, start_node, 0,
                        p.states + static_cast<size_t>(tile) * kSteps, red_v, red_i);
   }
 }
@@ -251,15 +261,20 @@ cudaError_t launch(const Params& p, int grid, cudaStream_t stream) {
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-// targets (N, 256) float32 CUDA, kbits (256,) int list, lut float32 + float16 (65536,)
-// on the same device -> states (N, 256) int64.
-torch::Tensor viterbi_states_cuda(torch::Tensor targets, std::vector<int64_t> kbits,
+// targets (N, 256) float32 CUDA, kbits: per segment 256 ints (bits per step), counts:
+// tiles per segment (summing to N), lut float32 + float16 (65536,) on the same device
+// -> states (N, 256) int64.
+torch::Tensor viterbi_states_cuda(torch::Tensor targets,
+                                  std::vector<std::vector<int64_t>> kbits,
+                                  std::vector<int64_t> counts,
                                   torch::Tensor lut, torch::Tensor lut_h) {
   using namespace exl3_viterbi;
   TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kFloat32 &&
                   targets.dim() == 2 && targets.size(1) == kSteps,
               "targets must be a CUDA float32 tensor (N, 256)");
-  TORCH_CHECK(static_cast<int>(kbits.size()) == kSteps, "kbits must have 256 entries");
+  TORCH_CHECK(!kbits.empty() && static_cast<int>(kbits.size()) <= kMaxSegments &&
+                  kbits.size() == counts.size(),
+              "kbits and counts: one entry per segment, 1..", kMaxSegments, " segments");
   TORCH_CHECK(lut.is_cuda() && lut.scalar_type() == torch::kFloat32 && lut.numel() == kStates &&
                   lut.device() == targets.device(), "lut must be float32 (65536,) on targets' device");
   TORCH_CHECK(lut_h.is_cuda() && lut_h.scalar_type() == torch::kHalf &&
@@ -276,11 +291,20 @@ torch::Tensor viterbi_states_cuda(torch::Tensor targets, std::vector<int64_t> kb
 
   Params p{};
   int kmin = 8;
-  for (int i = 0; i < kSteps; ++i) {
-    TORCH_CHECK(kbits[i] >= 1 && kbits[i] <= 8, "bits per step must be 1..8");
-    p.kbits[i] = static_cast<unsigned char>(kbits[i]);
-    kmin = kbits[i] < kmin ? static_cast<int>(kbits[i]) : kmin;
+  int64_t end = 0;
+  p.segments = static_cast<int>(kbits.size());
+  for (int s = 0; s < p.segments; ++s) {
+    TORCH_CHECK(static_cast<int>(kbits[s].size()) == kSteps, "kbits must have 256 entries");
+    TORCH_CHECK(counts[s] >= 0, "segment tile counts must be >= 0");
+    end += counts[s];
+    p.seg_end[s] = static_cast<int>(end);
+    for (int i = 0; i < kSteps; ++i) {
+      TORCH_CHECK(kbits[s][i] >= 1 && kbits[s][i] <= 8, "bits per step must be 1..8");
+      p.kbits[s][i] = static_cast<unsigned char>(kbits[s][i]);
+      kmin = kbits[s][i] < kmin ? static_cast<int>(kbits[s][i]) : kmin;
+    }
   }
+  TORCH_CHECK(end == targets.size(0), "segment tile counts must sum to the tiles given");
   p.nodes_max = 1 << (16 - kmin);
   int sms = 0;
   TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
