@@ -18,7 +18,8 @@
 "" or "0": none (the path of runs 10-28). Any other name: ValueError at import.
 
 Public API:
-- ``FOLDS`` (frozenset of the names on), ``fold_names(text) -> frozenset``.
+- ``active_folds()`` (the names on; ``FOLDS`` overrides the environment), ``fold_names(text)
+  -> frozenset``.
 - ``KvStore(keys, values, slots, ranges)``; ``kv_ranges(widths, heads, kv_heads, dim)
   -> list[int] | None``: per part (k_lo, k_hi, v_lo, v_hi), the part's columns holding
   the keys / values (each from the pool row's first column), or None where a range would
@@ -67,7 +68,13 @@ def fold_names(text: str) -> frozenset[str]:
     return names
 
 
-FOLDS = fold_names(os.environ.get("EXL3_LAYER_FOLD", ""))
+FOLDS: frozenset[str] | None = None  # set (tests, benchmarks) to override EXL3_LAYER_FOLD
+
+
+def active_folds() -> frozenset[str]:
+    """The folds on: ``FOLDS`` when set, else ``EXL3_LAYER_FOLD`` read now (a bad value is
+    a ValueError where a layer is built, not when this module is imported)."""
+    return FOLDS if FOLDS is not None else fold_names(os.environ.get("EXL3_LAYER_FOLD", ""))
 
 
 class KvStore(NamedTuple):

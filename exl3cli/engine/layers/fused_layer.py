@@ -213,11 +213,12 @@ class FusedDecodeLayer:
         plain = (attention.softcap is None and attention.sinks is None
                  and attention._query_factor is None and attention.qk_norm is None
                  and (self.fused_rope or not attention.rope))
+        folds = layer_fold.active_folds()
         self.kv_ranges = (layer_fold.kv_ranges(qkv.widths, heads, kv_heads, dim)
-                          if "kv" in layer_fold.FOLDS and plain else None)
-        self.fold_combine = ("combine" in layer_fold.FOLDS and plain and self.o_lora is None
+                          if "kv" in folds and plain else None)
+        self.fold_combine = ("combine" in folds and plain and self.o_lora is None
                              and dim in (64, 128, 256))
-        self.fold_norm = ("norm" in layer_fold.FOLDS and self.o_lora is None
+        self.fold_norm = ("norm" in folds and self.o_lora is None
                           and self.gate_up_lora is None and self.moe is None)
         self.counters = layer_fold.out_norm_counters(self.device) if self.fold_norm else None
         # The next layer's plan, linked at run time (forward: the "norm" fold across layers).
