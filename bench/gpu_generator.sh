@@ -15,6 +15,7 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-gen-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+. bench/peer_install.sh
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
@@ -37,10 +38,8 @@ for spec in "8b llama3-8b $M8" "1b llama3.2-1b $M1"; do
   [ -f "$2/config.json" ] || python3 bench/synthetic_model.py "$1" -b 4.0 --head-bits 6 \
     --out "$2" >"$OUT/synthetic-$1.log" 2>&1 &
 done
-if ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
-  ( python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
-    && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so && echo "peer install ok" ) \
-    >"$OUT/peer-install.log" 2>&1 &
+if peer_wheels; then
+  peer_install >"$OUT/peer-install.log" 2>&1 &
 fi
 python3 -c "
 import time; t = time.time()

@@ -20,6 +20,7 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-moe-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+. bench/peer_install.sh
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
@@ -47,10 +48,8 @@ if [ "$DRY" != 1 ]; then
     --format=csv,noheader | tee "$OUT/env.txt"
   df -h /tmp | tail -1 | tee -a "$OUT/env.txt"
   . bench/device_install.sh >"$OUT/install.log" 2>&1
-  if ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
-    ( python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
-      && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so && echo "peer install ok" ) \
-      >"$OUT/peer-install.log" 2>&1 &
+  if peer_wheels; then
+    peer_install >"$OUT/peer-install.log" 2>&1 &
   fi
   # The kernels build while the folders are written (random words on the GPU, shards
   # written by threads); the folders are written one after the other (disk bandwidth).

@@ -12,6 +12,7 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-prefill-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+. bench/peer_install.sh
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kernel-cache}
@@ -25,10 +26,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 . bench/device_install.sh >"$OUT/install.log" 2>&1
 [ -f "$M8/config.json" ] || python3 bench/synthetic_model.py llama3-8b -b 4.0 --head-bits 6 \
   --out "$M8" >"$OUT/synthetic-8b.log" 2>&1 &
-if ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
-  ( python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
-    && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so && echo "peer install ok" ) \
-    >"$OUT/peer-install.log" 2>&1 &
+if peer_wheels; then
+  peer_install >"$OUT/peer-install.log" 2>&1 &
 fi
 python3 -c "
 import time; t = time.time()

@@ -39,6 +39,7 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-quant-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+. bench/peer_install.sh
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { echo $(( T0 + ${BUDGET:-510} - $(date +%s) )); }
@@ -60,9 +61,8 @@ slot=0 specs=()
 next_gpu() { echo $(( slot % NGPU )); }
 pids=()
 # The peer first (its conversions are the longest): install, pad, convert in parallel.
-if [ -n "$PEER_BITS" ] && ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
-    && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so || echo "FAIL: peer install"
+if [ -n "$PEER_BITS" ] && peer_wheels; then
+  peer_install >/dev/null || echo "FAIL: peer install"
   [ -f "$REAL/smollm2-pad640/config.json" ] || python3 bench/real_models/pad_hidden.py \
     "$SRC" "$REAL/smollm2-pad640" --hidden 640 >/dev/null
   (

@@ -20,6 +20,7 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-quality-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+. bench/peer_install.sh
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 STASH=${STASH:-/tmp/real-stash} REAL=${REAL:-/tmp/real}
@@ -29,9 +30,8 @@ export PYTHONUNBUFFERED=1 EXL3_KERNEL_CACHE=${EXL3_KERNEL_CACHE:-/tmp/exl3-kerne
 . bench/real_models/smollm2_source.sh
 
 # The peer: install (no compile: its prebuilt extension) and the padded copy.
-if [ -n "$PEER_BITS" ] && ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
-    && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so || echo "FAIL: peer install"
+if [ -n "$PEER_BITS" ] && peer_wheels; then
+  peer_install >/dev/null || echo "FAIL: peer install"
   [ -f "$REAL/smollm2-pad640/config.json" ] || python3 bench/real_models/pad_hidden.py \
     "$SRC" "$REAL/smollm2-pad640" --hidden 640
 elif [ -n "$PEER_BITS" ]; then

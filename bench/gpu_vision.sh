@@ -23,6 +23,7 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-vision-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+. bench/peer_install.sh
 REPO=$PWD
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/status.txt"; }
@@ -50,10 +51,8 @@ if [ ! -f "$M/config.json" ]; then
     >"$OUT/synthetic.log" 2>&1 &
   WRITER=$!
 fi
-if [ -z "$DRY" ] && has peer && ls .whl/exllamav3-*.whl >/dev/null 2>&1; then
-  ( python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl/*.whl \
-    && xz -dc .whl/*.so.xz >/tmp/peer/exllamav3_ext.so && echo "peer install ok" ) \
-    >"$OUT/peer-install.log" 2>&1 &
+if [ -z "$DRY" ] && has peer && peer_wheels; then
+  peer_install >"$OUT/peer-install.log" 2>&1 &
 fi
 if [ -z "$DRY" ]; then
   python3 -c "
