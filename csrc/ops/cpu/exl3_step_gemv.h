@@ -192,6 +192,19 @@ inline __m512i step_states(const int16_t* tile, __m512i head, __m512i tail,
 #endif
 }
 
+// A tile's ring ends for step_states: its first and last 32 words (WIDE), or its only
+// words16 <= 32 words, masked by `narrow`, as both.
+template <bool WIDE>
+inline void ring_ends(const int16_t* tile, const StepOrderTable& t, __mmask32 narrow,
+                      __m512i& head, __m512i& tail) {
+  if constexpr (WIDE) {
+    head = _mm512_loadu_si512(tile);
+    tail = _mm512_loadu_si512(tile + t.words16 - 32);
+  } else {
+    head = tail = _mm512_maskz_loadu_epi16(narrow, tile);
+  }
+}
+
 // Software prefetch of the trellis this far ahead of the tile being decoded (bytes; read
 // from EXL3_CPU_PREFETCH once for A/B runs, 0 = off). The strips of a thread's range are
 // contiguous, so prefetching past a strip's end fetches the next one.
@@ -235,12 +248,7 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
       x1[m] = _mm512_loadu_ps(xs + (m * kb + i) * 32 + 16);
     }
     __m512i head, tail;
-    if constexpr (WIDE) {
-      head = _mm512_loadu_si512(tile);
-      tail = _mm512_loadu_si512(tile + t.words16 - 32);
-    } else {
-      head = tail = _mm512_maskz_loadu_epi16(narrow, tile);
-    }
+    ring_ends<WIDE>(tile, t, narrow, head, tail);
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
       const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
@@ -328,12 +336,7 @@ void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_
       __m512i xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_si512(xq + (m * kb + i) * 32);
       __m512i head, tail;
-      if constexpr (WIDE) {
-        head = _mm512_loadu_si512(tile);
-        tail = _mm512_loadu_si512(tile + t.words16 - 32);
-      } else {
-        head = tail = _mm512_maskz_loadu_epi16(narrow, tile);
-      }
+      ring_ends<WIDE>(tile, t, narrow, head, tail);
 #pragma GCC unroll 8
       for (int v = 0; v < 8; ++v) {
         const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
