@@ -64,7 +64,6 @@ class DraftBackoff:
     probe_overhead: float = PROBE_OVERHEAD
     max_cost_pause: int = MAX_COST_PAUSE
     rate: float = 1.0  # running acceptance; optimistic start so the first drafts run
-    gain: float | None = None  # running tokens per plain-step time of drafting passes
     cost_emitted: float = 0.0  # decayed tokens of the passes judged since the last verdict
     cost_steps: float = 0.0  # their decayed wall time, in plain steps
     cost_passes: int = 0  # passes judged since the last verdict
@@ -107,7 +106,6 @@ class DraftBackoff:
         self.cost_emitted = COST_DECAY * self.cost_emitted + emitted
         self.cost_steps = COST_DECAY * self.cost_steps + steps
         self.cost_passes += 1
-        self.gain = self.cost_emitted / self.cost_steps
         if self.gain >= self.min_gain:
             if self.rate >= self.min_rate:
                 self.pause = 0
@@ -123,8 +121,13 @@ class DraftBackoff:
         self.cost_pauses += 1
         self._reset_cost()  # the probe is judged on its own
 
+    @property
+    def gain(self) -> float | None:
+        """The running tokens per plain-step time of the passes judged since the last
+        verdict (None before the first)."""
+        return self.cost_emitted / self.cost_steps if self.cost_steps > 0 else None
+
     def _reset_cost(self) -> None:
-        self.gain = None
         self.cost_emitted = self.cost_steps = 0.0
         self.cost_passes = 0
 
