@@ -6,7 +6,7 @@
 # and print the table last.
 #
 # Usage (repo root): bash bench/gpu_moe.sh        carry: [".whl"] (the peer's wheels, its
-# prebuilt extension *.so.xz and peer_exllamav3_jobs.py; shared/tools/README.md).
+# prebuilt extension *.so.xz; the peer runs through bench/peer_jobs.py).
 # SHAPES="qwen3 mixtral" picks the models (one per call if both do not fit in 10 min),
 # STAGES="tests ours peer" the stages (and "profile": one job's decode step under
 # torch.profiler per variant), JOBS=1,16,64 the job counts, KV=fp16 our caches.
@@ -124,7 +124,7 @@ if [[ " $STAGES " == *" peer "* ]] && grep -q "peer install ok" "$OUT/peer-insta
   PEER_JOBS=$(echo "$JOBS" | sed 's/\([0-9]*\)/\1,\1,\1/g')
   for s in $SHAPES; do
     (cd /tmp && PYTHONPATH=/tmp/peer timeout ${PEER_TIMEOUT:-200} python3 \
-      "$OLDPWD/.whl/peer_exllamav3_jobs.py" "$(folder "$s")" "$PEER_JOBS" 128 64) \
+      "$OLDPWD/bench/peer_jobs.py" "$(folder "$s")" "$PEER_JOBS" 128 64) \
       >"$OUT/peer-$s-kv16.log" 2>&1 || { echo "FAIL: peer $s"; tail -5 "$OUT/peer-$s-kv16.log"; }
     stamp "peer $s done"
   done

@@ -310,13 +310,14 @@ PREFILL_MODES = ("old", "fp32", "fused", "half")
 
 def prefill_mode() -> str:
     """``EXL3_PREFILL``: how linears of more than ``FUSED_MAX_ROWS`` rows (prompts) run,
-    read at each call so one process can A/B them (bench/prefill_bench.py). "old"
-    (default until measured): decode + float16 cuBLAS, svh's largest value folded into Ŵ
-    by an extra pass; "fp32": ``dense_sums`` (no fold); "fused": that, and the fused layer
-    kernels around it (engine/layers/fused_layer.py) instead of one op per norm, rotary,
-    activation and residual; "half": "fused" with float16 sums (``dense_sums`` with a
+    read at each call so one process can A/B them (bench/prefill_bench.py). "old":
+    decode + float16 cuBLAS, svh's largest value folded into Ŵ by an extra pass; "fp32":
+    ``dense_sums`` (no fold); "fused" (the default: 1.05x the peer at 2,048 tokens on the
+    8B shape, bench/NOTES-gpu.md run 37): that, and the fused layer kernels around it
+    (engine/layers/fused_layer.py) instead of one op per norm, rotary, activation and
+    residual; "half": "fused" with float16 sums (``dense_sums`` with a
     scale: max|svh| folded into Ŵ by the decode kernel itself), half the sums' traffic."""
-    mode = os.environ.get("EXL3_PREFILL", "") or "old"
+    mode = os.environ.get("EXL3_PREFILL", "") or "fused"
     if mode not in PREFILL_MODES:
         raise ValueError(f"EXL3_PREFILL must be one of {', '.join(PREFILL_MODES)}, got {mode!r}")
     return mode

@@ -19,7 +19,7 @@ CASES = [((512, 384), (4, "mul1")), ((1000, 700), (3, "mcg")), ((256, 1024), (2.
 
 def test_prefill_mode_default_and_bad_value(monkeypatch):
     monkeypatch.delenv("EXL3_PREFILL", raising=False)
-    assert kernels.prefill_mode() == "old"
+    assert kernels.prefill_mode() == "fused"
     for mode in kernels.PREFILL_MODES:
         monkeypatch.setenv("EXL3_PREFILL", mode)
         assert kernels.prefill_mode() == mode

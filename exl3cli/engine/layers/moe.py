@@ -22,11 +22,12 @@ Public API:
   which cost ~1.5 s per 128-token prompt on a Qwen3-30B-A3B shape (bench/NOTES-gpu.md,
   session 7). ``EXL3_MOE_PREFILL=grouped`` keeps long calls on the grouped dispatch.
 - ``MoEMLP.decode_block(h, norm, norm_weight) -> h + self(norm(h))``: the fused decode
-  layer's MoE half. With ``EXL3_MOE_DECODE=new`` (opt-in until its first GPU run) and a
+  layer's MoE half. With ``EXL3_MOE_DECODE=new`` (the default since run 35: 1.09x "old" at one job on the
+  Qwen3-30B-A3B shape, 1.06x on Mixtral-8x7B) and a
   plain softmax router with a dense weight on the kernels, the norm, router, top-k and plan are one launch and
   the residual is added by the last kernel (``exl3cli/ops/moe_block.py``; six launches
   in all; ``EXL3_MOE_DECODE=combine``: five, the down GEMM summing the experts itself);
-  ``EXL3_MOE_DECODE=old`` (the default) runs the norm module, the router's linear and
+  ``EXL3_MOE_DECODE=old`` runs the norm module, the router's linear and
   ``forward`` (bench/NOTES-gpu.md, "MoE one-job (issue 14, session 8)").
 - ``build_moe_mlp(config, moe, i, tensor, linear, activation) -> MoEMLP``: layer `i`'s
   block as a family's MoESpec describes it (the loader and the converter use it).
@@ -281,11 +282,10 @@ MOE_DECODE_VARIANTS = ("new", "combine", "old")
 
 def _decode_variant() -> str:
     """EXL3_MOE_DECODE: "new" (moe_block's fused norm-route and residual), "combine"
-    (new + the down GEMM doing moe_out's sum) or "old" (default: the norm module, the
-    router's linear and the MoE kernels after them)."""
-    # "old" by default until new/combine have passed their cuda tests on a GPU (run 30
-    # ended before them); "old" is the path runs 21-23 measured.
-    choice = os.environ.get("EXL3_MOE_DECODE", "old") or "old"
+    (new + the down GEMM doing moe_out's sum) or "old" (the norm module, the router's
+    linear and the MoE kernels after them). "new" by default: its cuda tests passed on
+    the H200 and it was the fastest at one job (bench/NOTES-gpu.md runs 35-36)."""
+    choice = os.environ.get("EXL3_MOE_DECODE", "new") or "new"
     if choice not in MOE_DECODE_VARIANTS:
         raise ValueError(f"EXL3_MOE_DECODE={choice!r}: use 'new', 'combine' or 'old'")
     return choice
