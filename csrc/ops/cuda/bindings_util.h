@@ -16,9 +16,9 @@ namespace exl3_bind {
 // and std::to_string, then handed to TORCH_CHECK as one plain string. TORCH_CHECK with
 // several pieces formats them with c10::str (an ostringstream in this library) and
 // throws through torchCheckFail's std::string overload: on the H200 (runs 26, 30 and the
-// issue-16 run) every refusal of that kind ended the process with SIGSEGV, while every
-// refusal with a single literal reached Python (test_gemm_lora.py's refusal probes
-// tell the two paths apart on a device).
+// issue-16 run) the refusals of that kind seen ended the process with SIGSEGV, while
+// those with a single literal reached Python (refusal_probe, bench/diag/refusal_paths.py,
+// tells the two paths apart on a device).
 namespace detail {
 inline void append(std::string& s, const char* v) { s += v; }
 inline void append(std::string& s, const std::string& v) { s += v; }
