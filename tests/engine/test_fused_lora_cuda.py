@@ -136,30 +136,60 @@ def test_adapted_decode_graph_step_matches_the_unfused_step(folder, monkeypatch)
         assert (change > 0.1) == (adapter is not None), (row, change)
 
 
+def _joining_tokens(model, tokenizer, mode: str, adapters: list[str | None],
+                    first: int = 3, steps: int = 4) -> tuple[list[list[int]], Generator]:
+    """Greedy tokens of jobs of `adapters`: `first` submitted, `steps` steps, then the
+    rest join (they take the rows of the captured buckets' padding, then replace jobs
+    that finish)."""
+    generator = Generator(model, tokenizer, decode_mode=mode, num_ctx=1024, max_batch=4)
+    jobs = _jobs(adapters, num_predict=12)
+    handles = [generator.submit(job) for job in jobs[:first]]
+    for _ in range(steps):
+        generator.step()
+    handles += [generator.submit(job) for job in jobs[first:]]
+    generator.run_until_done()
+    assert generator.decode.mode == mode
+    return [h.token_ids for h in handles], generator
+
+
 def test_adapted_decode_graphs_give_the_eager_tokens_in_float32(folder):
     # Jobs of different adapters join and leave between replays of the same graphs: the
-    # graphs read the rows' slots of each step, never the capture's.
+    # graphs read the rows' slots of each step, never the capture's. The reference is
+    # the same fixed-shape step run eagerly ("static"): the same kernels on the same
+    # rows at every step, so float32 tokens must be equal. ("off" is no reference for
+    # tokens: with a step launched ahead, a job that joins is admitted one step later
+    # than in "off", so the same tokens of the other jobs go through different kernels
+    # (the unfused prompt path vs the fused layer's float16 Hadamard inputs): logits
+    # ~1e-3 apart, more than the top-2 gap of some greedy tokens. Runs 21-31 failed on
+    # that near-tie, job 1 token 6, ever since the synthetic weights were drawn on the GPU.)
     model, _ = _adapted(folder, torch.float32)
     tokenizer = Tokenizer.from_folder(folder)
     names = ["a", None, "b", "a", "b", None]
-
-    def tokens(mode: str, adapters: list[str | None]) -> list[list[int]]:
-        generator = Generator(model, tokenizer, decode_mode=mode, num_ctx=1024, max_batch=4)
-        jobs = _jobs(adapters, num_predict=12)
-        handles = [generator.submit(job) for job in jobs[:3]]
-        for _ in range(4):
-            generator.step()
-        handles += [generator.submit(job) for job in jobs[3:]]
-        generator.run_until_done()
-        assert generator.decode.mode == mode
-        return [h.token_ids for h in handles]
-
-    got = tokens("graph", names)
+    got, generator = _joining_tokens(model, tokenizer, "graph", names)
     assert _fused_with_adapters(model)
-    assert got == tokens("off", names)
-    bare = tokens("graph", [None] * len(names))
+    assert generator.decode.graph_count >= 1
+    want, _ = _joining_tokens(model, tokenizer, "static", names)
+    assert got == want
+    bare, _ = _joining_tokens(model, tokenizer, "graph", [None] * len(names))
     for mine, base, adapter in zip(got, bare, names, strict=True):
         assert (mine != base) == (adapter is not None)  # bare rows: the base model's tokens
+
+
+def test_a_joining_job_takes_a_captured_padding_row_with_its_own_adapter(folder):
+    # The (4 rows, 1 page) graph is captured while 3 jobs run (row 3: padding, slot 0);
+    # a fourth job with adapter "b" then fills row 3 of that same graph (no bucket is
+    # captured twice). If the graph kept the capture's slots, its tokens would be the
+    # base model's; the other rows' tokens do not depend on row 3's adapter.
+    model, _ = _adapted(folder, torch.float32)
+    tokenizer = Tokenizer.from_folder(folder)
+    names = ["a", None, "a", "b"]
+    got, generator = _joining_tokens(model, tokenizer, "graph", names)
+    assert (4, 1) in generator.decode._graphs
+    assert generator.decode.captures == generator.decode.graph_count
+    want, _ = _joining_tokens(model, tokenizer, "static", names)
+    assert got == want
+    bare, _ = _joining_tokens(model, tokenizer, "static", ["a", None, "a", None])
+    assert got[3] != bare[3] and got[:3] == bare[:3]
 
 
 class _CountingExt:

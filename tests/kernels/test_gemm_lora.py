@@ -266,19 +266,37 @@ def test_shapes_the_kernel_does_not_take_are_refused_and_fall_back():
         got = layer_kernels.gemm_parts_low(xhs, trellises, 8, "mul1", 1, xi, ai)[1]
         torch.testing.assert_close(got.float(), (xi.to(ai.dtype) @ ai.t()).float(),
                                    rtol=4e-3, atol=4e-3)
-    # The binding's own refusals, in a child process: run 30 on the H200 died of a
-    # segfault here (the whole pytest process with it), so a crash must fail this test
-    # with its signal, not end the run.
-    assert_refused_in_child(_BINDING_REFUSALS)
+
+
+# The binding's own refusals, each case in its own child process: run 30 and the issue-16
+# run on the H200 died of a segfault here (the whole pytest process with it, then the
+# child of all cases at its second case), so a crash fails its case with its signal.
+_REFUSAL_CASES = ("float32", "rank 129", "K not whole loads", "x not 16-byte aligned", "rows")
+
+
+@cuda
+@pytest.mark.parametrize("case", _REFUSAL_CASES)
+def test_the_binding_refuses_each_shape_the_kernel_does_not_take(case):
+    _require_kernels()
+    assert_refused_in_child(_BINDING_REFUSAL, case)
 
 
 @cuda
 def test_a_refusal_by_the_extension_raises_in_python():
-    # Whether any TORCH_CHECK of the CUDA extension reaches Python as a RuntimeError
-    # (the bare GEMM's partial-shape check): if this fails too, run 30's segfault is in
-    # how the extension raises, not in gemm_parts_low's checks.
+    # Whether a TORCH_CHECK of the CUDA extension with one literal (the bare GEMM's
+    # partial-shape check) reaches Python as a RuntimeError.
     _require_kernels()
     assert_refused_in_child(_GEMM_REFUSAL)
+
+
+@cuda
+@pytest.mark.parametrize("kind", [0, 2])
+def test_both_ways_the_bindings_refuse_reach_python(kind):
+    # refusal_probe: 0 TORCH_CHECK with one literal, 2 EXL3_CHECK with formatted pieces
+    # (what every binding refusal is now). Kind 1, TORCH_CHECK with formatted pieces,
+    # is bench/diag/refusal_paths.py's (it crashed the process on the H200).
+    _require_kernels()
+    assert_refused_in_child(_PROBE, str(kind))
 
 
 _GEMM_REFUSAL = """
@@ -296,7 +314,22 @@ else:
 """
 
 
-_BINDING_REFUSALS = """
+_PROBE = """
+import sys
+from exl3cli.ops import cuda_kernels
+ext = cuda_kernels._extension()
+try:
+    ext.refusal_probe(int(sys.argv[1]))
+except RuntimeError as error:
+    want = "a literal" if sys.argv[1] == "0" else "rank 129 outside 1..128"
+    assert want in str(error), str(error)
+else:
+    raise SystemExit("refusal_probe did not raise")
+"""
+
+
+_BINDING_REFUSAL = """
+import sys
 import torch
 from exl3cli.ops import cuda_kernels
 ext = cuda_kernels._extension()
@@ -308,28 +341,31 @@ x = torch.randn(3, 512, generator=gen).half().cuda()
 a = torch.randn(16, 512, generator=gen).half().cuda()
 shifted = torch.zeros(3, 520, dtype=torch.float16, device="cuda")
 shifted[:, 1:513] = x
-cases = {"float32": (x.float(), a.float(), 3), "rank 129": (x, torch.randn(129, 512).half().cuda(), 3),
-         "K not whole loads": (x[:, :100], a[:, :100], 3),
-         "x not 16-byte aligned": (shifted[:, 1:513], a, 3), "rows": (x[:2], a, 2)}
-for name, (xi, ai, rows) in cases.items():
-    low = torch.empty(rows, ai.shape[0], dtype=ai.dtype, device="cuda")
-    partials = [torch.empty(1, 3, 16 * t.shape[1], device="cuda") for t in trellises]
-    try:
-        ext.gemm_parts_low(xhs, trellises, 8, 2, partials, xi, ai, low)
-    except RuntimeError as error:
-        assert "gemm_parts_low" in str(error), (name, str(error))
-        print("refused", name, flush=True)
-    else:
-        raise SystemExit(f"{name}: accepted")
+cases = {"float32": (x.float(), a.float(), 3, "float16 or bfloat16"),
+         "rank 129": (x, torch.randn(129, 512).half().cuda(), 3, "rank 129 outside 1..128"),
+         "K not whole loads": (x[:, :100], a[:, :100], 3, "multiples of 8"),
+         "x not 16-byte aligned": (shifted[:, 1:513], a, 3, "16-byte aligned"),
+         "rows": (x[:2], a, 2, "x has 2 rows, the parts 3")}
+xi, ai, rows, message = cases[sys.argv[1]]
+low = torch.empty(rows, ai.shape[0], dtype=ai.dtype, device="cuda")
+partials = [torch.empty(1, 3, 16 * t.shape[1], device="cuda") for t in trellises]
+try:
+    ext.gemm_parts_low(xhs, trellises, 8, 2, partials, xi, ai, low)
+except RuntimeError as error:
+    assert "gemm_parts_low" in str(error) and message in str(error), str(error)
+else:
+    raise SystemExit("accepted")
 """
 
 
-def assert_refused_in_child(code: str) -> None:
-    """Run `code` in a child Python; it must exit 0 (a crash fails with its signal)."""
+def assert_refused_in_child(code: str, *args: str) -> None:
+    """Run `code` in a child Python (faulthandler on: a crash prints where); it must exit
+    0 (a crash fails with its signal and the child's output)."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, *args],
+                          capture_output=True, text=True, timeout=300)
     tail = (done.stdout + done.stderr)[-1500:]
-    assert done.returncode == 0, f"child exited {done.returncode} (negative: a signal)\n{tail}"
+    assert done.returncode == 0, (f"child {args} exited {done.returncode} "
+                                  f"(negative: a signal)\n{tail}")

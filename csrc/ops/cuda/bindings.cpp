@@ -15,12 +15,12 @@ using namespace exl3_bind;
 
 void check_trellis(const at::Tensor& trellis, int k2) {
   check_cuda(trellis, "trellis");
-  TORCH_CHECK(trellis.scalar_type() == at::kShort && trellis.dim() == 3,
+  EXL3_CHECK(trellis.scalar_type() == at::kShort && trellis.dim() == 3,
               "trellis must be int16 (kb, nb, words)");
-  TORCH_CHECK(trellis.is_contiguous(), "trellis must be contiguous");
-  TORCH_CHECK(trellis.size(2) == 8 * k2, "trellis has ", trellis.size(2), " words, k2=", k2,
+  EXL3_CHECK(trellis.is_contiguous(), "trellis must be contiguous");
+  EXL3_CHECK(trellis.size(2) == 8 * k2, "trellis has ", trellis.size(2), " words, k2=", k2,
               " needs ", 8 * k2);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(trellis.data_ptr()) % 16 == 0,
+  EXL3_CHECK(reinterpret_cast<uintptr_t>(trellis.data_ptr()) % 16 == 0,
               "trellis must be 16-byte aligned");
 }
 
@@ -28,7 +28,7 @@ void decode(const at::Tensor& trellis, int64_t k2, int64_t cb, at::Tensor& out) 
   check_trellis(trellis, (int)k2);
   const int kb = (int)trellis.size(0), nb = (int)trellis.size(1);
   check_cuda(out, "out");
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
+  EXL3_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == 16 * kb && out.size(1) == 16 * nb,
               "out must be contiguous float16 (16*kb, 16*nb)");
   const c10::cuda::CUDAGuard guard(trellis.device());
@@ -45,10 +45,10 @@ void decode_scaled(const at::Tensor& trellis, int64_t k2, int64_t cb, at::Tensor
   const int kb = (int)trellis.size(0), nb = (int)trellis.size(1);
   check_cuda(out, "out");
   check_cuda(scale, "scale");
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
+  EXL3_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == 16 * kb && out.size(1) == 16 * nb,
               "out must be contiguous float16 (16*kb, 16*nb)");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == 1 &&
+  EXL3_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == 1 &&
                   scale.device() == trellis.device(), "scale must be one float16 beside the trellis");
   const c10::cuda::CUDAGuard guard(trellis.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -63,7 +63,7 @@ void run_gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Te
                     int64_t k2, int64_t cb, const std::vector<at::Tensor>& partials,
                     const exl3::GemmLora& lora) {
   const size_t n = xhs.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && trellises.size() == n &&
+  EXL3_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && trellises.size() == n &&
                   partials.size() == n, "1..", exl3::kMaxParts, " parts, one xh, trellis and partial each");
   exl3::GemmParts parts{};
   parts.count = (int)n;
@@ -82,19 +82,19 @@ void run_gemm_parts(const std::vector<at::Tensor>& xhs, const std::vector<at::Te
       splits = (int)partial.size(0);
     }
     const int nb = (int)trellis.size(1);
-    TORCH_CHECK(trellis.size(0) == kb, "parts must share the input size (kb)");
-    TORCH_CHECK(xh.scalar_type() == at::kHalf && xh.is_contiguous() && xh.dim() == 2 &&
+    EXL3_CHECK(trellis.size(0) == kb, "parts must share the input size (kb)");
+    EXL3_CHECK(xh.scalar_type() == at::kHalf && xh.is_contiguous() && xh.dim() == 2 &&
                     xh.size(0) == rows && xh.size(1) == 16 * kb,
                 "xh must be contiguous float16 (rows, 16*kb)");
-    TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+    EXL3_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
                     partial.dim() == 3 && partial.size(0) == splits && partial.size(1) == rows &&
                     partial.size(2) == 16 * nb,
                 "partial must be contiguous float32 (splits, rows, 16*nb)");
     parts.part[p] = exl3::GemmPart{xh.data_ptr(), trellis.data_ptr(),
                                    partial.data_ptr<float>(), nb};
   }
-  TORCH_CHECK(rows >= 1 && rows <= 64, "fused GEMM takes 1..64 rows, got ", rows);
-  TORCH_CHECK(splits >= 1 && splits <= kb, "splits must be in 1..kb");
+  EXL3_CHECK(rows >= 1 && rows <= 64, "fused GEMM takes 1..64 rows, got ", rows);
+  EXL3_CHECK(splits >= 1 && splits <= kb, "splits must be in 1..kb");
   const c10::cuda::CUDAGuard guard(xhs[0].device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   bool ok = false;
@@ -117,32 +117,43 @@ void gemm_parts_low(const std::vector<at::Tensor>& xhs, const std::vector<at::Te
                     int64_t k2, int64_t cb, const std::vector<at::Tensor>& partials,
                     const at::Tensor& x, const at::Tensor& a, const at::Tensor& low) {
   for (const auto* t : {&x, &a, &low}) check_cuda(*t, "gemm_parts_low: x, a and low");
-  TORCH_CHECK(!xhs.empty(), "gemm_parts_low: at least one part");
-  TORCH_CHECK(x.device() == xhs[0].device() && a.device() == x.device() &&
+  EXL3_CHECK(!xhs.empty(), "gemm_parts_low: at least one part");
+  EXL3_CHECK(x.device() == xhs[0].device() && a.device() == x.device() &&
                   low.device() == x.device(), "gemm_parts_low: x, a, low on the parts' device");
-  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+  EXL3_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "gemm_parts_low: x must be float16 or bfloat16");
-  TORCH_CHECK(a.scalar_type() == x.scalar_type() && low.scalar_type() == x.scalar_type(),
+  EXL3_CHECK(a.scalar_type() == x.scalar_type() && low.scalar_type() == x.scalar_type(),
               "gemm_parts_low: x, a and low in one dtype");
-  TORCH_CHECK(x.dim() == 2 && a.dim() == 2 && low.dim() == 2, "gemm_parts_low: 2-D x, a, low");
+  EXL3_CHECK(x.dim() == 2 && a.dim() == 2 && low.dim() == 2, "gemm_parts_low: 2-D x, a, low");
   const int64_t rows = x.size(0), k_dim = x.size(1), rank = a.size(0);
-  TORCH_CHECK(rows == xhs[0].size(0), "gemm_parts_low: x has ", rows, " rows, the parts ",
+  EXL3_CHECK(rows == xhs[0].size(0), "gemm_parts_low: x has ", rows, " rows, the parts ",
               xhs[0].size(0));
-  TORCH_CHECK(a.size(1) == k_dim, "gemm_parts_low: a has ", a.size(1), " columns, x ", k_dim);
-  TORCH_CHECK(rank >= 1 && rank <= exl3::kGemmLoraMaxRank, "gemm_parts_low: rank ", rank,
+  EXL3_CHECK(a.size(1) == k_dim, "gemm_parts_low: a has ", a.size(1), " columns, x ", k_dim);
+  EXL3_CHECK(rank >= 1 && rank <= exl3::kGemmLoraMaxRank, "gemm_parts_low: rank ", rank,
               " outside 1..", exl3::kGemmLoraMaxRank);
-  TORCH_CHECK(k_dim >= 8 && k_dim % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+  EXL3_CHECK(k_dim >= 8 && k_dim % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
                   x.stride(0) >= k_dim,
               "gemm_parts_low: K and x's row stride must be multiples of 8, unit column stride");
-  TORCH_CHECK(a.is_contiguous() && low.is_contiguous() && low.size(0) == rows &&
+  EXL3_CHECK(a.is_contiguous() && low.is_contiguous() && low.size(0) == rows &&
                   low.size(1) == rank,
               "gemm_parts_low: a (rank, K) and low (rows, rank) contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+  EXL3_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0,
               "gemm_parts_low: x and a must be 16-byte aligned");
   exl3::GemmLora lora{x.data_ptr(), x.stride(0), a.data_ptr(), low.data_ptr(), (int)k_dim,
                       (int)rank, dtype_code(x)};
   run_gemm_parts(xhs, trellises, k2, cb, partials, lora);
+}
+
+// Raises a RuntimeError in one of three ways (a device check of how refusals reach
+// Python; test_gemm_lora.py runs each in a child process): 0 TORCH_CHECK with one
+// literal, 1 TORCH_CHECK with formatted pieces (c10::str), 2 EXL3_CHECK with the same
+// pieces (bindings_util.h).
+void refusal_probe(int64_t kind) {
+  const int64_t rank = 129;
+  if (kind == 0) TORCH_CHECK(false, "refusal_probe: a literal");
+  if (kind == 1) TORCH_CHECK(false, "refusal_probe: rank ", rank, " outside 1..", exl3::kGemmLoraMaxRank);
+  EXL3_CHECK(false, "refusal_probe: rank ", rank, " outside 1..", exl3::kGemmLoraMaxRank);
 }
 
 void gemm_partial(const at::Tensor& xh, const at::Tensor& trellis, int64_t k2, int64_t cb,
@@ -156,10 +167,10 @@ void hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& pre,
               at::Tensor& out, int64_t width) {
   check_cuda(x, "x");
   check_cuda(out, "out");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be (slices, rows, cols), unit stride");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(1),
+  EXL3_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be (slices, rows, cols), unit stride");
+  EXL3_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(1),
               "out must be (rows, cols) with unit column stride");
-  TORCH_CHECK(width % 128 == 0 && out.size(1) <= width && x.size(2) <= width,
+  EXL3_CHECK(width % 128 == 0 && out.size(1) <= width && x.size(2) <= width,
               "width must be a multiple of 128 covering x and out");
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -187,30 +198,30 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   check_contiguous(out, "out");
   check_contiguous(lengths, "lengths");
   check_cuda(page_table, "page_table");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+  EXL3_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "q and out must be (B, H, D) of one dtype");
-  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 &&
+  EXL3_CHECK(page_table.scalar_type() == at::kLong && page_table.dim() == 2 &&
                   page_table.stride(1) == 1 && lengths.scalar_type() == at::kLong,
               "page_table (B, P) and lengths (B) must be int64");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  TORCH_CHECK(page_table.size(0) == batch && lengths.numel() == batch, "batch mismatch");
+  EXL3_CHECK(page_table.size(0) == batch && lengths.numel() == batch, "batch mismatch");
   const bool kq = k_bits < 16, vq = v_bits < 16;
   if (kq) {
     check_contiguous(k_scales, "k_scales");
-    TORCH_CHECK(k.scalar_type() == at::kByte && k_scales.scalar_type() == at::kHalf &&
+    EXL3_CHECK(k.scalar_type() == at::kByte && k_scales.scalar_type() == at::kHalf &&
                     k.size(1) == kv_heads * dim / 8 * k_bits,
                 "quantized keys: uint8 codes (slots, C/8*bits) and float16 scales");
   } else {
-    TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.dim() == 3 && k.size(1) == kv_heads &&
+    EXL3_CHECK(k.scalar_type() == q.scalar_type() && k.dim() == 3 && k.size(1) == kv_heads &&
                     k.size(2) == dim, "keys must be (slots, kv_heads, D) in q's dtype");
   }
   if (vq) {
     check_contiguous(v_scales, "v_scales");
-    TORCH_CHECK(v.scalar_type() == at::kByte && v_scales.scalar_type() == at::kHalf &&
+    EXL3_CHECK(v.scalar_type() == at::kByte && v_scales.scalar_type() == at::kHalf &&
                     v.size(1) == kv_heads * dim / 8 * v_bits,
                 "quantized values: uint8 codes (slots, C/8*bits) and float16 scales");
   } else {
-    TORCH_CHECK(v.scalar_type() == q.scalar_type() && v.dim() == 3 && v.size(1) == kv_heads &&
+    EXL3_CHECK(v.scalar_type() == q.scalar_type() && v.dim() == 3 && v.size(1) == kv_heads &&
                     v.size(2) == dim, "values must be (slots, kv_heads, D) in q's dtype");
   }
   // Chunks of 64 positions covering every page of the table (fixed per table shape,
@@ -225,10 +236,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // combines them (layer_fold.cu combine_hadamard); with one chunk `out` is written.
   const bool caller_combines = parts_acc.has_value() || parts_ml.has_value();
   if (caller_combines) {
-    TORCH_CHECK(parts_acc.has_value() && parts_ml.has_value(), "parts_acc and parts_ml come together");
+    EXL3_CHECK(parts_acc.has_value() && parts_ml.has_value(), "parts_acc and parts_ml come together");
     check_contiguous(*parts_acc, "parts_acc");
     check_contiguous(*parts_ml, "parts_ml");
-    TORCH_CHECK(parts_acc->scalar_type() == at::kFloat && parts_ml->scalar_type() == at::kFloat &&
+    EXL3_CHECK(parts_acc->scalar_type() == at::kFloat && parts_ml->scalar_type() == at::kFloat &&
                     parts_acc->sizes() == at::IntArrayRef({batch, heads, chunks, dim}) &&
                     parts_ml->sizes() == at::IntArrayRef({batch, heads, chunks, 2}),
                 "parts_acc (B, H, chunks, D) and parts_ml (B, H, chunks, 2) must be float32, "
@@ -262,11 +273,11 @@ void kv_quant_write(const at::Tensor& x, const at::Tensor& slots, int64_t bits,
   check_contiguous(slots, "slots");
   check_contiguous(codes, "codes");
   check_contiguous(scales, "scales");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && slots.scalar_type() == at::kLong &&
+  EXL3_CHECK(x.dim() == 2 && x.stride(1) == 1 && slots.scalar_type() == at::kLong &&
                   slots.numel() == x.size(0),
               "x must be (N, C) with unit column stride and slots (N) int64");
   const int64_t channels = x.size(1);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == channels / 8 * bits &&
+  EXL3_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == channels / 8 * bits &&
                   scales.scalar_type() == at::kHalf && scales.size(1) == channels / 32,
               "codes (slots, C/8*bits) uint8 and scales (slots, C/32) float16");
   if (x.size(0) == 0) return;
@@ -297,6 +308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gemm_partial for up to 4 parts (same rows, kb, K, codebook) in one launch",
         py::arg("xhs"), py::arg("trellises"), py::arg("k2"), py::arg("codebook"),
         py::arg("partials"));
+  m.def("refusal_probe", &refusal_probe, "raise a RuntimeError (0 literal, 1 c10::str, 2 EXL3_CHECK)",
+        py::arg("kind"));
   m.def("gemm_parts_low", &gemm_parts_low,
         "gemm_parts plus an adapted projection's low = x @ a^T in the same launch",
         py::arg("xhs"), py::arg("trellises"), py::arg("k2"), py::arg("codebook"),

@@ -18,18 +18,18 @@ void combine_hadamard(const at::Tensor& part_acc, const at::Tensor& part_ml,
                       const at::Tensor& attended, const at::Tensor& pre, at::Tensor& out,
                       int64_t dtype) {
   check_contiguous(out, "out");
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2, "out must be float16 (rows, width)");
+  EXL3_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2, "out must be float16 (rows, width)");
   const int64_t rows = out.size(0), width = out.size(1);
-  TORCH_CHECK(part_acc.dim() == 4 && part_acc.size(0) == rows && part_ml.dim() == 4 &&
+  EXL3_CHECK(part_acc.dim() == 4 && part_acc.size(0) == rows && part_ml.dim() == 4 &&
                   part_ml.sizes() == at::IntArrayRef({rows, part_acc.size(1), part_acc.size(2), 2}),
               "part_acc (rows, heads, chunks, head_dim) and part_ml (.., 2)");
   const int64_t heads = part_acc.size(1), chunks = part_acc.size(2), dim = part_acc.size(3);
   check_contiguous(part_acc, "part_acc");
   check_contiguous(part_ml, "part_ml");
-  TORCH_CHECK(part_acc.scalar_type() == at::kFloat && part_ml.scalar_type() == at::kFloat,
+  EXL3_CHECK(part_acc.scalar_type() == at::kFloat && part_ml.scalar_type() == at::kFloat,
               "part_acc and part_ml must be float32");
   check_contiguous(attended, "attended");
-  TORCH_CHECK(dtype_code(attended) == (int)dtype && attended.dim() == 2 &&
+  EXL3_CHECK(dtype_code(attended) == (int)dtype && attended.dim() == 2 &&
                   attended.size(0) == rows && attended.size(1) == heads * dim,
               "attended must be (rows, heads * head_dim) in dtype");
   const float* pre_ptr = optional_vector(pre, width, "pre");
@@ -50,27 +50,27 @@ void out_norm(const at::Tensor& partial, const OptTensor& post, const OptTensor&
               double eps, bool unit_offset, const std::vector<at::Tensor>& pres,
               const std::vector<at::Tensor>& outs, int64_t in_width, at::Tensor& counters) {
   check_contiguous(partial, "partial");
-  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3,
+  EXL3_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3,
               "partial must be float32 (splits, rows, width)");
   const int64_t rows = partial.size(1), width = partial.size(2), cols = h.size(1);
   const at::Tensor* rows_args[] = {&residual, &h};
   for (const at::Tensor* t : rows_args) {
     check_cuda(*t, "residual/h");
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == cols && t->stride(1) == 1 &&
+    EXL3_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == cols && t->stride(1) == 1 &&
                     t->scalar_type() == h.scalar_type(),
                 "residual and h must be (rows, cols) of one dtype, unit column stride");
   }
   check_contiguous(counters, "counters");
-  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= exl3::kOutNormMaxRows,
+  EXL3_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= exl3::kOutNormMaxRows,
               "counters must be int32 (>= 64)");
   const size_t n = pres.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && outs.size() == n, "1..4 parts");
+  EXL3_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && outs.size() == n, "1..4 parts");
   const float* pre_ptr[exl3::kMaxParts] = {};
   void* out_ptr[exl3::kMaxParts] = {};
   for (size_t p = 0; p < n; p++) {
     pre_ptr[p] = optional_vector(pres[p], in_width, "pre");
     check_contiguous(outs[p], "out");
-    TORCH_CHECK(outs[p].scalar_type() == at::kHalf && outs[p].dim() == 2 &&
+    EXL3_CHECK(outs[p].scalar_type() == at::kHalf && outs[p].dim() == 2 &&
                     outs[p].size(0) == rows && outs[p].size(1) == in_width,
                 "outs must be contiguous float16 (rows, in_width)");
     out_ptr[p] = outs[p].data_ptr();

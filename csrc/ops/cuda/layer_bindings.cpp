@@ -24,18 +24,18 @@ exl3::LowRank low_rank(const OptTensor& low, const OptTensor& bt, const OptTenso
   exl3::LowRank lora{};
   const int given = low.has_value() + bt.has_value() + columns.has_value() + slots.has_value();
   if (given == 0) return lora;
-  TORCH_CHECK(given == 4, "lora_low, lora_bt, lora_columns and lora_slots come together");
+  EXL3_CHECK(given == 4, "lora_low, lora_bt, lora_columns and lora_slots come together");
   for (const auto* t : {&*low, &*bt, &*columns, &*slots}) check_cuda(*t, "lora tensors");
-  TORCH_CHECK(low->dim() == 2 && low->size(0) == rows &&
+  EXL3_CHECK(low->dim() == 2 && low->size(0) == rows &&
                   (low->size(1) <= 1 || low->stride(1) == 1) && dtype_code(*low) == dtype,
               "lora_low must be (rows, rank) in the activation dtype, unit column stride");
   const int64_t rank = low->size(1);
-  TORCH_CHECK(bt->dim() == 2 && bt->size(0) == rank && bt->size(1) >= cols &&
+  EXL3_CHECK(bt->dim() == 2 && bt->size(0) == rank && bt->size(1) >= cols &&
                   (bt->size(1) <= 1 || bt->stride(1) == 1) && dtype_code(*bt) == dtype,
               "lora_bt must be (rank, >= the parts' columns) in the activation dtype");
-  TORCH_CHECK(columns->scalar_type() == at::kLong && columns->is_contiguous() &&
+  EXL3_CHECK(columns->scalar_type() == at::kLong && columns->is_contiguous() &&
                   columns->numel() == rank, "lora_columns must be contiguous int64 (rank,)");
-  TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() &&
+  EXL3_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() &&
                   slots->numel() >= rows, "lora_slots must be contiguous int64 (>= rows,)");
   lora.low = low->data_ptr();
   lora.low_stride = low->stride(0);
@@ -52,7 +52,7 @@ void* optional_rows(const OptTensor& t, int64_t rows, int64_t cols, int dtype,
                     const char* name) {
   if (!t.has_value()) return nullptr;
   check_cuda(*t, name);
-  TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == cols &&
+  EXL3_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == cols &&
                   (cols <= 1 || t->stride(1) == 1) && dtype_code(*t) == dtype,
               name, " must be (rows, ", cols, ") in the activation dtype, unit column stride");
   return t->data_ptr();
@@ -64,16 +64,16 @@ void norm_hadamard(const at::Tensor& x, const c10::optional<at::Tensor>& norm_we
                    double eps, bool unit_offset, const std::vector<at::Tensor>& pres,
                    const std::vector<at::Tensor>& outs, int64_t width, const OptTensor& normed) {
   check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols) with unit column stride");
+  EXL3_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols) with unit column stride");
   const size_t n = pres.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && outs.size() == n, "1..4 parts");
+  EXL3_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && outs.size() == n, "1..4 parts");
   const float* pre_ptr[exl3::kMaxParts] = {};
   void* out_ptr[exl3::kMaxParts] = {};
   for (size_t p = 0; p < n; p++) {
     pre_ptr[p] = optional_vector(pres[p], width, "pre");
     const at::Tensor& out = outs[p];
     check_cuda(out, "out");
-    TORCH_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
+    EXL3_CHECK(out.scalar_type() == at::kHalf && out.is_contiguous() && out.dim() == 2 &&
                     out.size(0) == x.size(0) && out.size(1) == width,
                 "out must be contiguous float16 (rows, width)");
   }
@@ -98,21 +98,21 @@ exl3::KvStore kv_store(const OptTensor& keys, const OptTensor& values, const Opt
   exl3::KvStore kv{};
   const int given = keys.has_value() + values.has_value() + slots.has_value();
   if (given == 0) return kv;
-  TORCH_CHECK(given == 3, "kv_keys, kv_values and kv_slots come together");
-  TORCH_CHECK(ranges.size() == 4 * (size_t)parts.count, "kv_ranges: 4 per part");
+  EXL3_CHECK(given == 3, "kv_keys, kv_values and kv_slots come together");
+  EXL3_CHECK(ranges.size() == 4 * (size_t)parts.count, "kv_ranges: 4 per part");
   for (const auto* t : {&*keys, &*values}) {
     check_contiguous(*t, "kv_keys/kv_values");
-    TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 3 && t->sizes() == keys->sizes(),
+    EXL3_CHECK(t->scalar_type() == dtype && t->dim() == 3 && t->sizes() == keys->sizes(),
                 "kv_keys and kv_values must be (slots, kv_heads, head_dim) in the outputs' dtype");
   }
   check_contiguous(*slots, "kv_slots");
-  TORCH_CHECK(slots->scalar_type() == at::kLong && slots->numel() >= rows,
+  EXL3_CHECK(slots->scalar_type() == at::kLong && slots->numel() >= rows,
               "kv_slots must be contiguous int64 (>= rows,)");
   const int64_t row = keys->size(1) * keys->size(2);
   for (int p = 0; p < parts.count; p++) {
     const int64_t* r = &ranges[4 * p];
     for (int j = 0; j < 4; j += 2)
-      TORCH_CHECK(0 <= r[j] && r[j] <= r[j + 1] && r[j + 1] <= parts.part[p].out_cols &&
+      EXL3_CHECK(0 <= r[j] && r[j] <= r[j + 1] && r[j + 1] <= parts.part[p].out_cols &&
                       r[j + 1] - r[j] <= row, "kv_ranges must lie in the part's columns");
     kv.k_lo[p] = (int)r[0];
     kv.k_hi[p] = (int)r[1];
@@ -139,7 +139,7 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
                   const OptTensor& kv_keys, const OptTensor& kv_values,
                   const OptTensor& kv_slots, const std::vector<int64_t>& kv_ranges) {
   const size_t n = partials.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
+  EXL3_CHECK(n >= 1 && n <= (size_t)exl3::kMaxParts && posts.size() == n &&
                   biases.size() == n && outs.size() == n && rope_cols.size() == n,
               "1..4 parts, each with post, bias, out and rope_cols");
   exl3::OutParts parts{};
@@ -153,10 +153,10 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
     check_contiguous(partial, "partial");
     check_cuda(out, "out");
     const bool half = partial.scalar_type() == at::kHalf;
-    TORCH_CHECK((partial.scalar_type() == at::kFloat || (half && partial.size(0) == 1)) &&
+    EXL3_CHECK((partial.scalar_type() == at::kFloat || (half && partial.size(0) == 1)) &&
                     partial.dim() == 3 && partial.size(1) == rows,
                 "partials must be float32 (splits, rows, width) or float16 (1, rows, width)");
-    TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == rows &&
+    EXL3_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == rows &&
                     out.scalar_type() == dtype, "outs must be (rows, cols) of one dtype");
     const int64_t width = partial.size(2);
     parts.part[p] = exl3::OutPart{partial.data_ptr(), (int)partial.size(0), (int)width,
@@ -172,28 +172,28 @@ void hadamard_out(const std::vector<at::Tensor>& partials,
   int64_t res_stride = 0;
   if (residual.has_value()) {
     check_cuda(*residual, "residual");
-    TORCH_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->size(0) == rows &&
+    EXL3_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->size(0) == rows &&
                     residual->scalar_type() == dtype,
                 "residual must be (rows, cols) in the outputs' dtype");
     for (size_t p = 0; p < n; p++)
-      TORCH_CHECK(residual->size(1) >= outs[p].size(1), "residual narrower than an output");
+      EXL3_CHECK(residual->size(1) >= outs[p].size(1), "residual narrower than an output");
     res_ptr = residual->data_ptr();
     res_stride = residual->stride(0);
   }
   const void* cos_ptr = nullptr;
   const void* sin_ptr = nullptr;
   if (cos.has_value() || sin.has_value()) {
-    TORCH_CHECK(cos.has_value() && sin.has_value(), "cos and sin come together");
+    EXL3_CHECK(cos.has_value() && sin.has_value(), "cos and sin come together");
     for (const auto* t : {&*cos, &*sin}) {
       check_contiguous(*t, "cos/sin");
-      TORCH_CHECK(t->scalar_type() == dtype && t->numel() == rows * head_dim,
+      EXL3_CHECK(t->scalar_type() == dtype && t->numel() == rows * head_dim,
                   "cos/sin must be (rows, head_dim) in the outputs' dtype");
     }
     cos_ptr = cos->data_ptr();
     sin_ptr = sin->data_ptr();
   }
   const exl3::KvStore kv = kv_store(kv_keys, kv_values, kv_slots, kv_ranges, parts, rows, dtype);
-  TORCH_CHECK(kv.keys == nullptr || res_ptr == nullptr, "a key/value store takes no residual");
+  EXL3_CHECK(kv.keys == nullptr || res_ptr == nullptr, "a key/value store takes no residual");
   const c10::cuda::CUDAGuard guard(partials[0].device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(exl3::launch_hadamard_out(dtype_code(outs[0]), parts, (int)rows, res_ptr,
@@ -217,12 +217,12 @@ void glu_hadamard(const at::Tensor& gate, const at::Tensor& up,
   check_contiguous(up, "up");
   check_contiguous(out, "out");
   const bool half = gate.scalar_type() == at::kHalf;
-  TORCH_CHECK((gate.scalar_type() == at::kFloat || (half && gate.size(0) == 1)) &&
+  EXL3_CHECK((gate.scalar_type() == at::kFloat || (half && gate.size(0) == 1)) &&
                   gate.dim() == 3 && up.sizes() == gate.sizes() &&
                   up.scalar_type() == gate.scalar_type(),
               "gate and up must be float32 (splits, rows, width) or float16 (1, rows, width)");
   const int64_t rows = gate.size(1), width = gate.size(2);
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
+  EXL3_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == rows &&
                   out.size(1) == width, "out must be contiguous float16 (rows, width)");
   const exl3::LowRank lora = low_rank(lora_low, lora_bt, lora_columns, lora_slots, rows,
                                       2 * inter, (int)dtype);
@@ -247,16 +247,16 @@ bool lora_low(const at::Tensor& x, const at::Tensor& a, const at::Tensor& low,
               const at::Tensor& partial, const at::Tensor& ticket) {
   for (const auto* t : {&x, &a, &low, &partial, &ticket}) check_cuda(*t, "lora_low tensors");
   const int64_t rows = x.size(0), rank = a.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && a.dim() == 2 && a.is_contiguous() &&
+  EXL3_CHECK(x.dim() == 2 && x.stride(1) == 1 && a.dim() == 2 && a.is_contiguous() &&
                   a.size(1) == x.size(1) && a.scalar_type() == x.scalar_type(),
               "lora_low: x (rows, K) unit column stride and a (rank, K) contiguous, one dtype");
-  TORCH_CHECK(low.is_contiguous() && low.dim() == 2 && low.size(0) == rows &&
+  EXL3_CHECK(low.is_contiguous() && low.dim() == 2 && low.size(0) == rows &&
                   low.size(1) == rank && low.scalar_type() == x.scalar_type(),
               "lora_low: low must be contiguous (rows, rank) in x's dtype");
-  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+  EXL3_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
                   partial.numel() >= exl3::kLoraLowMaxSplits * rows * rank,
               "lora_low: partial workspace too small");
-  TORCH_CHECK(ticket.scalar_type() == at::kInt && ticket.numel() >= 1, "lora_low: ticket");
+  EXL3_CHECK(ticket.scalar_type() == at::kInt && ticket.numel() >= 1, "lora_low: ticket");
   if (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -273,18 +273,18 @@ bool lora_low(const at::Tensor& x, const at::Tensor& a, const at::Tensor& low,
 void qk_norm_rope(at::Tensor& x, int64_t heads, int64_t head_dim, const at::Tensor& weight,
                   double eps, const OptTensor& cos, const OptTensor& sin) {
   check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == heads * head_dim,
+  EXL3_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == heads * head_dim,
               "x must be (rows, heads * head_dim) with unit column stride");
   check_contiguous(weight, "weight");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == heads * head_dim,
+  EXL3_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == heads * head_dim,
               "weight must be contiguous float32 (heads, head_dim)");
-  TORCH_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
+  EXL3_CHECK(cos.has_value() == sin.has_value(), "cos and sin come together");
   const void* cos_ptr = nullptr;
   const void* sin_ptr = nullptr;
   if (cos.has_value()) {
     check_contiguous(*cos, "cos");
     check_contiguous(*sin, "sin");
-    TORCH_CHECK(cos->scalar_type() == x.scalar_type() && sin->scalar_type() == x.scalar_type() &&
+    EXL3_CHECK(cos->scalar_type() == x.scalar_type() && sin->scalar_type() == x.scalar_type() &&
                     cos->numel() == x.size(0) * head_dim && sin->numel() == cos->numel(),
                 "cos/sin must be (rows, head_dim) in x's dtype");
     cos_ptr = cos->data_ptr();

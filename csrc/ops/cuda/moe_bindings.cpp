@@ -18,23 +18,23 @@ cudaStream_t stream_of(const at::Tensor& t) {
 // pairs P from the plan's length: 1 + 3P + 3 min(experts, P) words.
 int64_t plan_pairs(const at::Tensor& plan, int64_t pairs) {
   check_contiguous(plan, "plan");
-  TORCH_CHECK(plan.scalar_type() == at::kInt, "plan must be int32");
+  EXL3_CHECK(plan.scalar_type() == at::kInt, "plan must be int32");
   return pairs;
 }
 
 void check_table(const at::Tensor& t, int64_t width, const char* name) {
   check_contiguous(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(1) == width, name,
+  EXL3_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(1) == width, name,
               " must be contiguous float32 (experts, ", width, ")");
 }
 
 void moe_route(const at::Tensor& chosen, int64_t experts, at::Tensor& plan) {
   check_contiguous(chosen, "chosen");
-  TORCH_CHECK(chosen.scalar_type() == at::kLong, "chosen must be int64");
+  EXL3_CHECK(chosen.scalar_type() == at::kLong, "chosen must be int64");
   const int64_t pairs = chosen.numel();
   const int64_t slots = std::min(experts, pairs);
   plan_pairs(plan, pairs);
-  TORCH_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)slots),
+  EXL3_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)slots),
               "plan must hold 1 + 3 * pairs + 3 * min(experts, pairs) int32");
   const c10::cuda::CUDAGuard guard(chosen.device());
   check_launch(exl3::launch_moe_route(chosen.data_ptr<int64_t>(), (int)pairs, (int)experts,
@@ -45,17 +45,17 @@ void moe_route(const at::Tensor& chosen, int64_t experts, at::Tensor& plan) {
 void moe_route_logits(const at::Tensor& logits, int64_t top_k, bool normalize, double scale,
                       at::Tensor& weights, at::Tensor& chosen, at::Tensor& plan) {
   check_cuda(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1,
+  EXL3_CHECK(logits.dim() == 2 && logits.stride(1) == 1,
               "logits must be (rows, experts), unit column stride");
   const int64_t rows = logits.size(0), experts = logits.size(1), pairs = rows * top_k;
   check_contiguous(weights, "weights");
   check_contiguous(chosen, "chosen");
-  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+  EXL3_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
               "weights must be contiguous float32 (rows, top_k)");
-  TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.numel() == pairs,
+  EXL3_CHECK(chosen.scalar_type() == at::kLong && chosen.numel() == pairs,
               "chosen must be contiguous int64 (rows, top_k)");
   plan_pairs(plan, pairs);
-  TORCH_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)std::min(experts, pairs)),
+  EXL3_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)std::min(experts, pairs)),
               "plan must hold 1 + 3 * pairs + 3 * min(experts, pairs) int32");
   const c10::cuda::CUDAGuard guard(logits.device());
   check_launch(exl3::launch_moe_route_logits(dtype_code(logits), logits.data_ptr(),
@@ -70,9 +70,9 @@ void moe_route_logits(const at::Tensor& logits, int64_t top_k, bool normalize, d
 void moe_in(const at::Tensor& x, const at::Tensor& plan, int64_t top_k,
             const std::vector<at::Tensor>& pres, const std::vector<at::Tensor>& outs) {
   check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols), unit column stride");
+  EXL3_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, cols), unit column stride");
   const size_t n = pres.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMoeMaxParts && outs.size() == n,
+  EXL3_CHECK(n >= 1 && n <= (size_t)exl3::kMoeMaxParts && outs.size() == n,
               "1..2 parts, one pre and out each");
   const int64_t pairs = x.size(0) * top_k;
   plan_pairs(plan, pairs);
@@ -82,7 +82,7 @@ void moe_in(const at::Tensor& x, const at::Tensor& plan, int64_t top_k,
   for (size_t p = 0; p < n; p++) {
     check_table(pres[p], width, "pre");
     check_contiguous(outs[p], "out");
-    TORCH_CHECK(outs[p].scalar_type() == at::kHalf && outs[p].dim() == 2 &&
+    EXL3_CHECK(outs[p].scalar_type() == at::kHalf && outs[p].dim() == 2 &&
                     outs[p].size(0) == pairs && outs[p].size(1) == width,
                 "out must be contiguous float16 (rows * top_k, width)");
     pre[p] = pres[p].data_ptr<float>();
@@ -100,7 +100,7 @@ void gemm_launch(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_
                  const std::vector<int64_t>& nbs, int64_t kb, int64_t k2, int64_t cb,
                  int64_t max_rows, int64_t slots, const exl3::MoeCombine* combine) {
   const size_t n = xhs.size();
-  TORCH_CHECK(n >= 1 && n <= (size_t)exl3::kMoeMaxParts && trellis_ptrs.size() == n &&
+  EXL3_CHECK(n >= 1 && n <= (size_t)exl3::kMoeMaxParts && trellis_ptrs.size() == n &&
                   partials.size() == n && nbs.size() == n,
               "1..2 parts, one trellis table, xh, partial and nb each");
   const int64_t pairs = xhs[0].size(0);
@@ -112,20 +112,20 @@ void gemm_launch(const at::Tensor& plan, const std::vector<at::Tensor>& trellis_
     check_contiguous(trellis_ptrs[p], "trellis_ptrs");
     check_contiguous(xhs[p], "xh");
     check_contiguous(partials[p], "partial");
-    TORCH_CHECK(trellis_ptrs[p].scalar_type() == at::kLong && trellis_ptrs[p].dim() == 1,
+    EXL3_CHECK(trellis_ptrs[p].scalar_type() == at::kLong && trellis_ptrs[p].dim() == 1,
                 "trellis_ptrs must be int64 (experts,)");
-    TORCH_CHECK(xhs[p].scalar_type() == at::kHalf && xhs[p].dim() == 2 &&
+    EXL3_CHECK(xhs[p].scalar_type() == at::kHalf && xhs[p].dim() == 2 &&
                     xhs[p].size(0) == pairs && xhs[p].size(1) == 16 * kb,
                 "xh must be contiguous float16 (pairs, 16*kb)");
-    TORCH_CHECK(partials[p].scalar_type() == at::kFloat && partials[p].dim() == 3 &&
+    EXL3_CHECK(partials[p].scalar_type() == at::kFloat && partials[p].dim() == 3 &&
                     partials[p].size(0) == splits && partials[p].size(1) == pairs &&
                     partials[p].size(2) == 16 * nbs[p],
                 "partial must be contiguous float32 (splits, pairs, 16*nb)");
     parts.part[p] = exl3::MoeGemmPart{trellis_ptrs[p].data_ptr<int64_t>(), xhs[p].data_ptr(),
                                       partials[p].data_ptr<float>(), (int)nbs[p]};
   }
-  TORCH_CHECK(splits >= 1 && splits <= kb, "splits must be in 1..kb");
-  TORCH_CHECK(slots >= 1 && slots <= pairs, "slots must be in 1..pairs");
+  EXL3_CHECK(splits >= 1 && splits <= kb, "splits must be in 1..kb");
+  EXL3_CHECK(slots >= 1 && slots <= pairs, "slots must be in 1..pairs");
   const c10::cuda::CUDAGuard guard(xhs[0].device());
   auto stream = stream_of(xhs[0]);
   bool ok = false;
@@ -161,11 +161,11 @@ void moe_gemm_combine(const at::Tensor& plan, const at::Tensor& trellis_ptrs,
   check_contiguous(weights, "weights");
   check_contiguous(counters, "counters");
   check_cuda(out, "out");
-  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+  EXL3_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
               "weights must be float32 (rows, top_k)");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && rows * top_k == pairs && rows <= 8,
+  EXL3_CHECK(out.dim() == 2 && out.stride(1) == 1 && rows * top_k == pairs && rows <= 8,
               "out must be (rows <= 8, cols), unit column stride, rows * top_k == pairs");
-  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= width / 128,
+  EXL3_CHECK(counters.scalar_type() == at::kInt && counters.numel() >= width / 128,
               "counters must hold width / 128 int32");
   exl3::MoeCombine combine{};
   combine.counters = counters.data_ptr<int>();
@@ -179,7 +179,7 @@ void moe_gemm_combine(const at::Tensor& plan, const at::Tensor& trellis_ptrs,
   combine.out_stride = out.stride(0);
   if (residual.has_value()) {
     check_cuda(*residual, "residual");
-    TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
+    EXL3_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
                     residual->stride(1) == 1 && residual->size(0) == rows &&
                     residual->size(1) == out.size(1),
                 "residual must be (rows, cols) of out's dtype, unit column stride");
@@ -195,13 +195,13 @@ void moe_glu(const at::Tensor& gate, const at::Tensor& up, int64_t inter,
   check_contiguous(gate, "gate");
   check_contiguous(up, "up");
   check_contiguous(out, "out");
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && gate.dim() == 3 && up.sizes() == gate.sizes() &&
+  EXL3_CHECK(gate.scalar_type() == at::kFloat && gate.dim() == 3 && up.sizes() == gate.sizes() &&
                   up.scalar_type() == at::kFloat,
               "gate and up must be float32 (splits, pairs, width) of one shape");
   const int64_t pairs = gate.size(1), width = gate.size(2);
   plan_pairs(plan, pairs);
   for (const auto* t : {&post_gate, &post_up, &pre}) check_table(*t, width, "post/pre");
-  TORCH_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == pairs &&
+  EXL3_CHECK(out.scalar_type() == at::kHalf && out.dim() == 2 && out.size(0) == pairs &&
                   out.size(1) == width, "out must be contiguous float16 (pairs, width)");
   const c10::cuda::CUDAGuard guard(gate.device());
   check_launch(exl3::launch_moe_glu((int)dtype, gate.data_ptr<float>(), up.data_ptr<float>(),
@@ -218,20 +218,20 @@ void moe_out(const at::Tensor& partial, const at::Tensor& post, const at::Tensor
   check_contiguous(partial, "partial");
   check_contiguous(weights, "weights");
   check_cuda(out, "out");
-  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3,
+  EXL3_CHECK(partial.scalar_type() == at::kFloat && partial.dim() == 3,
               "partial must be float32 (splits, pairs, width)");
   const int64_t pairs = partial.size(1), width = partial.size(2);
   plan_pairs(plan, pairs);
   check_table(post, width, "post");
-  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+  EXL3_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
               "weights must be float32 (rows, top_k)");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) * top_k == pairs,
+  EXL3_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) * top_k == pairs,
               "out must be (rows, cols), unit column stride, rows * top_k == pairs");
   const void* res = nullptr;
   int64_t res_stride = 0;
   if (residual.has_value()) {
     check_cuda(*residual, "residual");
-    TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
+    EXL3_CHECK(residual->scalar_type() == out.scalar_type() && residual->dim() == 2 &&
                     residual->stride(1) == 1 && residual->size(0) == out.size(0) &&
                     residual->size(1) == out.size(1),
                 "residual must be (rows, cols) of out's dtype, unit column stride");
@@ -253,32 +253,32 @@ void moe_norm_route(const at::Tensor& x, const at::Tensor& norm_w, double eps, b
                     at::Tensor& normed, at::Tensor& logits, at::Tensor& weights,
                     at::Tensor& chosen, at::Tensor& plan, at::Tensor& counter) {
   check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, hidden), unit column stride");
+  EXL3_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, hidden), unit column stride");
   const int64_t rows = x.size(0), hidden = x.size(1);
   check_contiguous(router_w, "router_w");
-  TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == hidden &&
+  EXL3_CHECK(router_w.dim() == 2 && router_w.size(1) == hidden &&
                   router_w.scalar_type() == x.scalar_type(),
               "router_w must be contiguous (experts, hidden) in x's dtype");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(router_w.data_ptr()) % 16 == 0,
+  EXL3_CHECK(reinterpret_cast<uintptr_t>(router_w.data_ptr()) % 16 == 0,
               "router_w must be 16-byte aligned");
   const int64_t experts = router_w.size(0), pairs = rows * top_k;
   check_contiguous(norm_w, "norm_w");
-  TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.numel() == hidden,
+  EXL3_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.numel() == hidden,
               "norm_w must be contiguous float32 (hidden,)");
   for (const auto* t : {&normed, &logits, &weights, &chosen, &counter})
     check_contiguous(*t, "outputs");
-  TORCH_CHECK(normed.scalar_type() == x.scalar_type() && normed.numel() == rows * hidden,
+  EXL3_CHECK(normed.scalar_type() == x.scalar_type() && normed.numel() == rows * hidden,
               "normed must be contiguous (rows, hidden) in x's dtype");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.numel() == rows * experts,
+  EXL3_CHECK(logits.scalar_type() == at::kFloat && logits.numel() == rows * experts,
               "logits must be contiguous float32 (rows, experts)");
-  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
+  EXL3_CHECK(weights.scalar_type() == at::kFloat && weights.numel() == pairs,
               "weights must be contiguous float32 (rows, top_k)");
-  TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.numel() == pairs,
+  EXL3_CHECK(chosen.scalar_type() == at::kLong && chosen.numel() == pairs,
               "chosen must be contiguous int64 (rows, top_k)");
-  TORCH_CHECK(counter.scalar_type() == at::kInt && counter.numel() == 1,
+  EXL3_CHECK(counter.scalar_type() == at::kInt && counter.numel() == 1,
               "counter must be one int32");
   plan_pairs(plan, pairs);
-  TORCH_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)std::min(experts, pairs)),
+  EXL3_CHECK(plan.numel() == exl3::moe_plan_words((int)pairs, (int)std::min(experts, pairs)),
               "plan must hold 1 + 3 * pairs + 3 * min(experts, pairs) int32");
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(exl3::launch_moe_norm_route(

@@ -274,7 +274,8 @@ torch::Tensor viterbi_states_cuda(torch::Tensor targets,
               "targets must be a CUDA float32 tensor (N, 256)");
   TORCH_CHECK(!kbits.empty() && static_cast<int>(kbits.size()) <= kMaxSegments &&
                   kbits.size() == counts.size(),
-              "kbits and counts: one entry per segment, 1..", kMaxSegments, " segments");
+              (std::string("kbits and counts: one entry per segment, 1..") +
+               std::to_string(kMaxSegments) + " segments").c_str());
   TORCH_CHECK(lut.is_cuda() && lut.scalar_type() == torch::kFloat32 && lut.numel() == kStates &&
                   lut.device() == targets.device(), "lut must be float32 (65536,) on targets' device");
   TORCH_CHECK(lut_h.is_cuda() && lut_h.scalar_type() == torch::kHalf &&
@@ -320,7 +321,9 @@ torch::Tensor viterbi_states_cuda(torch::Tensor targets,
   p.states = states.data_ptr<int64_t>();
   p.n = n;
   const cudaError_t err = launch(p, grid, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "viterbi kernel launch: ", cudaGetErrorString(err));
+  // One plain string, never formatted pieces (bindings_util.h EXL3_CHECK says why).
+  TORCH_CHECK(err == cudaSuccess,
+              (std::string("viterbi kernel launch: ") + cudaGetErrorString(err)).c_str());
   return states;
 }
 
