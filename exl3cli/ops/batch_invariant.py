@@ -63,16 +63,19 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed on blocks of exactly ``ROW_BLOCK`` rows
     (the last one zero-padded), so every row goes through the same cuBLAS kernel
-    whatever the number of rows beside it."""
+    whatever the number of rows beside it. Up to ``ROW_BLOCK`` rows: one pad and one
+    product (a decode step's head), the output a view of its first rows."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
+    if count <= ROW_BLOCK:
+        padded = F.pad(rows, (0, 0, 0, ROW_BLOCK - count))
+        return F.linear(padded, weight, bias)[:count].view(*lead, weight.shape[0])
     out = torch.empty(count, weight.shape[0], dtype=x.dtype, device=x.device)
-    block = rows.new_zeros(ROW_BLOCK, rows.shape[1])
     for start in range(0, count, ROW_BLOCK):
-        stop = min(start + ROW_BLOCK, count)
-        block[: stop - start].copy_(rows[start:stop])
-        if stop - start < ROW_BLOCK:
-            block[stop - start :].zero_()
-        out[start:stop] = F.linear(block, weight, bias)[: stop - start]
+        block = rows[start : start + ROW_BLOCK]
+        size = block.shape[0]
+        if size < ROW_BLOCK:
+            block = F.pad(block, (0, 0, 0, ROW_BLOCK - size))
+        out[start : start + size] = F.linear(block, weight, bias)[:size]
     return out.view(*lead, weight.shape[0])

@@ -115,7 +115,7 @@ class Generator:
         decode_mode = invariant.decode_mode(decode_mode, model.device, self.batch_invariant)
         self.model = model
         self.tokenizer = tokenizer
-        self.max_batch = max(1, int(max_batch))
+        self.max_batch = invariant.max_jobs(max(1, int(max_batch)), self.batch_invariant)
         self.num_ctx = min(int(num_ctx), int(config.max_position_embeddings))
         self.cache_type = resolve_kv_cache_type(kv_cache_type)
         self.max_prefill_tokens = max(1, int(max_prefill_tokens))

@@ -7,7 +7,8 @@ into chunks or whether its prefix came from the cache.
 A prompt chunk rides beside the step's decode rows (and drafts) in the rows left of
 ``DecodeRunner.max_rows``; its last row gives the logits. A step the fixed-shape step
 cannot take (a prompt with image spans, which it does not embed; a model without it)
-falls back to the general path, which is not invariant.
+falls back to the general path, which is not invariant. A generator in the mode runs at
+most 64 jobs at once (``max_jobs``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from exl3cli.engine.generation.draft_policy import fit_rows
 from exl3cli.ops.batch_invariant import batch_invariant, set_batch_invariant
+from exl3cli.ops.cuda_kernels import FUSED_MAX_ROWS
 
 
 def resolve(flag: bool | None) -> bool:
@@ -29,6 +31,13 @@ def resolve(flag: bool | None) -> bool:
     if on and not batch_invariant():
         set_batch_invariant(True)
     return on
+
+
+def max_jobs(max_batch: int, on: bool) -> int:
+    """Jobs a generator runs at once: in the mode at most ``FUSED_MAX_ROWS`` (64), so a
+    decode step never leaves the fused kernels' row range (the fused decode layer and
+    GEMM take up to 64 rows; more would run other kernels for the same row)."""
+    return min(max_batch, FUSED_MAX_ROWS) if on else max_batch
 
 
 def decode_mode(mode: str | None, device: torch.device, on: bool) -> str | None:
