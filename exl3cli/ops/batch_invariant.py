@@ -13,7 +13,8 @@ without looking at how many rows share the launch:
   split-K follow the row count), and the fused layer's many-row prompt path is refused;
 - a dense (cuBLAS) product on CUDA, e.g. a tied float16 head, runs on blocks of exactly
   ``ROW_BLOCK`` rows, zero-padded (``padded_linear``): one shape, one cuBLAS kernel, and
-  a row's dot products do not depend on its neighbours.
+  a row's dot products do not depend on its neighbours; RMSNorm on CUDA likewise
+  (``row_blocks``: one shape, one reduction layout of torch's kernel).
 
 The generator (engine/generation/generator.py) adds the scheduling half: prompt chunks
 ride on the fixed-shape decode step, one row per token, like decode rows and drafts.
@@ -24,6 +25,7 @@ on its batch and what the mode does about each.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,23 +61,35 @@ def set_batch_invariant(on: bool | None) -> None:
     _forced = on
 
 
-def padded_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed on blocks of exactly ``ROW_BLOCK`` rows
-    (the last one zero-padded), so every row goes through the same cuBLAS kernel
-    whatever the number of rows beside it. Up to ``ROW_BLOCK`` rows: one pad and one
-    product (a decode step's head), the output a view of its first rows."""
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
+def row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+               keep: int = 1) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (each row's output depends on that row alone),
+    computed on blocks of exactly ``ROW_BLOCK`` rows, the last one zero-padded: one
+    input shape, hence one kernel and one reduction layout, whatever the number of rows
+    beside a row. Rows are the leading dims of x flattened; the last `keep` dims are a
+    row. Up to ``ROW_BLOCK`` rows: one pad and one call, the output a view of its first
+    rows."""
+    row = x.shape[x.dim() - keep :]
+    lead = x.shape[: x.dim() - keep]
+    rows = x.reshape(-1, *row)
     count = rows.shape[0]
+    pad = (0, 0) * keep
     if count <= ROW_BLOCK:
-        padded = F.pad(rows, (0, 0, 0, ROW_BLOCK - count))
-        return F.linear(padded, weight, bias)[:count].view(*lead, weight.shape[0])
-    out = torch.empty(count, weight.shape[0], dtype=x.dtype, device=x.device)
+        out = fn(F.pad(rows, (*pad, 0, ROW_BLOCK - count)))[:count]
+        return out.reshape(*lead, *out.shape[1:])
+    pieces = []
     for start in range(0, count, ROW_BLOCK):
         block = rows[start : start + ROW_BLOCK]
         size = block.shape[0]
         if size < ROW_BLOCK:
-            block = F.pad(block, (0, 0, 0, ROW_BLOCK - size))
-        out[start : start + size] = F.linear(block, weight, bias)[:size]
-    return out.view(*lead, weight.shape[0])
+            block = F.pad(block, (*pad, 0, ROW_BLOCK - size))
+        pieces.append(fn(block)[:size])
+    out = torch.cat(pieces)
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on blocks of exactly ``ROW_BLOCK`` rows
+    (``row_blocks``): every row goes through the same cuBLAS kernel."""
+    return row_blocks(lambda block: F.linear(block, weight, bias), x)

@@ -82,6 +82,18 @@ def test_padded_linear_is_linear_and_row_invariant():
     assert mode.padded_linear(x[:0], weight, bias).shape == (0, 300)
 
 
+def test_row_blocks_keep_the_rows_trailing_dims():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(3, 16, generator=gen)  # per-head norm weights [heads, head_dim]
+
+    def norm(rows):
+        return F.rms_norm(rows, (16,), None, 1e-6) * weight
+
+    for shape in [(1, 5, 3, 16), (2, 70, 3, 16), (130, 3, 16)]:
+        x = torch.randn(*shape, generator=gen)
+        torch.testing.assert_close(mode.row_blocks(norm, x, keep=2), norm(x))
+
+
 @pytest.mark.parametrize("probe_last", [False, True])
 def test_a_rows_logits_are_the_same_alone_and_in_batches(text_model, invariant_on,
                                                          probe_last):

@@ -5,7 +5,8 @@ one row's output must be bit-identical alone and in batches of 2, 9, 16, 33, 64 
 - ``exl3_gemm`` (suh + Hadamard, the fused GEMM's split sums, output Hadamard + svh +
   bias): the lean loop's 1-8-row and 9-64-row instances decode the same float16 weights
   and run the same mma sequence per row; the mode pins the split count.
-- ``padded_linear``: a dense head (tied embedding) through cuBLAS on 64-row blocks.
+- ``padded_linear``: a dense head (tied embedding) through cuBLAS on 64-row blocks;
+  ``RMSNorm`` (the final norm) through torch's kernel on 64-row blocks.
 - ``paged_attention``: a row's result over a bigger page bucket (more, empty chunks).
 """
 
@@ -88,6 +89,20 @@ def test_padded_linear_rows_do_not_depend_on_the_batch(dtype):
         for at in sorted({0, rows - 1}):
             got = mode.padded_linear(_batch(x, probe, rows, at), weight)
             assert torch.equal(got[at : at + 1], alone), (rows, at)
+
+
+@pytest.mark.parametrize("width", [576, 4096])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_rows_do_not_depend_on_the_batch(width, dtype):
+    from exl3cli.engine.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(width)
+    norm = RMSNorm(torch.rand(width, generator=gen).to("cuda", dtype) + 0.5, 1e-5)
+    x = (torch.randn(max(ROWS), width, generator=gen) * 3).to("cuda", dtype)
+    probe = (torch.randn(width, generator=gen) * 3).to("cuda", dtype)
+    alone = norm(probe[None])
+    for rows in ROWS:
+        assert torch.equal(norm(_batch(x, probe, rows, rows - 1))[rows - 1 :], alone), rows
 
 
 @pytest.mark.parametrize("bits", [16, 4])
