@@ -63,8 +63,9 @@ def _serve_help() -> str:
 @click.option("--batch-invariant", is_flag=True, default=False,
               help="Batch-invariant decoding: a job's logits, and so its greedy text, are "
                    "the same alone or beside any other jobs (prompts are prefilled on the "
-                   "decode step, one row per token; slower prompts, ~5% slower one-job "
-                   "decoding on the GPU). Same as EXL3_BATCH_INVARIANT=1.")
+                   "decode step, one row per token, at most 64 jobs per model; long "
+                   "prompts slower, one-job decoding ~3% slower on 8B shapes, estimated). "
+                   "Same as EXL3_BATCH_INVARIANT=1.")
 def serve(tensor_parallel: int | None, gpu_split: str | None, batch_invariant: bool) -> None:
     """Start the daemon (its help, with the environment it reads: _serve_help)."""
     import os
