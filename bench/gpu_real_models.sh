@@ -14,7 +14,8 @@
 #            machine's CPU from the same folder, while the GPU works)
 #   tests    item 5: the cuda tests of the Gemma paths (tests/engine/test_gemma_cuda.py)
 #   serve    item 2: `exl3 serve`, 64 streaming clients through ollama and openai, models
-#            in turns then together (EXL3_MAX_LOADED_MODELS=2), plus `exl3 bench --server`
+#            in turns then together (EXL3_MAX_LOADED_MODELS=2), plus `exl3 bench --server`;
+#            SERVE_INVARIANT="0 1" runs them without and with EXL3_BATCH_INVARIANT=1
 #   spec     item 4: ngram and SmolLM2 2.0 bpw drafting for SmolLM2 fp16, 1 and 16 jobs
 # ONLY="smollm2" restricts the run to the models named (default: all that assembled).
 # Dry run on a CPU (same stages, models cut to DRY_LAYERS layers, head unquantized,
@@ -158,11 +159,13 @@ serve_phase() {  # name max_loaded extra-args...
     $SERVE_MODELS --clients "$CLIENTS" --tokens 64 "$@" --out "$OUT/clients-$name.json" \
     2>"$OUT/clients-$name.err" | tee "$OUT/clients-$name.txt" || echo "FAIL: clients $name"
   tail -3 "$OUT/clients-$name.err"
-  if [ "$name" = turns ]; then
+  if [[ "$name" == turns* ]]; then
+    local tag=${name#turns}
     for m in $SERVE_NAMES; do
       timeout 120 $EXL3 bench --server "http://127.0.0.1:$port" --model "$m" \
         --concurrency "$CLIENTS" --requests "$CLIENTS" --num-predict 64 --json \
-        >"$OUT/bench-server-$m.json" 2>"$OUT/bench-server-$m.err" || echo "FAIL: bench --server $m"
+        >"$OUT/bench-server-$m$tag.json" 2>"$OUT/bench-server-$m$tag.err" \
+        || echo "FAIL: bench --server $m$tag"
     done
   fi
   kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
@@ -176,8 +179,16 @@ if has serve; then
     $EXL3 create "$m" -f "/tmp/Modelfile.$m" >"$OUT/create-$m.log" 2>&1 || echo "FAIL: create $m"
     SERVE_MODELS="$SERVE_MODELS --model $m" SERVE_NAMES="$SERVE_NAMES $m"
   done
-  serve_phase turns 1
-  [ "$(echo $MODELS | wc -w)" -gt 1 ] && serve_phase together 2 --together
+  # SERVE_INVARIANT="0 1": the phases once per EXL3_BATCH_INVARIANT value (names -inv0,
+  # -inv1); unset: once, with the environment as it is.
+  for inv in ${SERVE_INVARIANT:-keep}; do
+    tag=""; [ "$inv" = keep ] || tag="-inv$inv"
+    if [ "$inv" = keep ]; then serve_phase turns 1; else EXL3_BATCH_INVARIANT=$inv serve_phase "turns$tag" 1; fi
+    if [ "$(echo $MODELS | wc -w)" -gt 1 ]; then
+      if [ "$inv" = keep ]; then serve_phase together 2 --together
+      else EXL3_BATCH_INVARIANT=$inv serve_phase "together$tag" 2 --together; fi
+    fi
+  done
   stamp "serve done"
 fi
 

@@ -33,6 +33,7 @@ import torch
 
 from exl3cli.codec import block_hadamard, decode_tiles
 from exl3cli.ops import reference
+from exl3cli.ops.batch_invariant import ROW_BLOCK, batch_invariant
 from exl3cli.ops.build import CSRC, LazyExtension, build_extension
 
 _SOURCES = ("bindings.cpp", "layer_bindings.cpp", "fold_bindings.cpp", "moe_bindings.cpp",
@@ -218,8 +219,11 @@ def choose_splits(kb: int, nb: int, device: torch.device, warps_per_sm: int | No
     Up to 8 rows a warp's run is latency-bound and more warps in flight pay: 64 per SM,
     at most 32 splits (the output kernels sum every split: bench/NOTES-gpu.md, runs 7-8,
     gate/up 48.9 -> 40.4 us and the head 190 -> 174 us against 16 warps per SM). More
-    rows multiply the partial sums each split writes: 16 warps per SM there."""
-    few = rows <= 8
+    rows multiply the partial sums each split writes: 16 warps per SM there. In the
+    batch-invariant mode (ops/batch_invariant.py) the row count is ignored: 16 warps per
+    SM at every count, so a row's split sums add in one order however many rows share
+    the launch."""
+    few = rows <= 8 and not batch_invariant()
     if warps_per_sm is None:
         warps_per_sm = int(os.environ.get("EXL3_GEMM_WARPS_PER_SM", "") or (64 if few else 16))
     sms = _sm_count(device)
@@ -281,6 +285,17 @@ def exl3_gemm(
     ext.hadamard(x2.unsqueeze(0), suh32, None, None, xh, pad_in)
     if out is None:
         out = torch.empty(*lead, n_out, dtype=x.dtype, device=x.device)
+    if rows > FUSED_MAX_ROWS and batch_invariant():
+        # Every row through the fused kernel, as when it decodes (ops/batch_invariant.py).
+        splits = choose_splits(kb, nb, x.device, rows=ROW_BLOCK)
+        flat = out.view(rows, n_out)
+        for start in range(0, rows, ROW_BLOCK):
+            part = xh[start : start + ROW_BLOCK]
+            acc = torch.empty(splits, part.shape[0], pad_out, dtype=torch.float32, device=x.device)
+            ext.gemm_partial(part, trellis.contiguous(), k2, cb, acc)
+            ext.hadamard(acc, None, svh32, _as_f32(bias), flat[start : start + part.shape[0]],
+                         pad_out)
+        return out
     if rows <= FUSED_MAX_ROWS:
         # Rows 33..64 run as one launch of 8 row groups (two launches of 32 rows measured
         # 10% slower at 64 jobs: bench/NOTES-gpu.md, run 4).

@@ -175,3 +175,22 @@ def test_serve_help_lists_every_environment_variable_the_daemon_reads():
     assert read and {"EXL3_API_KEY", "EXL3_ADMIN_KEY", "EXL3_MAX_QUEUE"} <= read
     missing = sorted(name for name in read if name not in shown)
     assert not missing, f"serve --help does not mention {missing}"
+
+
+def test_serve_refuses_a_bad_batch_invariant_value_clearly(store):
+    env = {**os.environ, "EXL3_HOST": "127.0.0.1:1", "EXL3_MODELS": str(store.root),
+           "PYTHONPATH": str(ROOT), "EXL3_BATCH_INVARIANT": "sometimes"}
+    result = subprocess.run(
+        [sys.executable, "-m", "exl3cli", "serve"], env=env, capture_output=True, timeout=60)
+    stderr = result.stderr.decode()
+    assert result.returncode != 0 and "EXL3_BATCH_INVARIANT must be 1 or 0" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_serve_help_shows_the_batch_invariant_switch():
+    from click.testing import CliRunner
+
+    from exl3cli.cli import main
+
+    shown = CliRunner().invoke(main, ["serve", "--help"]).output
+    assert "--batch-invariant" in shown and "EXL3_BATCH_INVARIANT" in shown

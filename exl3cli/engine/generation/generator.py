@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from exl3cli.engine.generation import invariant
 from exl3cli.engine.generation.batch_sampling import batchable, sample_on_device, sample_rows
 from exl3cli.engine.generation.decode_step import DecodeRunner
 from exl3cli.engine.generation.draft_policy import PlainStepClock, charge_step, fit_rows
@@ -90,6 +91,8 @@ class Generator:
     EXL3_DRAFT_COST=0 turns it off) times plain and drafting steps so that drafting
     backs off where its passes cost more than the plain steps they save
     (draft_policy.py); without it drafting backs off on acceptance only.
+    `batch_invariant` (default EXL3_BATCH_INVARIANT): a job's tokens do not depend on
+    the jobs beside it; prompt chunks run on the fixed-shape step (invariant.py).
     """
 
     def __init__(
@@ -105,11 +108,14 @@ class Generator:
         max_queue: int = 256,
         decode_mode: str | None = None,
         draft_cost: bool | None = None,
+        batch_invariant: bool | None = None,
     ):
         config = model.config
+        self.batch_invariant = invariant.resolve(batch_invariant)
+        decode_mode = invariant.decode_mode(decode_mode, model.device, self.batch_invariant)
         self.model = model
         self.tokenizer = tokenizer
-        self.max_batch = max(1, int(max_batch))
+        self.max_batch = invariant.max_jobs(max(1, int(max_batch)), self.batch_invariant)
         self.num_ctx = min(int(num_ctx), int(config.max_position_embeddings))
         self.cache_type = resolve_kv_cache_type(kv_cache_type)
         self.max_prefill_tokens = max(1, int(max_prefill_tokens))
@@ -293,6 +299,10 @@ class Generator:
                     fed.append((active, tokens))
                     report.decode_tokens += 1
                     report.draft_tokens += len(tokens) - 1
+        if self.batch_invariant and self.decode.enabled:  # prompts beside decode rows
+            waiting = any(active.prefilling for active in self._active)
+            room = invariant.prompt_room(fed, waiting, self.decode.max_rows, room)
+            report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
         for active in self._active:
             if active.prefilling and room > 0:
                 tokens = active.next_tokens(room)
@@ -427,7 +437,7 @@ class Generator:
                   if not active.prefilling and len(tokens) == 1]
         if len(decode) == len(fed) and self.decode.fits(decode):
             return self.decode.run(decode), list(range(len(fed)))
-        if self._verify_fixed(fed):
+        if self._verify_fixed(fed) or (self.batch_invariant and invariant.fits(fed, self.decode)):
             return self._forward_fixed(fed)
         tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
         verifying = [active.verifying for active, _ in fed]
@@ -451,8 +461,9 @@ class Generator:
 
     def _forward_fixed(self, fed: list[tuple[ActiveJob, list[int]]]
                        ) -> tuple[torch.Tensor, list[Any]]:
-        """A verification pass as one fixed-shape step: a row per fed token. Plain jobs'
-        tokens are committed here; verifying jobs commit what they accept."""
+        """A verification pass (or, batch-invariant, any step) as one fixed-shape step: a
+        row per fed token. Plain jobs' tokens and prompt chunks are committed here (a
+        chunk's logits: its last row); verifying jobs commit what they accept."""
         logits = self.decode.run_feeds([(active.table, tokens) for active, tokens in fed])
         rows: list[Any] = []
         first = 0
@@ -460,7 +471,7 @@ class Generator:
             if active.verifying:
                 rows.append(slice(first, first + len(tokens)))
             else:
-                rows.append(first)
+                rows.append(first + len(tokens) - 1)
                 active.table.commit(tokens)
             first += len(tokens)
         return logits, rows

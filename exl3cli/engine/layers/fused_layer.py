@@ -75,6 +75,7 @@ from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_fold, layer_kernels
+from exl3cli.ops.batch_invariant import batch_invariant
 from exl3cli.ops.reference import apply_rotary
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -92,7 +93,7 @@ class _Parts(NamedTuple):
     k2: int
     codebook: str
     pad_in: int
-    splits: dict[int, int]  # by row count, filled on first use
+    splits: dict[tuple[int, bool], int]  # by (row count, batch-invariant), filled on first use
     half: dict[str, list[torch.Tensor]]  # half_sums(), made on first use
 
     @staticmethod
@@ -136,13 +137,14 @@ class _Parts(NamedTuple):
         """The parts' split sums and, for an adapted projection, its LoRA update of the
         rows `x_in` (first product in the same launch where the kernel takes it)."""
         rows = xhs[0].shape[0]
-        splits = self.splits.get(rows)
+        key = (rows, batch_invariant())  # the mode ignores the row count (choose_splits)
+        splits = self.splits.get(key)
         if splits is None:
             device = self.trellises[0].device
             kb, nb = self.trellises[0].shape[0], sum(t.shape[1] for t in self.trellises)
             splits = (kernels.choose_splits(kb, nb, device, rows=rows)
                       if device.type == "cuda" else 1)
-            self.splits[rows] = splits
+            self.splits[key] = splits
         if adapted is None or x_in is None:
             scales = None
             if rows > kernels.FUSED_MAX_ROWS and kernels.prefill_mode() == "half":
@@ -271,7 +273,9 @@ class FusedDecodeLayer:
             return False
         if rows <= kernels.FUSED_MAX_ROWS:
             return True
-        return rows <= PREFILL_MAX_ROWS and self._prefill_ok()
+        # Batch-invariant mode: a prompt's rows take the unfused layer, whose EXL3 linears
+        # run the fused GEMM per 64 rows (cuda_kernels.exl3_gemm), not decode + cuBLAS.
+        return rows <= PREFILL_MAX_ROWS and not batch_invariant() and self._prefill_ok()
 
     def _prefill_ok(self) -> bool:
         """Whether a prompt's rows (more than FUSED_MAX_ROWS) take this path: with

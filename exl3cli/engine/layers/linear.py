@@ -39,6 +39,7 @@ from exl3cli.codec.format import read_exl3_linear
 from exl3cli.errors import ModelLoadError
 from exl3cli.ops import cpu_kernels
 from exl3cli.ops import cuda_kernels as kernels
+from exl3cli.ops.batch_invariant import batch_invariant, padded_linear
 
 
 class Linear(nn.Module):
@@ -91,9 +92,10 @@ class DenseLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_weights is None:
-            return F.linear(x, self.weight, self.bias)
+            return dense_product(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32:
+        # Batch-invariant mode: the GEMV at every row count (a matmul's blocking follows it).
+        if (rows.shape[0] <= GEMV_MAX_ROWS or batch_invariant()) and x.dtype == torch.float32:
             gemv = cpu_kernels.gemv_cpu if self._kernel else cpu_kernels.gemv_reference
             y = gemv(rows, self.packed, self.scale, self.bias, self.out_features)
         else:
@@ -137,6 +139,15 @@ def _trim_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | N
     if bias.numel() < out_features:
         raise ModelLoadError(f".bias has {bias.numel()} entries, layer has {out_features}")
     return bias[:out_features]  # writers may store the padded length
+
+
+def dense_product(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; in the batch-invariant mode on fixed 64-row blocks (one cuBLAS or
+    CPU matmul shape for every row count: ops/batch_invariant.py)."""
+    if batch_invariant():
+        return padded_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class Exl3Linear(Linear):
@@ -207,7 +218,7 @@ class Exl3Linear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "dense":
-            return F.linear(x, self.weight, self.bias)
+            return dense_product(x, self.weight, self.bias)
         return self._forward_trellis(x)
 
     def uses_kernels(self, x: torch.Tensor) -> bool:

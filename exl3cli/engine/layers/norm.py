@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exl3cli.ops import cpu_kernels
+from exl3cli.ops.batch_invariant import batch_invariant, row_blocks
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +42,11 @@ class RMSNorm(nn.Module):
                 and not x.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and batch_invariant():  # one shape of torch's kernel for every row count
+            return row_blocks(self._forward, x, keep=max(1, self.weight.dim()))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = x.shape[-1]
         if self._use_fused(x):
             return cpu_kernels.rms_norm_cpu(x, self.weight, self.eps)
