@@ -183,3 +183,31 @@ def test_the_mode_runs_at_most_64_jobs_at_once():
     assert invariant.max_jobs(128, True) == 64
     assert invariant.max_jobs(16, True) == 16
     assert invariant.max_jobs(128, False) == 128
+
+
+def test_the_mode_refuses_what_it_does_not_cover(text_model, invariant_on, tmp_path):
+    # Jobs with an adapter or image ids, and mixture-of-experts models: a clear error
+    # where they are given, not a run that quietly breaks the mode's promise.
+    from exl3cli.engine.generation.generator import Generator
+    from exl3cli.engine.generation.jobs import GenerationJob
+    from exl3cli.engine.generation.textmodel import TextModel
+    from exl3cli.errors import InvalidOption
+    from tests.fixtures.tiny_model import write_tiny_model
+    from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
+
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=4)
+    with pytest.raises(InvalidOption, match="does not cover LoRA adapters"):
+        generator.submit(GenerationJob(prompt_ids=[5, 6, 7], adapter="mine"))
+    vocab = text_model.model.config.vocab_size
+    assert invariant.job_refusal(GenerationJob(prompt_ids=[5]), [5, vocab], vocab) \
+        == "batch-invariant mode does not cover prompts with images"
+    assert invariant.job_refusal(GenerationJob(prompt_ids=[5]), [5, 6], vocab) is None
+    handle = generator.submit(GenerationJob(prompt_ids=[5, 6, 7], num_predict=2))
+    generator.run_until_done()
+    assert len(handle.token_ids) == 2  # the generator still serves plain jobs
+
+    folder = write_tiny_model(tmp_path / "moe", "qwen3_moe", vocab_size=400)
+    write_tiny_tokenizer(folder)
+    moe = TextModel.load(folder, device="cpu")
+    with pytest.raises(InvalidOption, match="does not cover mixture-of-experts"):
+        Generator(moe.model, moe.tokenizer, max_batch=4)

@@ -112,6 +112,9 @@ class Generator:
     ):
         config = model.config
         self.batch_invariant = invariant.resolve(batch_invariant)
+        refusal = invariant.model_refusal(model) if self.batch_invariant else None
+        if refusal is not None:
+            raise InvalidOption(refusal)
         decode_mode = invariant.decode_mode(decode_mode, model.device, self.batch_invariant)
         self.model = model
         self.tokenizer = tokenizer
@@ -157,6 +160,10 @@ class Generator:
         """Queue a job; ContextOverflow if its prompt cannot fit, GeneratorBusy if the
         queue is full."""
         prompt = self._fit_prompt(job)
+        refusal = (invariant.job_refusal(job, prompt, self.model.config.vocab_size)
+                   if self.batch_invariant else None)
+        if refusal is not None:  # the mode's promise does not hold for this job
+            raise InvalidOption(refusal)
         if job.adapter is not None:  # an adapter the model does not hold: this job fails
             adapters = getattr(self.model, "adapters", None)
             if adapters is None or job.adapter not in adapters:

@@ -5,10 +5,12 @@ and a job's logits do not depend on which jobs share its steps, how its prompt w
 into chunks or whether its prefix came from the cache.
 
 A prompt chunk rides beside the step's decode rows (and drafts) in the rows left of
-``DecodeRunner.max_rows``; its last row gives the logits. A step the fixed-shape step
-cannot take (a prompt with image spans, which it does not embed; a model without it)
-falls back to the general path, which is not invariant. A generator in the mode runs at
-most 64 jobs at once (``max_jobs``).
+``DecodeRunner.max_rows``; its last row gives the logits. What the mode does not
+cover is refused where it is given: jobs with an adapter or image ids at submit
+(``job_refusal``), mixture-of-experts and tensor-parallel models when the generator is
+made (``model_refusal``); a step the fixed-shape step still cannot take (a model
+without one) falls back to the general path. A generator in the mode runs at most 64
+jobs at once (``max_jobs``); more wait in its queue.
 """
 
 from __future__ import annotations
@@ -31,6 +33,32 @@ def resolve(flag: bool | None) -> bool:
     if on and not batch_invariant():
         set_batch_invariant(True)
     return on
+
+
+def model_refusal(model: Any) -> str | None:
+    """Why the mode cannot promise invariance for `model` (None: it can): mixture-of-
+    experts layers (their expert grouping follows the batch) and tensor-parallel models
+    keep kernels the mode does not cover, so the mode refuses them instead of running
+    them unpromised."""
+    from exl3cli.engine.layers.moe import MoEMLP
+
+    if type(model).__name__ == "TensorParallelModel":
+        return "batch-invariant mode does not cover tensor-parallel models"
+    for layer in getattr(model, "layers", []):
+        if any(isinstance(module, MoEMLP) for module in layer.modules()):
+            return "batch-invariant mode does not cover mixture-of-experts layers"
+    return None
+
+
+def job_refusal(job: Any, prompt: Sequence[int], vocab_size: int) -> str | None:
+    """Why a job cannot run invariantly (None: it can): LoRA adapters (their low-rank
+    products keep their own kernels) and prompts with images (ids past the vocabulary:
+    the fixed-shape step does not embed them)."""
+    if job.adapter is not None:
+        return "batch-invariant mode does not cover LoRA adapters"
+    if any(token >= vocab_size for token in prompt):
+        return "batch-invariant mode does not cover prompts with images"
+    return None
 
 
 def max_jobs(max_batch: int, on: bool) -> int:
