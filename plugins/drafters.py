@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from exl3cli.engine.generation.draft_gate import SHORT_FEED, DraftForwardCost
 from exl3cli.engine.generation.speculative import Drafter
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
@@ -103,6 +104,8 @@ class _SharedDraftCache:
         self.model = model
         self.pool: PagePool | None = None
         self.lock = threading.Lock()  # generators of several targets may share a draft
+        # Its forwards' time, which the generator's gate weighs against a plain step.
+        self.forward_cost = DraftForwardCost()
 
     def _new_pool(self, pages: int) -> None:
         config = self.model.config
@@ -152,6 +155,7 @@ class ModelDrafter:
         self.vocab_size = int(model.config.vocab_size)
         self.cache = _shared_cache(model)
         self.batch_key = id(self.cache)  # jobs with one key draft together
+        self.forward_cost = self.cache.forward_cost  # timed here, judged by the generator
         self.table: PageTable | None = None
         self.capacity = 0
 
@@ -185,8 +189,10 @@ class ModelDrafter:
                 ids = torch.tensor([[t for feed in feeds for t in feed]], dtype=torch.long,
                                    device=self.model.device)
                 batch = PagedBatch(self.cache.pool, tables, feeds)
-                logits = self.model.forward(ids, batch, last_logits_only=True)[0]
-                picks = torch.argmax(logits, dim=-1).tolist()
+                short = max(len(feed) for feed in feeds) <= SHORT_FEED
+                with self.cache.forward_cost.timing(len(rows), short):
+                    logits = self.model.forward(ids, batch, last_logits_only=True)[0]
+                    picks = torch.argmax(logits, dim=-1).tolist()  # the sync
                 for i, token in zip(rows, picks, strict=True):
                     proposals[i].append(int(token))
                 rows = [i for i in rows if len(proposals[i]) < counts[i]]
