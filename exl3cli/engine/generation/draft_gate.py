@@ -20,7 +20,10 @@ generator that drafts with it, so a verdict outlives the request that paid for i
 - `decide(drafting, batch, plain_ns)` is asked before each drafting step, for the jobs
   of the drafter that may draft: no cap (draft as each job's back-off says), a cap of
   PROBE_DRAFTS positions (the first draft at a size class, and the probe after a pause:
-  one forward may catch up, the next is timed), or a certain loss: every one of those
+  one forward may catch up, the next is timed), or a certain loss (measured at this
+  size, or implied by another: a forward over more jobs never costs less, nor more
+  than proportionally more; so once a process timed its draft model at one batch
+  size, a loss at any other needs no probe): every one of those
   jobs pauses (DraftBackoff.pause_for, so paused jobs take the generator's fast plain
   path) for `interval` tokens, at least long enough that the probe's loss stays under
   PROBE_OVERHEAD of the paused time, doubled per probe that confirms it (up to
@@ -94,13 +97,17 @@ class DraftForwardCost:
         if drafting <= 0 or plain_ns is None or plain_ns <= 0:
             return None, 0
         key = size_class(drafting)
-        forward = self._ns.get(key)
-        if forward is None or key in self._probe_due:
+        if key in self._probe_due:  # a pause ended: time the forward again
             self._probe_due.discard(key)
-            self.probes += forward is not None
-            return PROBE_DRAFTS, 0  # not timed at this size, or a pause ended: time it
+            self.probes += 1
+            return PROBE_DRAFTS, 0
         bound = plain_ns * drafting / max(batch, drafting)
-        if forward < bound:
+        forward = self._ns.get(key)
+        if forward is None:  # never timed at this size: what other sizes say, else time it
+            forward = self._lower_bound(key)
+            if forward is None or forward < bound:
+                return PROBE_DRAFTS, 0
+        elif forward < bound:
             self._interval.pop(key, None)
             return None, 0
         interval = self._interval.get(key)
@@ -116,3 +123,9 @@ class DraftForwardCost:
         self._probe_due.add(key)
         self.pauses += 1
         return 0, interval
+
+    def _lower_bound(self, key: int) -> float | None:
+        """The least a forward over `key` jobs can cost, from the sizes timed: never less
+        than over fewer jobs, nor less than its share of one over more."""
+        known = [ns * min(1.0, key / other) for other, ns in self._ns.items()]
+        return max(known) if known else None
