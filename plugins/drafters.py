@@ -199,6 +199,30 @@ class ModelDrafter:
                 feeds = [proposals[i][-1:] for i in rows]
         return proposals
 
+    @torch.inference_mode()
+    def time_forward(self, jobs: int) -> None:
+        """Time one draft forward over `jobs` one-token rows of scratch tables (freed
+        after): what a drafted position costs, without catching up any job's text
+        first (the generator's gate asks before it drafts: draft_gate.py)."""
+        with self.cache.lock:
+            if self.cache.pool is None:
+                self.cache._new_pool(max(4, 2 * jobs))
+            tables = []
+            for _ in range(jobs):
+                table = PageTable(self.cache.pool)
+                if not table.admit([], 1):
+                    break
+                tables.append(table)
+            if len(tables) == jobs:
+                feeds = [[0] for _ in tables]
+                ids = torch.zeros((1, jobs), dtype=torch.long, device=self.model.device)
+                with self.cache.forward_cost.timing(jobs, short=True, scratch=True):
+                    logits = self.model.forward(ids, PagedBatch(self.cache.pool, tables, feeds),
+                                                last_logits_only=True)[0]
+                    torch.argmax(logits, dim=-1).tolist()  # the sync
+            for table in tables:
+                table.free()
+
     def release(self) -> None:
         """The job ended: give its pages back to the shared cache."""
         if self.table is not None:

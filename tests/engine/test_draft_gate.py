@@ -19,6 +19,7 @@ from exl3cli.engine.generation.batch_sampling import sample_and_pick, sample_row
 from exl3cli.engine.generation.draft_gate import (
     MAX_PROBE_INTERVAL,
     PROBE_DRAFTS,
+    TIME_FIRST,
     DraftForwardCost,
 )
 from exl3cli.engine.generation.generator import Generator
@@ -32,20 +33,20 @@ MS = 1_000_000
 
 def test_a_draft_forward_as_slow_as_a_plain_step_pauses_and_is_probed_rarely():
     cost = DraftForwardCost()
-    assert cost.decide(1, 1, MS) == (PROBE_DRAFTS, 0)  # never timed: a short draft times it
+    assert cost.decide(1, 1, MS) == (TIME_FIRST, 0)  # never timed: time a forward first
     cost.observe(1, MS)  # as slow as the target's plain step: no acceptance can pay
     cap, pause = cost.decide(1, 1, MS)
-    # The probe (two draft forwards) loses 2 plain steps: under 3% of the pause.
+    # A probe (up to two draft forwards) loses 2 plain steps: under 3% of the pause.
     assert cap == 0 and pause == math.ceil(2 / 0.03) and cost.pauses == 1
-    assert cost.decide(1, 1, MS) == (PROBE_DRAFTS, 0)  # the pause ended: probe once
+    assert cost.decide(1, 1, MS) == (TIME_FIRST, 0)  # the pause ended: time it again
     assert cost.decide(1, 1, MS) == (0, 2 * pause)  # still slow: twice as long
     pauses = []
     for _ in range(20):  # probe, pause, probe, pause...
-        assert cost.decide(1, 1, MS) == (PROBE_DRAFTS, 0)
+        assert cost.decide(1, 1, MS) == (TIME_FIRST, 0)
         pauses.append(cost.decide(1, 1, MS)[1])
     assert pauses[0] == 4 * pause and max(pauses) == pauses[-1] == MAX_PROBE_INTERVAL
     # A probe that finds the forward cheap (the device was busy, say) ends the back-off.
-    assert cost.decide(1, 1, MS) == (PROBE_DRAFTS, 0)
+    assert cost.decide(1, 1, MS) == (TIME_FIRST, 0)
     for _ in range(8):
         cost.observe(1, MS // 10)
     assert cost.decide(1, 1, MS) == (None, 0)
@@ -76,7 +77,7 @@ def test_one_timed_size_implies_a_loss_at_the_others():
     assert cost.decide(16, 16, MS)[0] == 0 and cost.probes == 0
     fast = DraftForwardCost()
     fast.observe(16, MS)  # 16 jobs at one plain step: 1 job may cost as little as 1/16
-    assert fast.decide(1, 1, MS) == (PROBE_DRAFTS, 0)
+    assert fast.decide(1, 1, MS) == (TIME_FIRST, 0)
 
 
 def test_catch_up_forwards_are_not_a_draft_forwards_cost():
@@ -165,16 +166,30 @@ def test_a_draft_model_as_big_as_its_target_is_paused_and_never_slower(
     prompts = _prompts(jobs)
     tokens = 96 if jobs == 1 else 40
     plain, plain_ns, _ = _run(text_model, monkeypatch, prompts, tokens)
-    # The target's own weights draft: every draft is kept, yet k draft forwards of a
-    # plain step each cannot beat k + 1 plain steps.
+    # The target's own weights draft (every draft would be kept), yet k draft forwards
+    # of a plain step each cannot beat the k + 1 plain steps they replace.
     drafted, drafted_ns, cost = _run(text_model, monkeypatch, prompts, tokens, draft_ns=MS)
     assert [h.token_ids for h in drafted] == [h.token_ids for h in plain]
-    assert all(h.final.draft_accepted == h.final.draft_count > 0 for h in drafted)
-    # One short first draft (PROBE_DRAFTS) per job, then paused: the probe comes after
-    # ceil(2 / 0.03) tokens.
-    assert cost.pauses >= 1
-    assert all(h.final.draft_count <= 2 * PROBE_DRAFTS for h in drafted)
-    assert drafted_ns <= 1.03 * plain_ns
+    # One forward over scratch rows timed it before any draft: paused at once, the
+    # next probe ceil(2 / 0.03) tokens later; the run costs that one forward more.
+    assert cost.pauses >= 1 and cost.forward_ns(jobs) == MS
+    assert all(h.final.draft_count == 0 for h in drafted)
+    assert drafted_ns <= plain_ns + 2 * MS
+
+
+def test_without_a_timing_of_its_own_a_drafter_probes_two_positions(
+        text_model, monkeypatch):
+    """A batched drafter without `time_forward` drafts PROBE_DRAFTS positions to be
+    timed (one forward catches up the prompt, the next is timed), then pauses; its
+    probes draft PROBE_DRAFTS positions too."""
+    monkeypatch.setattr(ModelDrafter, "time_forward", None)
+    prompts = _prompts(1)
+    plain, plain_ns, _ = _run(text_model, monkeypatch, prompts, 96)
+    drafted, drafted_ns, cost = _run(text_model, monkeypatch, prompts, 96, draft_ns=MS)
+    assert [h.token_ids for h in drafted] == [h.token_ids for h in plain]
+    # The first draft, and one probe ceil(2 / 0.03) = 67 tokens after it.
+    assert drafted[0].final.draft_accepted == drafted[0].final.draft_count == 2 * PROBE_DRAFTS
+    assert cost.pauses == 2 and drafted_ns <= plain_ns + 2 * MS
 
 
 def test_a_cheap_draft_model_keeps_drafting(text_model, monkeypatch):
@@ -189,8 +204,9 @@ def test_a_cheap_draft_model_keeps_drafting(text_model, monkeypatch):
 def test_a_process_that_timed_its_draft_model_once_does_not_draft_where_it_cannot_pay(
         text_model, monkeypatch):
     """A draft forward of 5 plain steps (an eager draft model for a graphed target):
-    timed once over 2 jobs (the first request pays one short draft), it is not drafted
-    with again at 1 job or at 16: those runs take the plain steps' time."""
+    timed once over 2 jobs (the first request pays one scratch forward), it is not
+    drafted with at 1 job or at 16, nor timed again: those runs take the plain steps'
+    time exactly."""
     draft = _Clocked(text_model.model, types.SimpleNamespace(now=0), 5 * MS)
     _run(text_model, monkeypatch, _prompts(2), 8, draft=draft)
     for jobs in (1, 16):
@@ -200,4 +216,6 @@ def test_a_process_that_timed_its_draft_model_once_does_not_draft_where_it_canno
         assert [h.token_ids for h in drafted] == [h.token_ids for h in plain]
         assert all(h.final.draft_count == 0 for h in drafted)
         assert drafted_ns == plain_ns
-    assert cost.probes == 0 and cost.pauses == 2
+    # The first request timed it (over 2 jobs) and paused; the others paused untimed.
+    assert cost.probes == 0 and cost.pauses == 3
+    assert cost.forward_ns(1) is None and cost.forward_ns(16) is None

@@ -18,9 +18,11 @@ generator that drafts with it, so a verdict outlives the request that paid for i
   job's prompt, is prefill, not a draft forward's cost: `take_catch_up`, which the
   generator leaves out of the pass it charges), per batch size class;
 - `decide(drafting, batch, plain_ns)` is asked before each drafting step, for the jobs
-  of the drafter that may draft: no cap (draft as each job's back-off says), a cap of
-  PROBE_DRAFTS positions (the first draft at a size class, and the probe after a pause:
-  one forward may catch up, the next is timed), or a certain loss (measured at this
+  of the drafter that may draft: no cap (draft as each job's back-off says), TIME_FIRST
+  (a size class never timed, and the probe after a pause: the drafter's
+  `time_forward(jobs)` times one forward over one-token scratch rows, no job's text
+  caught up, then it is asked again; a drafter without it drafts PROBE_DRAFTS
+  positions: one forward may catch up, the next is timed), or a certain loss (measured at this
   size, or implied by another: a forward over more jobs never costs less, nor more
   than proportionally more; so once a process timed its draft model at one batch
   size, a loss at any other needs no probe): every one of those
@@ -44,6 +46,7 @@ from exl3cli.engine.generation.draft_policy import PROBE_OVERHEAD, SMOOTHING, si
 
 SHORT_FEED = 4  # tokens per job at most in a draft forward that is timed
 PROBE_DRAFTS = 2  # positions a probe drafts: one forward may catch up, the next is timed
+TIME_FIRST = -1  # `decide`: time a forward (the drafter's `time_forward`), then ask again
 FIRST_INTERVAL = 16  # tokens paused before the first probe, at least
 MAX_PROBE_INTERVAL = 4096
 
@@ -60,15 +63,17 @@ class DraftForwardCost:
         self.catch_up_ns = 0  # time of the long-feed forwards since `take_catch_up`
 
     @contextmanager
-    def timing(self, jobs: int, short: bool) -> Iterator[None]:
+    def timing(self, jobs: int, short: bool, scratch: bool = False) -> Iterator[None]:
         """Around one draft forward over `jobs` jobs (and its read-back); recorded when
-        every feed was `short` (at most SHORT_FEED tokens), else counted as catch-up."""
+        every feed was `short` (at most SHORT_FEED tokens), else counted as catch-up.
+        A `scratch` forward (the drafter's `time_forward`: rows of no job) is both
+        recorded and left out of the step's charge, like catch-up."""
         start = time.perf_counter_ns()
         yield
         elapsed = time.perf_counter_ns() - start
         if short:
             self.observe(jobs, elapsed)
-        else:
+        if scratch or not short:
             self.catch_up_ns += elapsed
 
     def take_catch_up(self) -> int:
@@ -100,20 +105,20 @@ class DraftForwardCost:
         if key in self._probe_due:  # a pause ended: time the forward again
             self._probe_due.discard(key)
             self.probes += 1
-            return PROBE_DRAFTS, 0
+            return TIME_FIRST, 0
         bound = plain_ns * drafting / max(batch, drafting)
         forward = self._ns.get(key)
         if forward is None:  # never timed at this size: what other sizes say, else time it
             forward = self._lower_bound(key)
             if forward is None or forward < bound:
-                return PROBE_DRAFTS, 0
+                return TIME_FIRST, 0
         elif forward < bound:
             self._interval.pop(key, None)
             return None, 0
         interval = self._interval.get(key)
         if interval is None:
-            # The probe's loss in plain steps: its draft forwards (its verify pass
-            # emits at least the token a plain step would).
+            # The probe's loss in plain steps: one scratch forward (or PROBE_DRAFTS
+            # draft forwards, whose verify pass emits at least a plain step's token).
             loss = PROBE_DRAFTS * forward / bound
             interval = min(MAX_PROBE_INTERVAL,
                            max(FIRST_INTERVAL, math.ceil(loss / PROBE_OVERHEAD)))

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
+from exl3cli.engine.generation.draft_gate import PROBE_DRAFTS, TIME_FIRST
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.errors import InvalidOption
 
@@ -121,9 +122,8 @@ def prepare_drafts(jobs: Sequence[Any],
         groups.setdefault(drafter.batch_key, []).append((job, count))
     for members in groups.values():
         drafters = [job.drafter for job, _ in members]
+        cap, pause = _ask_gate(gate, drafters[0], len(members))
         cost = getattr(drafters[0], "forward_cost", None)
-        cap, pause = gate(cost, len(members)) if gate is not None and cost is not None else (
-            None, 0)
         if cap is not None:
             members = [(job, min(count, cap)) for job, count in members]
         if cap == 0:
@@ -138,6 +138,25 @@ def prepare_drafts(jobs: Sequence[Any],
         if cost is not None:
             catch_up += cost.take_catch_up()
     return catch_up
+
+
+def _ask_gate(gate: Callable[[Any, int], tuple[int | None, int]] | None, drafter: Any,
+              jobs: int) -> tuple[int | None, int]:
+    """The gate's (cap, pause) for `jobs` jobs of `drafter` (draft_gate.decide): when it
+    asks for a timing first, the drafter's `time_forward(jobs)`, then its verdict (a
+    drafter that cannot time a forward alone drafts PROBE_DRAFTS positions instead)."""
+    cost = getattr(drafter, "forward_cost", None)
+    if gate is None or cost is None:
+        return None, 0
+    cap, pause = gate(cost, jobs)
+    if cap == TIME_FIRST:
+        timer = getattr(drafter, "time_forward", None)
+        if timer is not None:
+            timer(jobs)
+            cap, pause = gate(cost, jobs)
+        if cap == TIME_FIRST:
+            cap = PROBE_DRAFTS
+    return cap, pause
 
 
 def draft_count(options: dict[str, Any] | None) -> int:
