@@ -164,9 +164,9 @@ def sample_and_pick(logits: torch.Tensor, rows: Sequence[int], samplers: Sequenc
             drawn = sample_rows(some, samplers, histories)
     flat = [row for group in pick_rows for row in group]
     parts = [] if on_device is None else [on_device]
-    if flat:
-        chosen = logits.index_select(0, torch.tensor(flat, device=device))
-        parts.append(torch.argmax(chosen, dim=-1))
+    if flat:  # the argmax of every row (a pass has at most 64), then the rows wanted
+        best = torch.argmax(logits, dim=-1)
+        parts.append(best.index_select(0, torch.tensor(flat, device=device)))
     values = torch.cat(parts).tolist() if parts else []  # the step's one read-back
     if on_device is not None:
         drawn, values = values[: len(rows)], values[len(rows):]
