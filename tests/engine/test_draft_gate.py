@@ -219,3 +219,27 @@ def test_a_process_that_timed_its_draft_model_once_does_not_draft_where_it_canno
     # The first request timed it (over 2 jobs) and paused; the others paused untimed.
     assert cost.probes == 0 and cost.pauses == 3
     assert cost.forward_ns(1) is None and cost.forward_ns(16) is None
+
+
+def test_the_first_decode_step_of_a_drafting_batch_is_a_timed_plain_step(text_model):
+    """Without a plain step's time at its batch size no drafting pass could be judged:
+    the first decode step is plain (and timed), the next one drafts."""
+    from tests.fixtures.drafters import OracleDrafter
+
+    prompt = _prompts(1)[0]
+    plain = Generator(text_model.model, text_model.tokenizer, max_batch=1, num_ctx=512,
+                      decode_mode="off")
+    answer = plain.submit(GenerationJob(prompt, GREEDY, num_predict=12, ignore_eos=True))
+    answer.text()
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=1, num_ctx=512,
+                          decode_mode="off", draft_cost=True)
+    handle = generator.submit(GenerationJob(
+        prompt, GREEDY, num_predict=12, ignore_eos=True,
+        drafter=OracleDrafter(prompt, answer.token_ids), draft_tokens=4))
+    assert generator.step().prefill_tokens == len(prompt)
+    assert generator.plain_clock.plain_ns(1) is None
+    assert generator.step().draft_tokens == 0
+    assert generator.plain_clock.plain_ns(1) is not None
+    assert generator.step().draft_tokens == 4
+    generator.run_until_done()
+    assert handle.token_ids == answer.token_ids
