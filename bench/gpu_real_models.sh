@@ -7,7 +7,8 @@
 # next call within 30 s):
 #   bash bench/gpu_real_models.sh stash       carry: [".real/s/c1"]   (or .real/g/cN)
 #   bash bench/gpu_real_models.sh             carry: [".real/s/c2"]   the stages
-# Stages (STAGES, default "greedy tests serve spec"; all need `convert`, which is implied):
+# Stages (STAGES, default "greedy tests serve spec"; all need `convert`, which is implied;
+# STAGES=spec converts only the 2.0 bpw draft, greedy/serve the 4.0 folders):
 #   convert  source folders from the GGUFs; EXL3 4.0 bpw of each model, 2.0 bpw SmolLM2
 #   greedy   item 1: `exl3 run`-path greedy 64 tokens, fp16 and EXL3 4.0, vs CPU refs
 #            (fp16: shipped refs computed on the dev CPU; EXL3: refs computed on this
@@ -104,7 +105,9 @@ cpu_reference() {  # the CPU reference of an EXL3 folder, on this machine's CPU,
     bench/real_models/greedy_check.py reference "$REAL/$1-4.0" --device cpu --dtype float32 \
     $(raw_of "$1") --out "$OUT/ref-$1-4.0.json" >"$OUT/ref-$1-4.0.log" 2>&1 &
 }
-for m in $MODELS; do convert "$m" 4.0 && cpu_reference "$m"; done
+if has greedy || has serve; then  # the 4.0 folders serve items 1 and 2 only
+  for m in $MODELS; do convert "$m" 4.0 && cpu_reference "$m"; done
+fi
 [[ " $MODELS " == *" smollm2 "* ]] && has spec && convert smollm2 2.0
 
 # --- item 1: greedy text, GPU vs CPU (fp16 here; EXL3 last, once its CPU refs are in) --

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from exl3cli.engine.generation.draft_gate import SHORT_FEED, DraftForwardCost
 from exl3cli.engine.generation.speculative import Drafter
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
@@ -103,6 +104,8 @@ class _SharedDraftCache:
         self.model = model
         self.pool: PagePool | None = None
         self.lock = threading.Lock()  # generators of several targets may share a draft
+        # Its forwards' time, which the generator's gate weighs against a plain step.
+        self.forward_cost = DraftForwardCost()
 
     def _new_pool(self, pages: int) -> None:
         config = self.model.config
@@ -152,6 +155,7 @@ class ModelDrafter:
         self.vocab_size = int(model.config.vocab_size)
         self.cache = _shared_cache(model)
         self.batch_key = id(self.cache)  # jobs with one key draft together
+        self.forward_cost = self.cache.forward_cost  # timed here, judged by the generator
         self.table: PageTable | None = None
         self.capacity = 0
 
@@ -185,13 +189,39 @@ class ModelDrafter:
                 ids = torch.tensor([[t for feed in feeds for t in feed]], dtype=torch.long,
                                    device=self.model.device)
                 batch = PagedBatch(self.cache.pool, tables, feeds)
-                logits = self.model.forward(ids, batch, last_logits_only=True)[0]
-                picks = torch.argmax(logits, dim=-1).tolist()
+                short = max(len(feed) for feed in feeds) <= SHORT_FEED
+                with self.cache.forward_cost.timing(len(rows), short):
+                    logits = self.model.forward(ids, batch, last_logits_only=True)[0]
+                    picks = torch.argmax(logits, dim=-1).tolist()  # the sync
                 for i, token in zip(rows, picks, strict=True):
                     proposals[i].append(int(token))
                 rows = [i for i in rows if len(proposals[i]) < counts[i]]
                 feeds = [proposals[i][-1:] for i in rows]
         return proposals
+
+    @torch.inference_mode()
+    def time_forward(self, jobs: int) -> None:
+        """Time one draft forward over `jobs` one-token rows of scratch tables (freed
+        after): what a drafted position costs, without catching up any job's text
+        first (the generator's gate asks before it drafts: draft_gate.py)."""
+        with self.cache.lock:
+            if self.cache.pool is None:
+                self.cache._new_pool(max(4, 2 * jobs))
+            tables = []
+            for _ in range(jobs):
+                table = PageTable(self.cache.pool)
+                if not table.admit([], 1):
+                    break
+                tables.append(table)
+            if len(tables) == jobs:
+                feeds = [[0] for _ in tables]
+                ids = torch.zeros((1, jobs), dtype=torch.long, device=self.model.device)
+                with self.cache.forward_cost.timing(jobs, short=True, scratch=True):
+                    logits = self.model.forward(ids, PagedBatch(self.cache.pool, tables, feeds),
+                                                last_logits_only=True)[0]
+                    torch.argmax(logits, dim=-1).tolist()  # the sync
+            for table in tables:
+                table.free()
 
     def release(self) -> None:
         """The job ended: give its pages back to the shared cache."""

@@ -8,7 +8,10 @@ passes, draft tokens kept per pass, the cost of a pass against a plain step, the
 speed-up over no drafting, and whether every text equals the undrafted one. Steps that
 captured a CUDA graph (once per row-count bucket and generator) are left out of the
 times, counted in `capture_steps`. EXL3_DRAFT_COST=0 turns the cost back-off off (the
-raw pass cost); by default drafting pauses where its passes do not pay.
+raw pass cost); by default drafting pauses where its passes do not pay, and a draft
+model whose own forward costs more than drafting can save is not drafted with
+(engine/generation/draft_gate.py; `gate` in each row: its pauses, probes and the
+draft forward's ms per batch size).
 
     python bench/real_models/speculative_bench.py TARGET --draft-model DRAFT_FOLDER \
         --jobs 1,16 --tokens 64 --k 4 --device cuda --out spec.json
@@ -75,7 +78,12 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
             passes += 1
             drafted_passes += report.draft_tokens > 0
     produced = sum(len(h.token_ids) for h in handles)
+    cost = getattr(handles[0].job.drafter, "forward_cost", None)  # a draft model's gate
     return {
+        "gate": None if cost is None else {
+            "pauses": cost.pauses, "probes": cost.probes,
+            "forward_ms": {jobs: round(cost.forward_ns(jobs) / 1e6, 3)
+                           for jobs in (1, 2, 4, 8, 16) if cost.forward_ns(jobs)}},
         "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
         "passes": passes, "drafted_passes": drafted_passes, "capture_steps": capture_steps,
         "drafted": sum(h.final.draft_count for h in handles),
@@ -99,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     text_model = TextModel.load(args.model, device=args.device, dtype=dtype)
     drafters = ["ngram"] + ([args.draft_model] if args.draft_model else [])
     rows = []
-    # Warm-up: kernels, graphs and the draft model's load are not measured.
+    # Warm-up: kernels, graphs and the draft model's load are not measured; nor is the
+    # first timing of the draft model's forward (draft_gate.DraftForwardCost is per
+    # process, as in a daemon: its first request pays one short draft).
     warm = [text_model.chat_prompt([{"role": "user", "content": SETS["free"][0]}])]
     for drafter in [None, *drafters]:
         _run(text_model, warm * 2, 8, drafter, args.k, args.device)
@@ -127,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                     "pass_cost_vs_plain": round((got["decode_s"] / max(1, got["passes"]))
                                                 / plain_step, 3) if plain_step else None,
                     "same_text": got["ids"] == plain["ids"],
+                    "gate": got["gate"],  # draft_gate: pauses, probes, forward ms by size
                 })
                 row = rows[-1]
                 print(f"{set_name:<9}{jobs:>3} jobs {row['drafter']:<22} "

@@ -6,6 +6,8 @@ temperature with top_k / top_p / min_p) are sampled together with tensor ops and
 back with one copy for the whole batch; any other row (penalties, typical_p, a seed,
 a plugin's step) runs its own `Sampler.sample`, the reference every batched row
 must agree with (same distribution: tests/engine/test_batch_sampling.py).
+`sample_and_pick` adds the argmax of a verifying greedy job's rows (speculative
+decoding's check of its drafts) to the same read-back.
 
 The batched pipeline applies the steps in the same order as the reference (top_k,
 top_p, min_p, then temperature) to the row's `top_k` best candidates (the whole
@@ -143,3 +145,33 @@ def sample_rows(logits: torch.Tensor, samplers: Sequence[Sampler],
         if tokens[i] is None:
             tokens[i] = samplers[i].sample(logits[i], histories[i])
     return tokens  # type: ignore[return-value]
+
+
+def sample_and_pick(logits: torch.Tensor, rows: Sequence[int], samplers: Sequence[Sampler],
+                    histories: Sequence[list[int]], pick_rows: Sequence[Sequence[int]]
+                    ) -> tuple[list[int], list[list[int]]]:
+    """`sample_rows` of logits[rows], and the argmax of every row of each `pick_rows`
+    group (a verifying job with a batchable greedy sampler: its choice after the pending
+    token and each draft, what `speculative.verify` would pick), read back together: one
+    copy for the whole step when every sampled row batches."""
+    device = logits.device
+    drawn: list[int] = []
+    on_device: torch.Tensor | None = None
+    if rows:
+        some = logits.index_select(0, torch.tensor(list(rows), device=device))
+        on_device = sample_on_device(some, samplers)
+        if on_device is None:
+            drawn = sample_rows(some, samplers, histories)
+    flat = [row for group in pick_rows for row in group]
+    parts = [] if on_device is None else [on_device]
+    if flat:  # the argmax of every row (a pass has at most 64), then the rows wanted
+        best = torch.argmax(logits, dim=-1)
+        parts.append(best.index_select(0, torch.tensor(flat, device=device)))
+    values = torch.cat(parts).tolist() if parts else []  # the step's one read-back
+    if on_device is not None:
+        drawn, values = values[: len(rows)], values[len(rows):]
+    picks, first = [], 0
+    for group in pick_rows:
+        picks.append(values[first : first + len(group)])
+        first += len(group)
+    return drawn, picks

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from exl3cli.engine.generation import invariant
-from exl3cli.engine.generation.batch_sampling import batchable, sample_on_device, sample_rows
+from exl3cli.engine.generation.batch_sampling import batchable, sample_and_pick, sample_on_device
 from exl3cli.engine.generation.decode_step import DecodeRunner
 from exl3cli.engine.generation.draft_policy import PlainStepClock, charge_step, fit_rows
 from exl3cli.engine.generation.jobs import (
@@ -150,6 +150,7 @@ class Generator:
         self.draft_cost = draft_cost
         self.plain_clock = PlainStepClock()
         self._time_plain = False
+        self._catch_up_ns = 0  # this step's draft model catch-up time (not charged)
         self._next_id = 0
         # Called with each step's report (from the stepping thread, under the lock).
         self.step_observers: list[Callable[[StepReport], None]] = []
@@ -277,12 +278,13 @@ class Generator:
             else:
                 with self._adapters_for([(active, len(tokens)) for active, tokens in fed]):
                     logits, rows = self._forward(fed)
-            tokens_of = self._sample(fed, logits, rows)
+            tokens_of, picks_of = self._sample(fed, logits, rows)
             elapsed = time.perf_counter_ns() - start
             before = [(active.produced, active.verifying) for active, _ in fed]
             for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
-                events = active.after_forward(tokens, None if i in tokens_of else logits[row],
-                                              elapsed, tokens_of.get(i))
+                read = i in tokens_of or i in picks_of
+                events = active.after_forward(tokens, None if read else logits[row], elapsed,
+                                              tokens_of.get(i), picks_of.get(i))
                 self._deliver(active, events, report)
             if self.draft_cost and self.decode.captures == captures:
                 self._time_step(fed, report, time.perf_counter_ns() - began, before)
@@ -297,8 +299,16 @@ class Generator:
         room = self.max_prefill_tokens
         fed: list[tuple[ActiveJob, list[int]]] = []
         draft, self._time_plain = not self._time_plain, False
-        if draft:
-            prepare_drafts(self._active)  # batched drafters: one draft pass for all their jobs
+        self._catch_up_ns = 0
+        decoding = sum(1 for a in self._active if not a.prefilling and a.pending_token is not None)
+        if draft and self.draft_cost and any(a.drafter is not None for a in self._active):
+            plain = self.plain_clock.plain_ns(decoding)
+            draft = plain is not None  # the first pass of a batch size is judged: time one
+            if draft:  # batched drafters: one draft pass for all their jobs, if it can pay
+                self._catch_up_ns = prepare_drafts(
+                    self._active, lambda cost, jobs: cost.decide(jobs, decoding, plain))
+        elif draft:
+            prepare_drafts(self._active)
         for active in self._active:
             if not active.prefilling:
                 tokens = active.next_tokens(0, draft)
@@ -328,9 +338,9 @@ class Generator:
                    took_ns: int, before: list[tuple[int, bool]]) -> None:
         """Account for a decode step's wall time (draft_policy.charge_step); steps with
         prompt chunks time nothing."""
-        if not report.prefill_tokens:
+        if not report.prefill_tokens:  # nor the draft model's own prompt (catch-up)
             self._time_plain = charge_step(self.plain_clock, fed, bool(report.draft_tokens),
-                                           took_ns, before)
+                                           took_ns - self._catch_up_ns, before)
 
     def _deliver(self, active: ActiveJob, events: list[GeneratorEvent],
                  report: StepReport) -> None:
@@ -426,16 +436,20 @@ class Generator:
 
     @staticmethod
     def _sample(fed: list[tuple[ActiveJob, list[int]]], logits: torch.Tensor,
-                rows: list[Any]) -> dict[int, int]:
-        """{index in fed: token} for the jobs whose step ends in a plain sample, drawn
-        together (batch_sampling: one read-back for the batch)."""
+                rows: list[Any]) -> tuple[dict[int, int], dict[int, list[int]]]:
+        """({index in fed: token} for the jobs whose step ends in a plain sample, {index:
+        the argmax after each fed token} for greedy jobs verifying drafts), read back
+        together (batch_sampling.sample_and_pick: one read-back for the batch)."""
         due = [i for i, (active, tokens) in enumerate(fed) if active.samples_after(tokens)]
-        if not due:
-            return {}
-        index = torch.tensor([rows[i] for i in due], device=logits.device)
-        drawn = sample_rows(logits.index_select(0, index), [fed[i][0].sampler for i in due],
-                            [fed[i][0].history for i in due])
-        return dict(zip(due, drawn, strict=True))
+        picking = [i for i, (active, _) in enumerate(fed) if active.verifying
+                   and active.sampler.greedy and batchable(active.sampler)]
+        if not due and not picking:
+            return {}, {}
+        drawn, picks = sample_and_pick(
+            logits, [rows[i] for i in due], [fed[i][0].sampler for i in due],
+            [fed[i][0].history for i in due],
+            [range(rows[i].start, rows[i].stop) for i in picking])
+        return dict(zip(due, drawn, strict=True)), dict(zip(picking, picks, strict=True))
 
     def _forward(self, fed: list[tuple[ActiveJob, list[int]]]) -> tuple[torch.Tensor, list[Any]]:
         """One forward pass over the fed tokens: (logits, the logits row of each job:

@@ -21,7 +21,7 @@ import torch
 
 from exl3cli.engine.generation.draft_policy import DraftBackoff
 from exl3cli.engine.generation.sampling import Sampler, build_sampler
-from exl3cli.engine.generation.speculative import verify
+from exl3cli.engine.generation.speculative import verify, verify_picks
 from exl3cli.engine.generation.text_events import StopStringMatcher, TextEvent
 from exl3cli.engine.kvcache.paged_cache import PageTable
 from exl3cli.engine.text.tokenizer import Tokenizer
@@ -250,9 +250,11 @@ class ActiveJob:
         return True
 
     def after_forward(self, fed: list[int], logits: torch.Tensor | None,
-                      elapsed_ns: int, token: int | None = None) -> list[GeneratorEvent]:
+                      elapsed_ns: int, token: int | None = None,
+                      picks: list[int] | None = None) -> list[GeneratorEvent]:
         """Account for a step that fed `fed`; sample when the logits are due (or take
-        `token`, sampled by the generator for the whole batch)."""
+        `token`, sampled by the generator for the whole batch; or, verifying drafts
+        greedily, `picks`: the argmax after each fed token, read back for the batch)."""
         if self.prefilling:
             self.cursor += len(fed)
             self.prompt_eval_ns += elapsed_ns
@@ -264,17 +266,20 @@ class ActiveJob:
             self.pending_token = None
             self.eval_ns += elapsed_ns
             if self._draft:
-                return self._verify(fed, logits)
+                return self._verify(fed, logits, picks)
         if token is not None:
             return self._take(token)[0]
         return self._sample(logits)
 
-    def _verify(self, fed: list[int], logits: torch.Tensor) -> list[GeneratorEvent]:
-        """`logits` [1 + k, V] after the pending token and each of the k drafts: keep
-        the drafts the sampler agrees with, commit them, emit them and one more."""
+    def _verify(self, fed: list[int], logits: torch.Tensor | None,
+                picks: list[int] | None = None) -> list[GeneratorEvent]:
+        """`logits` [1 + k, V] after the pending token and each of the k drafts (or a
+        greedy sampler's `picks` from them): keep the drafts the sampler agrees with,
+        commit them, emit them and one more."""
         draft, self._draft = self._draft, []
         start = time.perf_counter_ns()
-        tokens = verify(self.sampler, logits, draft, self.history)
+        tokens = (verify_picks(draft, picks) if picks is not None
+                  else verify(self.sampler, logits, draft, self.history))
         self.eval_ns += time.perf_counter_ns() - start
         kept = len(tokens) - 1
         self.drafted += len(draft)

@@ -19,7 +19,9 @@ Public API:
   ``"ngram:N"``, else a draft model's store name or folder (the ``model`` drafter);
   ``resolve_draft(spec, model_folder)`` turns a model name into its folder first.
 - ``verify(sampler, logits[k+1, V], draft, history) -> list[int]``: the tokens to
-  emit, in order: the accepted drafts then one sampled token (1 .. k+1 tokens).
+  emit, in order: the accepted drafts then one sampled token (1 .. k+1 tokens);
+  ``verify_picks(draft, picks)`` the same for a batchable greedy sampler from its
+  argmax per row (read back for the whole step at once).
 - ``draft_count(options) -> int``: k from ``draft_num_predict`` (default
   ``DEFAULT_DRAFT_TOKENS``; 0 turns speculation off).
 - ``VerifyingBatch(pool, tables, new_tokens, verifying)``: the generator's general paged
@@ -28,7 +30,8 @@ Public API:
   (decode_step.DecodeRunner.run_feeds).
 - ``prepare_drafts(jobs)``: drafts of every job whose drafter drafts in batches
   (``batch_key`` + ``propose_batch(drafters, histories, counts)``, e.g. a draft model:
-  one draft forward per drafted position for all its jobs, not one per job).
+  one draft forward per drafted position for all its jobs, not one per job), capped
+  by `gate` (engine/generation/draft_gate.py: a draft forward too slow to ever pay).
 - When a job drafts at all is engine/generation/draft_policy.py's: drafting backs off by itself
   while its drafts are rejected.
 """
@@ -41,6 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
+from exl3cli.engine.generation.draft_gate import PROBE_DRAFTS, TIME_FIRST
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.errors import InvalidOption
 
@@ -95,11 +99,17 @@ def make_drafter(spec: str) -> Drafter:
     return factories["model"](spec)
 
 
-def prepare_drafts(jobs: Sequence[Any]) -> None:
+def prepare_drafts(jobs: Sequence[Any],
+                   gate: Callable[[Any, int], tuple[int | None, int]] | None = None) -> int:
     """Make this step's drafts for the decoding jobs whose drafters batch: the jobs
     of one `batch_key` (one draft model) are drafted by one `propose_batch` call. Each
-    job then finds its draft in `prepared_draft` (generator_jobs.ActiveJob)."""
+    job then finds its draft in `prepared_draft` (generator_jobs.ActiveJob).
+    `gate(forward_cost, drafting jobs)`, for drafters with a `forward_cost`
+    (draft_gate.DraftForwardCost.decide), caps the positions drafted; a cap of 0 pauses
+    the group's jobs for the tokens it says.
+    Returns the draft forwards' catch-up time (ns; DraftForwardCost.take_catch_up)."""
     groups: dict[Any, list[tuple[Any, int]]] = {}
+    catch_up = 0
     for job in jobs:
         drafter = job.drafter
         if (drafter is None or job.prefilling or job.pending_token is None
@@ -112,10 +122,41 @@ def prepare_drafts(jobs: Sequence[Any]) -> None:
         groups.setdefault(drafter.batch_key, []).append((job, count))
     for members in groups.values():
         drafters = [job.drafter for job, _ in members]
+        cap, pause = _ask_gate(gate, drafters[0], len(members))
+        cost = getattr(drafters[0], "forward_cost", None)
+        if cap is not None:
+            members = [(job, min(count, cap)) for job, count in members]
+        if cap == 0:
+            for job, _ in members:
+                job.prepared_draft = []
+                job.backoff.pause_for(job.produced, pause)
+            continue
         proposals = drafters[0].propose_batch(
             drafters, [job.history for job, _ in members], [count for _, count in members])
         for (job, count), proposal in zip(members, proposals, strict=True):
             job.prepared_draft = [int(t) for t in proposal][:count]
+        if cost is not None:
+            catch_up += cost.take_catch_up()
+    return catch_up
+
+
+def _ask_gate(gate: Callable[[Any, int], tuple[int | None, int]] | None, drafter: Any,
+              jobs: int) -> tuple[int | None, int]:
+    """The gate's (cap, pause) for `jobs` jobs of `drafter` (draft_gate.decide): when it
+    asks for a timing first, the drafter's `time_forward(jobs)`, then its verdict (a
+    drafter that cannot time a forward alone drafts PROBE_DRAFTS positions instead)."""
+    cost = getattr(drafter, "forward_cost", None)
+    if gate is None or cost is None:
+        return None, 0
+    cap, pause = gate(cost, jobs)
+    if cap == TIME_FIRST:
+        timer = getattr(drafter, "time_forward", None)
+        if timer is not None:
+            timer(jobs)
+            cap, pause = gate(cost, jobs)
+        if cap == TIME_FIRST:
+            cap = PROBE_DRAFTS
+    return cap, pause
 
 
 def draft_count(options: dict[str, Any] | None) -> int:
@@ -164,6 +205,17 @@ def verify(sampler: Any, logits: torch.Tensor, draft: Sequence[int],
         token = torch.multinomial(probs / probs.sum(), 1, generator=generator)
         return [*emitted, int(token)]
     return [*emitted, sampler.sample(logits[len(draft)], history + emitted)]
+
+
+def verify_picks(draft: Sequence[int], picks: Sequence[int]) -> list[int]:
+    """`verify` for a greedy sampler that batches (batch_sampling.batchable), given its
+    pick after the pending token and each draft (`picks`, len(draft) + 1 argmaxes read
+    back for the whole batch at once): the drafts up to the first it disagrees with,
+    then its own pick there."""
+    for i, proposed in enumerate(draft):
+        if int(picks[i]) != int(proposed):
+            return [*map(int, draft[:i]), int(picks[i])]
+    return [*map(int, draft), int(picks[len(draft)])]
 
 
 class VerifyingBatch(PagedBatch):
