@@ -1,0 +1,102 @@
+"""Decode steps launched ahead on the GPU (`-m cuda`): graph replays fed with the device
+tokens of the step before, pinned read-backs, against the same generator with
+EXL3_ASYNC_STEP off (every step read back before the next one), on synthetic EXL3
+models. The same graphs on the same inputs: the tokens must be the same bit for bit."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from exl3cli.convert.synthetic import write_synthetic_model
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.engine.models.loader import load_causal_lm
+from exl3cli.engine.text.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.cuda
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_model(tmp_path_factory.mktemp("smol"), "smollm2-135m", bits=4.0,
+                                 num_layers=2, seed=5)
+
+
+def _run(model, tokenizer, jobs, async_step, seed=None, late=2):
+    if seed is not None:
+        torch.manual_seed(seed)
+    generator = Generator(model, tokenizer, decode_mode="graph", num_ctx=1024, max_batch=4,
+                          async_step=async_step)
+    assert generator.decode.mode == "graph"
+    first = jobs[: len(jobs) - late]
+    handles = [generator.submit(job) for job in first]
+    for _ in range(4):
+        generator.step()
+    # Joining mid-way: while a step is in flight, a job joins one step later than it
+    # would without launching ahead, so those steps run on the other path (graph or
+    # general): the same tokens in float32, not always in bfloat16 (near-ties).
+    handles += [generator.submit(job) for job in jobs[len(first):]]
+    generator.run_until_done()
+    while generator._flight is not None:
+        generator.step()
+    assert generator.pool.pages_in_use == 0
+    return [(h.token_ids, h.text(), h.final.done_reason, h.final.eval_count)
+            for h in handles], generator
+
+
+def _prompts(vocab: int, seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab // 2) for _ in range(rng.choice([3, 40, 255, 300]))]
+            for _ in range(count)]
+
+
+def test_graph_steps_launched_ahead_give_the_synchronous_tokens(folder):
+    # float32: a job joining or leaving while a step is in flight changes which path
+    # or bucket computes the other jobs' next step, with the same tokens in float32.
+    model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder(folder)
+    prompts = _prompts(model.config.vocab_size, 7, 5)
+    plain, _ = _run(model, tokenizer, [GenerationJob(p, GREEDY, num_predict=30,
+                                                     ignore_eos=True) for p in prompts], False)
+    text = plain[0][1]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    jobs = [GenerationJob(p, GREEDY, num_predict=n, ignore_eos=True, stop=[stop] if i == 0
+                          else []) for i, (p, n) in enumerate(zip(prompts, [30, 12, 41, 30, 9],
+                                                                  strict=True))]
+    want, _ = _run(model, tokenizer, jobs, False)
+    got, ahead = _run(model, tokenizer, jobs, True)
+    assert got == want
+    assert ahead.launched_ahead > 0
+    assert want[0][2] == "stop" and want[0][3] < 30  # the stop string ended job 0 mid-batch
+    assert [w[3] for w in want[1:]] == [12, 41, 30, 9]
+
+
+def test_bfloat16_graph_steps_launched_ahead_are_the_same_bits(folder):
+    # The same jobs throughout (nobody joins or leaves early): the same graphs replay the
+    # same inputs both ways, so even bfloat16 near-ties fall the same way.
+    model = load_causal_lm(folder, device="cuda", dtype=torch.bfloat16)
+    tokenizer = Tokenizer.from_folder(folder)
+    jobs = [GenerationJob(p, GREEDY, num_predict=40, ignore_eos=True)
+            for p in _prompts(model.config.vocab_size, 9, 4)]
+    want, _ = _run(model, tokenizer, jobs, False, late=0)
+    got, ahead = _run(model, tokenizer, jobs, True, late=0)
+    assert got == want
+    assert ahead.launched_ahead > 30
+
+
+def test_unseeded_sampling_from_one_seed_launched_ahead(folder):
+    model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder(folder)
+    options = {"temperature": 0.9, "top_k": 50, "top_p": 0.9}
+    jobs = [GenerationJob(p, options, num_predict=20, ignore_eos=True)
+            for p in _prompts(model.config.vocab_size, 8, 3)]
+    # No job joins or leaves early: both ways draw once per step over the same rows.
+    want, _ = _run(model, tokenizer, jobs, False, seed=3, late=0)
+    got, ahead = _run(model, tokenizer, jobs, True, seed=3, late=0)
+    assert got == want
+    assert ahead.launched_ahead > 0
