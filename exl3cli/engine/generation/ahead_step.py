@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exl3cli.engine.generation.batch_sampling import batchable, sample_on_device
+from exl3cli.engine.generation.batch_sampling import sample_on_device
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -118,9 +118,9 @@ class AheadSteps:
                 report: StepReport) -> Flight | None:
         """Sample a decode step's rows on the device and start copying the tokens back;
         None when a row needs its own sampler on the host (constraints, penalties...)."""
-        if any(job.handle.job.constraint is not None for job in jobs):
+        if any(job.handle.job.constraint is not None or not job.batched for job in jobs):
             return None
-        tokens = sample_on_device(logits, [job.sampler for job in jobs])
+        tokens = sample_on_device(logits, [job.sampler for job in jobs], checked=True)
         if tokens is None:
             return None
         return Flight(jobs, tokens, start, report)
@@ -141,7 +141,7 @@ class AheadSteps:
             drafts = job.drafter is not None and job.produced + 2 > job.backoff.paused_until
             if job.prefilling or drafts or job.handle.job.constraint is not None:
                 return False
-            if job.produced + 2 > job.budget or not batchable(job.sampler):
+            if job.produced + 2 > job.budget or not job.batched:
                 return False
         return self.decode.fits([(job.table, 0) for job in jobs])
 

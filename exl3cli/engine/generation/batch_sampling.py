@@ -110,10 +110,11 @@ def batched_probs(logits: torch.Tensor, samplers: Sequence[Sampler]
     return torch.softmax(values / temperature, dim=-1), ids
 
 
-def sample_on_device(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor | None:
+def sample_on_device(logits: torch.Tensor, samplers: Sequence[Sampler],
+                     checked: bool = False) -> torch.Tensor | None:
     """Every row's token as a device tensor [n] (nothing read back), or None when a row
-    needs its own sampler."""
-    if not all(batchable(s) for s in samplers):
+    needs its own sampler. `checked`: the caller knows every sampler is `batchable`."""
+    if not checked and not all(batchable(s) for s in samplers):
         return None
     tokens = torch.argmax(logits, dim=-1)
     drawn = [i for i, sampler in enumerate(samplers) if not sampler.greedy]
