@@ -147,6 +147,21 @@ def test_the_next_step_is_launched_before_the_tokens_are_read(text_model, monkey
             assert decode == ["run", "read"] * 5
 
 
+def test_the_steps_own_argmax_gives_the_same_tokens(text_model, monkeypatch):
+    # EXL3_STEP_ARGMAX=1: the argmax in the step (two passes over 16-wide chunks of the
+    # 400-token vocabulary); drawn rows still sample from the logits, after a copy.
+    jobs = [GenerationJob(p, GREEDY, num_predict=8) for p in _prompts(6, [5, 9])]
+    jobs.append(GenerationJob(_prompts(7, [4])[0], {"temperature": 0.8}, num_predict=8,
+                              ignore_eos=True))
+    want, plain = _run(text_model, jobs, True, seed=2)
+    assert not plain.decode.step_argmax and plain.decode.greedy is None
+    monkeypatch.setenv("EXL3_STEP_ARGMAX", "1")
+    got, folded = _run(text_model, jobs, True, seed=2)
+    assert got == want
+    assert folded.decode.step_argmax and folded.decode.greedy is not None
+    assert folded.launched_ahead > 0
+
+
 def test_the_switch(monkeypatch):
     monkeypatch.delenv("EXL3_ASYNC_STEP", raising=False)
     assert async_step_default() is True

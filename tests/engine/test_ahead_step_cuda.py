@@ -100,3 +100,16 @@ def test_unseeded_sampling_from_one_seed_launched_ahead(folder):
     got, ahead = _run(model, tokenizer, jobs, True, seed=3, late=0)
     assert got == want
     assert ahead.launched_ahead > 0
+
+
+def test_the_argmax_inside_the_graph_gives_the_same_tokens(folder, monkeypatch):
+    model = load_causal_lm(folder, device="cuda", dtype=torch.bfloat16)
+    tokenizer = Tokenizer.from_folder(folder)
+    jobs = [GenerationJob(p, GREEDY, num_predict=40, ignore_eos=True)
+            for p in _prompts(model.config.vocab_size, 10, 4)]
+    want, _ = _run(model, tokenizer, jobs, True, late=0)
+    monkeypatch.setenv("EXL3_STEP_ARGMAX", "1")
+    got, folded = _run(model, tokenizer, jobs, True, late=0)
+    assert got == want
+    assert folded.decode.step_argmax and folded.decode.greedy is not None
+    assert folded.launched_ahead > 30

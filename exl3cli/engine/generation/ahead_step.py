@@ -120,7 +120,8 @@ class AheadSteps:
         None when a row needs its own sampler on the host (constraints, penalties...)."""
         if any(job.handle.job.constraint is not None or not job.batched for job in jobs):
             return None
-        tokens = sample_on_device(logits, [job.sampler for job in jobs], checked=True)
+        tokens = sample_on_device(logits, [job.sampler for job in jobs], checked=True,
+                                  greedy=self.decode.greedy)
         if tokens is None:
             return None
         return Flight(jobs, tokens, start, report)

@@ -110,14 +110,36 @@ def batched_probs(logits: torch.Tensor, samplers: Sequence[Sampler]
     return torch.softmax(values / temperature, dim=-1), ids
 
 
+_CHUNKS = (256, 128, 512, 64, 1024, 32, 16, 8)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) for logits [n, V] (the first of equal maxima), in two
+    passes where a chunk width divides V: each chunk's max, then the first chunk holding
+    the row's max. A 128k-wide row is reduced by few blocks in one torch.argmax; here
+    the first pass spreads it over V / chunk outputs (a decode step's greedy token)."""
+    rows, vocab = logits.shape
+    chunk = next((c for c in _CHUNKS if vocab % c == 0 and vocab >= 2 * c), 0)
+    if not chunk:
+        return torch.argmax(logits, dim=-1)
+    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)
+    best = values.argmax(dim=-1)
+    return best * chunk + within.gather(1, best[:, None])[:, 0]
+
+
 def sample_on_device(logits: torch.Tensor, samplers: Sequence[Sampler],
-                     checked: bool = False) -> torch.Tensor | None:
+                     checked: bool = False, greedy: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
     """Every row's token as a device tensor [n] (nothing read back), or None when a row
-    needs its own sampler. `checked`: the caller knows every sampler is `batchable`."""
+    needs its own sampler. `checked`: the caller knows every sampler is `batchable`;
+    `greedy`: each row's argmax, already computed (decode_step.DecodeRunner.greedy)."""
     if not checked and not all(batchable(s) for s in samplers):
         return None
-    tokens = torch.argmax(logits, dim=-1)
     drawn = [i for i, sampler in enumerate(samplers) if not sampler.greedy]
+    if greedy is None:
+        tokens = torch.argmax(logits, dim=-1)
+    else:  # a graph's output: written over by its next replay, so drawn rows get a copy
+        tokens = greedy.clone() if drawn else greedy
     if drawn:
         index = torch.tensor(drawn, device=logits.device)
         probs, ids = batched_probs(logits.index_select(0, index), [samplers[i] for i in drawn])

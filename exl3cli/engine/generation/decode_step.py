@@ -33,7 +33,10 @@ Modes: "graph" (the CUDA default): capture per bucket, replay; "static": the sam
 fixed-shape step run eagerly (what a graph replays, checkable on any device);
 "off": the generator's general paged path for every step (the CPU default, where
 the fused CPU kernels of the general path are faster).
-`EXL3_DECODE_MODE` overrides the default.
+`EXL3_DECODE_MODE` overrides the default. `EXL3_STEP_ARGMAX=1` (opt-in until measured)
+also computes each row's argmax inside the step (in the graph, in two passes:
+batch_sampling.argmax_rows): `DecodeRunner.greedy` after a run, which the generator's
+on-device sampling takes instead of launching its own argmax.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.kvcache.paged_attention import attend_decode
+from exl3cli.engine.generation.batch_sampling import argmax_rows
+from exl3cli.engine.kvcache.paged_attention import reference_paged_attention
 from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
 from exl3cli.ops import cuda_kernels as kernels
 
@@ -109,6 +113,7 @@ class FixedDecodeStep:
         self.write_slots: torch.Tensor | None = None
         self.read_slots: torch.Tensor | None = None
         self.kv_lengths: torch.Tensor | None = None
+        self.greedy: torch.Tensor | None = None  # each row's argmax (EXL3_STEP_ARGMAX)
         self.rows = 0
 
     def load(self, rows: Sequence[tuple[PageTable, int | None]],
@@ -277,6 +282,8 @@ class DecodeRunner:
         self.max_rows = max(max_batch, MAX_ROWS)  # verification passes: rows, not jobs
         self.max_pages = pages_for(num_ctx, pool.page_size)
         self.captures = 0  # graphs captured so far (a step that captured is not timed)
+        self.step_argmax = os.environ.get("EXL3_STEP_ARGMAX", "0").strip() == "1"
+        self.greedy: torch.Tensor | None = None  # the last run's argmax rows, or None
         self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle: Any = None
@@ -376,6 +383,7 @@ class DecodeRunner:
             logits = self._replay(key, step)
         else:
             logits = self._forward(step)
+        self.greedy = step.greedy[: len(rows)] if step.greedy is not None else None
         return logits[: len(rows)]
 
     def _row_offsets(self, rows: Sequence[tuple[PageTable, int | None]]) -> list[int] | None:
@@ -392,8 +400,9 @@ class DecodeRunner:
         return out
 
     def _forward(self, step: FixedDecodeStep) -> torch.Tensor:
-        logits = self.model.forward(step.ids[None, :], step, last_logits_only=True)
-        return logits[0]
+        logits = self.model.forward(step.ids[None, :], step, last_logits_only=True)[0]
+        step.greedy = argmax_rows(logits) if self.step_argmax else None
+        return logits
 
     def _replay(self, key: tuple[int, int], step: FixedDecodeStep) -> torch.Tensor:
         version = self._version()
@@ -436,14 +445,3 @@ class DecodeRunner:
         self.captures += 1
         return self._graphs[key]
 
-
-def reference_paged_attention(query: torch.Tensor, pool: PagePool, layer: int,
-                              read_slots: torch.Tensor, kv_lengths: torch.Tensor,
-                              window: int | None, softcap: float | None = None,
-                              scale: float | None = None,
-                              sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """query [B, H, D] over the first kv_lengths[b] positions of `read_slots` [B, S]
-    (pages read and, for a quantized pool, dequantized): [B, H, D]."""
-    keys, values = pool.read(layer, read_slots)
-    return attend_decode(query, keys.to(query.dtype), values.to(query.dtype), kv_lengths,
-                         window, softcap=softcap, scale=scale, sinks=sinks)
