@@ -113,3 +113,52 @@ def test_the_argmax_inside_the_graph_gives_the_same_tokens(folder, monkeypatch):
     assert got == want
     assert folded.decode.step_argmax and folded.decode.greedy is not None
     assert folded.launched_ahead > 30
+
+
+@pytest.mark.parametrize("options", [GREEDY, {"temperature": 0.8, "top_k": 40, "top_p": 0.9},
+                                     {"temperature": 0.7}])
+def test_launching_a_step_never_waits_for_the_device(folder, options):
+    """The launch path (fixed-shape step, on-device sampling, the read-back's start) makes
+    no synchronising call: a stream sync there would wait for the step launched ahead.
+    torch's sync debug mode raises on one (blocking copies, .item(), multinomial's checks)."""
+    model = load_causal_lm(folder, device="cuda", dtype=torch.bfloat16)
+    tokenizer = Tokenizer.from_folder(folder)
+    generator = Generator(model, tokenizer, decode_mode="graph", num_ctx=1024, max_batch=4)
+    prompts = _prompts(model.config.vocab_size, 11, 3)
+    mixed = [options, GREEDY, options]  # greedy rows next to drawn ones
+
+    def submit_all():
+        for prompt, opts in zip(prompts, mixed, strict=True):
+            generator.submit(GenerationJob(prompt, opts, num_predict=24, ignore_eos=True))
+
+    submit_all()
+    generator.run_until_done()  # graphs of these buckets captured (a capture syncs)
+    captures = generator.decode.captures
+    run, launch = generator.decode.run, generator._launch
+
+    def strict(fn):
+        def call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return call
+
+    generator.decode.run, generator._launch = strict(run), strict(launch)
+    ahead = generator.launched_ahead
+    submit_all()
+    generator.run_until_done()
+    assert generator.decode.captures == captures
+    assert generator.launched_ahead - ahead > 10
+
+
+def test_draw_rows_is_torch_multinomial_on_the_gpu():
+    from exl3cli.engine.generation.batch_sampling import draw_rows
+
+    for shape in [(1, 40), (3, 4000), (2, 128256)]:
+        probs = torch.softmax(3 * torch.randn(*shape, device="cuda"), dim=-1)
+        torch.manual_seed(7)
+        want = torch.multinomial(probs, 1)[:, 0]
+        torch.manual_seed(7)
+        assert torch.equal(draw_rows(probs), want)

@@ -11,6 +11,7 @@ from exl3cli.engine.generation.batch_sampling import (
     argmax_rows,
     batchable,
     batched_probs,
+    draw_rows,
     sample_rows,
 )
 from exl3cli.engine.generation.sampling import build_sampler
@@ -104,3 +105,20 @@ def test_argmax_in_two_passes_is_torch_argmax(vocab):
     assert torch.equal(argmax_rows(logits), torch.argmax(logits, dim=-1))
     rounded = logits[:1].to(torch.bfloat16).float()  # many near-ties
     assert torch.equal(argmax_rows(rounded), torch.argmax(rounded, dim=-1))
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (3, 400), (2, 128256), (4, 7)])
+def test_draw_rows_is_torch_multinomial_without_its_host_checks(shape):
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        probs = torch.softmax(3 * torch.randn(*shape, generator=gen), dim=-1)
+        if seed % 2:
+            probs[:, shape[1] // 2:] = 0.0  # masked candidates
+            probs = probs / probs.sum(-1, keepdim=True)
+        torch.manual_seed(seed)
+        want = torch.multinomial(probs, 1)[:, 0]
+        after_want = torch.rand(3)  # the same random numbers were used up
+        torch.manual_seed(seed)
+        got = draw_rows(probs)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.rand(3), after_want)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from exl3cli.engine.generation.batch_sampling import sample_on_device
+from exl3cli.engine.generation.batch_sampling import sample_on_device, to_device
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -158,7 +158,7 @@ class AheadSteps:
             start = time.perf_counter_ns()
             captures = self.decode.captures
             ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
-                0, torch.tensor(live, device=flight.tokens.device))
+                0, to_device(live, flight.tokens.device))
             with self._adapters_for([(job, 1) for job in jobs]):
                 logits = self.decode.run([(job.table, None) for job in jobs], ids)
             following = self._launch(jobs, logits, start, StepReport(
