@@ -12,17 +12,23 @@ before N+1 ends: the GPU does not wait for the host between decode steps.
 
 Exact semantics: a step is launched ahead only when its outcome cannot depend on what
 the host has not read yet (`_ahead_ok`): the same jobs as the step in flight (every
-active one), nobody queued who could join, no prompt to take in, no drafting, no
-constraint, no host-side sampler (penalties, seeds, plugins: batch_sampling.batchable),
-room in every job's budget for the token it would make. A job that stops on the token
-read back (EOS, a stop string, its budget, a cancel) is retired at once; the step that
-was already launched for it wrote that one token's key/value into its last, uncommitted
-cache slot (pages freed with the job: never registered as a reusable prefix) and its
-sampled token is dropped. Everything else takes the synchronous step.
+active one), nobody queued who could join, no prompt to take in, no drafts (a drafting
+job only while its drafting is backed off), no constraint, no host-side sampler
+(penalties, seeds, plugins: batch_sampling.batchable), room in every job's budget for
+the token it would make (so a budget never ends a job with a step in flight). A job
+that stops on the token read back (EOS, a stop string, a cancel) is retired at once;
+the step already launched for it wrote that one token's key/value into its last,
+uncommitted cache slot (pages freed with the job: never registered as a reusable
+prefix) and its sampled token is dropped. Everything else takes the synchronous step.
+The launch path makes no synchronising call (batch_sampling.sample_on_device).
 
 `EXL3_ASYNC_STEP=0` (or `Generator(async_step=False)`) never launches ahead: each decode
-step is read back before the next one starts (the same sampling and the same tokens;
-the A/B baseline of bench/gpu_generator.sh's "async" stage).
+step is read back before the next one starts (the A/B baseline of
+bench/gpu_generator.sh's "async" stage). Greedy and seeded jobs get the same tokens
+either way. What differs is where a step falls: a job submitted while a step is in
+flight joins one step later, and a job that stops leaves its row in the step already
+launched, so the other jobs' rows may run on another path or bucket that step (the
+same tokens up to float rounding), and unseeded sampling draws over one more row.
 """
 
 from __future__ import annotations
