@@ -111,7 +111,7 @@ class FixedDecodeStep:
         self.rope_offsets = self.buffer[:, 2]  # rotary position - cache position
         self.page_table = self.buffer[:, 3:]
         self.write_slots: torch.Tensor | None = None
-        self.read_slots: torch.Tensor | None = None
+        self._read_slots: torch.Tensor | None = None
         self.kv_lengths: torch.Tensor | None = None
         self.greedy: torch.Tensor | None = None  # each row's argmax (EXL3_STEP_ARGMAX)
         self.rows = 0
@@ -167,10 +167,19 @@ class FixedDecodeStep:
         lengths = self.lengths
         page = self.page_table.gather(1, torch.div(lengths, size, rounding_mode="floor")[:, None])
         self.write_slots = page[:, 0] * size + lengths % size
-        offsets = torch.arange(size, device=lengths.device)
-        self.read_slots = (self.page_table[:, :, None] * size + offsets).reshape(self.batch, -1)
+        self._read_slots = None  # computed where a layer reads them (`read_slots`)
         self.kv_lengths = lengths + 1
         return (lengths + self.rope_offsets)[None, :], self.span
+
+    @property
+    def read_slots(self) -> torch.Tensor:
+        """The slots each row may read [B, span], for the PyTorch reference attention only:
+        made at its first use in a step (a graph without it does not launch its kernels)."""
+        if self._read_slots is None:
+            size, table = self.pool.page_size, self.page_table
+            offsets = torch.arange(size, device=table.device)
+            self._read_slots = (table[:, :, None] * size + offsets).reshape(self.batch, -1)
+        return self._read_slots
 
     def check_input(self, input_ids: torch.Tensor) -> None:
         if tuple(input_ids.shape) != (1, self.batch):
@@ -219,27 +228,19 @@ class FixedDecodeStep:
         if key is not None and value is not None:
             pool.write(layer, self.write_slots, key, value)
         batch, heads, dim = query.shape
-        if combine:
-            out = kernels.paged_attention(
-                query, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
-                pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
-                window)
-            if out is None:
-                out = reference_paged_attention(query, pool, layer, self.read_slots,
-                                                self.kv_lengths, window)
-            return None, None, out
-        part_acc = torch.empty(batch, heads, kernels.attention_chunks(self.pages, pool.page_size),
-                               dim, dtype=torch.float32, device=query.device)
-        part_ml = part_acc.new_empty(*part_acc.shape[:3], 2)
+        parts = None
+        if not combine:
+            chunks = kernels.attention_chunks(self.pages, pool.page_size)
+            acc = torch.empty(batch, heads, chunks, dim, dtype=torch.float32, device=query.device)
+            parts = (acc, acc.new_empty(batch, heads, chunks, 2))
         out = kernels.paged_attention(
             query, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
             pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
-            window, parts=(part_acc, part_ml))
-        if out is None:
-            out = reference_paged_attention(query, pool, layer, self.read_slots,
-                                            self.kv_lengths, window)
-            return None, None, out
-        return part_acc, part_ml, out
+            window, parts=parts)
+        if out is None:  # no kernel: the PyTorch reference, combined
+            return None, None, reference_paged_attention(query, pool, layer, self.read_slots,
+                                                         self.kv_lengths, window)
+        return (None, None, out) if parts is None else (*parts, out)
 
     def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden  # one token per row: every row is its own last token
