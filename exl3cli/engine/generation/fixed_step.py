@@ -26,8 +26,9 @@ class FixedDecodeStep:
     kvcache/attention_cache.py) for one fixed-shape decode step of `batch` rows over at
     most `pages` pages each (see the module docstring).
 
-    `load(rows)` writes the host data; `prepare()` (called by the model inside the
-    step) derives the device tensors every layer shares."""
+    `load(rows)` writes the host data (everything the layers read but the read slots
+    of the PyTorch reference attention, made at first use); `prepare()` (called by the
+    model inside the step) hands over the rotary positions."""
 
     # Its tokens were sampled from the vocabulary: never an image id (CausalLM.forward
     # then embeds them as text without checking on the device).
