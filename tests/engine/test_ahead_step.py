@@ -147,6 +147,18 @@ def test_the_next_step_is_launched_before_the_tokens_are_read(text_model, monkey
             assert decode == ["run", "read"] * 5
 
 
+def test_a_budget_ending_leaves_the_next_step_launched_ahead(text_model):
+    # Job 0 ends on its budget while job 1 goes on: the step after job 0's last token
+    # is launched ahead with job 1 alone (as the synchronous step has it).
+    prompts = _prompts(8, [6, 6])
+    jobs = [GenerationJob(prompts[0], GREEDY, num_predict=4, ignore_eos=True),
+            GenerationJob(prompts[1], GREEDY, num_predict=12, ignore_eos=True)]
+    got, ahead = _same_both_ways(text_model, jobs)
+    assert [outcome[3] for outcome in got] == [4, 12]
+    # Tokens 2..12 of job 1: 11 decode steps, every one but the first launched ahead.
+    assert ahead.launched_ahead == 10
+
+
 def test_the_steps_own_argmax_gives_the_same_tokens(text_model, monkeypatch):
     # EXL3_STEP_ARGMAX=1: the argmax in the step (two passes over 16-wide chunks of the
     # 400-token vocabulary); drawn rows still sample from the logits, after a copy.

@@ -11,12 +11,12 @@ detokenizing, events) then runs while the GPU runs step N+1, and step N+2 is que
 before N+1 ends: the GPU does not wait for the host between decode steps.
 
 Exact semantics: a step is launched ahead only when its outcome cannot depend on what
-the host has not read yet (`_ahead_ok`): the same jobs as the step in flight (every
+the host has not read yet (`_ahead_jobs`): the same jobs as the step in flight (every
 active one), nobody queued who could join, no prompt to take in, no drafts (a drafting
 job only while its drafting is backed off), no constraint, no host-side sampler
-(penalties, seeds, plugins: batch_sampling.batchable), room in every job's budget for
-the token it would make (so a budget never ends a job with a step in flight). A job
-that stops on the token read back (EOS, a stop string, a cancel) is retired at once;
+(penalties, seeds, plugins: batch_sampling.batchable). A job whose budget ends with
+the token in flight is not in the next step (as without launching ahead); when a queued
+job would take the slot it frees, that step is synchronous instead. A job that stops on the token read back (EOS, a stop string, a cancel) is retired at once;
 the step already launched for it wrote that one token's key/value into its last,
 uncommitted cache slot (pages freed with the job: never registered as a reusable
 prefix) and its sampled token is dropped. Everything else takes the synchronous step.
@@ -132,25 +132,29 @@ class AheadSteps:
             return None
         return Flight(jobs, tokens, start, report)
 
-    def _ahead_ok(self, jobs: list[ActiveJob]) -> bool:
-        """Whether the step after `jobs`' current one may start before its tokens are
-        known: pipelining on, the same jobs (every active one), nobody to admit or
-        prefill, no drafts or host-side samplers, room for one more token in every
-        budget."""
+    def _ahead_jobs(self, jobs: list[ActiveJob]) -> list[ActiveJob]:
+        """The jobs of the step after `jobs`' current one, when it may start before
+        their tokens are known ([] when not): pipelining on, the same jobs (every active
+        one), nobody to admit or prefill, no drafts or host-side samplers. A job whose
+        budget ends with its current token is left out (it has no next step), unless a
+        queued job would take its place at once."""
         if not self.async_step or not jobs:
-            return False
+            return []
         if {id(job) for job in jobs} != {id(job) for job in self._active}:
-            return False
-        if self._queue and len(self._active) < self.max_batch:
-            return False
+            return []
+        going = []
         for job in jobs:
             # A drafting job may run ahead only while its drafting is paused (backed off).
             drafts = job.drafter is not None and job.produced + 2 > job.backoff.paused_until
             if job.prefilling or drafts or job.handle.job.constraint is not None:
-                return False
-            if job.produced + 2 > job.budget or not job.batched:
-                return False
-        return self.decode.fits([(job.table, 0) for job in jobs])
+                return []
+            if not job.batched:
+                return []
+            if job.produced + 2 <= job.budget:
+                going.append(job)
+        if self._queue and len(going) < self.max_batch:
+            return []  # a queued job joins the next step (a slot is free or frees now)
+        return going if self.decode.fits([(job.table, 0) for job in going]) else []
 
     def _land(self, flight: Flight) -> StepReport:
         """Read back `flight`'s tokens (after launching the step that follows it, when
@@ -160,16 +164,19 @@ class AheadSteps:
         jobs = [flight.jobs[i] for i in live]
         following = None
         timed = flight.timed
-        if self._ahead_ok(jobs):
+        going = self._ahead_jobs(jobs)
+        if going:
             start = time.perf_counter_ns()
             captures = self.decode.captures
-            ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
-                0, to_device(live, flight.tokens.device))
-            with self._adapters_for([(job, 1) for job in jobs]):
-                logits = self.decode.run([(job.table, None) for job in jobs], ids)
-            following = self._launch(jobs, logits, start, StepReport(
-                decode_tokens=len(jobs), jobs=len(jobs),
-                job_ids=[job.handle.id for job in jobs]))
+            kept = {id(job) for job in going}
+            rows = [i for i in live if id(flight.jobs[i]) in kept]
+            ids = flight.tokens if len(rows) == len(flight.jobs) else flight.tokens.index_select(
+                0, to_device(rows, flight.tokens.device))
+            with self._adapters_for([(job, 1) for job in going]):
+                logits = self.decode.run([(job.table, None) for job in going], ids)
+            following = self._launch(going, logits, start, StepReport(
+                decode_tokens=len(going), jobs=len(going),
+                job_ids=[job.handle.id for job in going]))
             timed = timed and self.decode.captures == captures
             if following is not None:
                 following.timed = self.decode.captures == captures
