@@ -102,6 +102,7 @@ def profile(model: Any, tokenizer: Tokenizer, prompt: int, gen: int, kv: str,
     per_token = {k: v / steps for k, v in sorted(by_kind.items())}
     return {
         "mode": generator.decode.mode, "kv": kv, "jobs": jobs, "steps": steps,
+        "async_step": generator.async_step,
         "adapter": adapter,
         "step_us": plain_s * 1e6 / steps, "kernel_us": per_token,
         "gpu_busy_us": busy / steps, "gpu_wait_us": (plain_s * 1e6 - busy) / steps,

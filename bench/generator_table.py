@@ -86,6 +86,15 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
                 base = plain.get((kv, jobs))
                 print(f"{model} {jobs} jobs, {kv}, EXL3_LAYER_FOLD={variant}: {value:.1f} "
                       f"tok/s; no fold {base or 0:.1f} (fold / none {ratio(value, base).strip()})")
+        for path in sorted(folder.glob(f"ours-{model}-async-*.json")):  # ASYNC_VARIANTS
+            variant = path.stem.removeprefix(f"ours-{model}-async-")
+            for (kv, jobs), value in sorted(ours(folder, f"{model}-async-{variant}").items()):
+                base = plain.get((kv, jobs))
+                print(f"{model} {jobs} jobs, {kv}, async variant {variant}: {value:.1f} tok/s; "
+                      f"default {base or 0:.1f} (default / variant {ratio(base, value).strip()})")
+        for path in sorted(folder.glob(f"profile-{model}-async-*.json")):
+            _print_profile(f"{model} 1 job, async {path.stem.removeprefix(f'profile-{model}-async-')}",
+                           _json(path), 8)
         for path in sorted(folder.glob(f"profile-{model}-fold-*.json")):
             name = path.stem.removeprefix(f"profile-{model}-fold-")
             _print_profile(f"{model} 1 job, fold {name}", _json(path), 12)

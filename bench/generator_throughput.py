@@ -7,12 +7,20 @@ KV cache memory per token of each cache type.
 With `--lora-rank R` every job runs with a random rank-R LoRA adapter on all seven
 projections of every layer (engine/adapters/lora.py), to compare against the bare model.
 
-N jobs with different random prompts are submitted at once (greedy, `--gen` tokens
-each, never stopping early: `ignore_eos`); the figure is decode tokens per second over
-the steps that only decode (after every prompt is in), so prompt processing does not
+N jobs with different random prompts are submitted at once (greedy, or sampled with
+`--temperature`; `--gen` tokens each, never stopping early: `ignore_eos`); the figure
+is decode tokens per second over the steps that only decode (after every prompt is in), so prompt processing does not
 dilute it. Each job count is run once to warm up (kernels built, graphs captured),
 then `--repeat` times; the median is reported, with the spread. Ratios are against
-1 job in the same process. KV bytes/token is what the page pool allocates per token over all
+1 job in the same process.
+
+Each step is timed when the generator hands back its report, which is after that step's
+tokens were read to the host: nothing is synchronized in between, so a decode step
+launched ahead of its predecessor's read-back (engine/generation/ahead_step.py) overlaps
+the host's work as it does in `run` and `serve`. `--sync-steps` (or
+EXL3_BENCH_SYNC_STEPS=1) synchronizes the device after every report instead (how this
+script timed steps before session 9: it drains the step launched ahead, so the host's
+time between steps is added to every step). KV bytes/token is what the page pool allocates per token over all
 layers (keys + values, codes + scales).
 """
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import statistics
 import sys
 import time
@@ -82,21 +91,28 @@ def random_adapter(model: Any, rank: int, name: str = "bench") -> str:
 
 
 def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
-             seed: int, adapter: str | None = None) -> dict[str, Any]:
-    """One measured run: `jobs` concurrent greedy jobs; decode-only aggregate tok/s."""
+             seed: int, adapter: str | None = None, sync_steps: bool = False,
+             temperature: float = 0.0) -> dict[str, Any]:
+    """One measured run: `jobs` concurrent jobs (greedy, or sampled at `temperature` with
+    top_k 40 and top_p 0.9, unseeded: on the device); decode-only aggregate tok/s.
+    `sync_steps`: the device synchronized after every step's report (module docstring)."""
+    options: dict[str, Any] = ({"temperature": temperature, "top_k": 40, "top_p": 0.9}
+                               if temperature > 0 else {"temperature": 0})
     model = generator.model
     steps: list[tuple[float, StepReport]] = []
     device = torch.device(model.device)
 
     def observe(report: StepReport) -> None:
-        _synchronize(device)
+        if sync_steps:
+            _synchronize(device)
         steps.append((time.perf_counter(), report))
 
     generator.step_observers[:] = [observe]
     for ids in _prompts(jobs, prompt, model.config.vocab_size, seed):
-        generator.submit(GenerationJob(ids, {"temperature": 0}, num_predict=gen,
+        generator.submit(GenerationJob(ids, options, num_predict=gen,
                                        ignore_eos=True, adapter=adapter))
     _synchronize(device)
+    ahead = generator.launched_ahead
     started = time.perf_counter()
     generator.run_until_done()
     # Decode-only window: from the end of the last step that took prompt tokens.
@@ -115,6 +131,8 @@ def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
         "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "kv_bytes_per_token": generator.pool.bytes_per_token(),
         "total_seconds": time.perf_counter() - started,
+        "async_step": generator.async_step, "sync_steps": sync_steps, "temperature": temperature,
+        "launched_ahead": generator.launched_ahead - ahead,
     }
 
 
@@ -131,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="every job with a random LoRA adapter of this rank")
+    parser.add_argument("--sync-steps", action="store_true",
+                        default=os.environ.get("EXL3_BENCH_SYNC_STEPS", "0") == "1",
+                        help="synchronize the device after every step (the old timing)")
+    parser.add_argument("--temperature", type=float,
+                        default=float(os.environ.get("EXL3_BENCH_TEMPERATURE", "0")),
+                        help="sample at this temperature (top_k 40, top_p 0.9); 0: greedy")
     parser.add_argument("--stacks", type=float, default=0.0,
                         help="print every thread's Python stack to stderr every N seconds")
     args = parser.parse_args(argv)
@@ -152,13 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     for kv in args.kv.split(","):
         for jobs in (int(j) for j in args.jobs.split(",")):
             generator = new_generator(model, tokenizer, jobs, args.prompt, args.gen, kv)
-            warm = run_jobs(generator, jobs, args.prompt, args.gen, args.seed, adapter)
+            warm = run_jobs(generator, jobs, args.prompt, args.gen, args.seed, adapter,
+                            args.sync_steps, args.temperature)
             progress(f"kv {kv} jobs {jobs}: warm-up {warm['total_seconds']:.1f} s "
                      f"({warm['decode_mode']}, {warm['graphs']} graphs)")
             runs = []
             for i in range(max(1, args.repeat)):
                 runs.append(run_jobs(generator, jobs, args.prompt, args.gen,
-                                     args.seed + 1 + i, adapter))
+                                     args.seed + 1 + i, adapter, args.sync_steps,
+                                     args.temperature))
                 progress(f"kv {kv} jobs {jobs}: run {i + 1} {runs[-1]['total_seconds']:.1f} s, "
                          f"{runs[-1]['tokens_per_s']:.1f} tok/s decode, prompts "
                          f"{runs[-1]['prefill_tokens_per_s']:.0f} tok/s")

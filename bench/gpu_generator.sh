@@ -7,7 +7,7 @@
 #
 # Usage (repo root): bash bench/gpu_generator.sh        carry: [".whl"] where .whl/ holds
 # the peer's wheels, its prebuilt extension (*.so.xz) and peer_exllamav3_jobs.py
-# (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" (also fold, lora, ab, ...) picks stages
+# (shared/tools/README.md). STAGES="tests ours unfused peer profile cli" (also fold, lora, async, ab, ...) picks stages
 # ("unfused": the 1/16-job points again with EXL3_FUSED_LAYER=0, the before of the
 # fused decode layer; "ab": kernel build variants, see below). OURS_KV="fp16": the "ours"
 # stage's caches (default fp16,q4).
@@ -130,6 +130,37 @@ if [[ " $STAGES " == *" fold "* ]]; then
     fi
   done
   stamp "fold done"
+fi
+
+if [[ " $STAGES " == *" async "* ]]; then
+  # Decode steps launched ahead of the previous read-back (engine/generation/ahead_step.py;
+  # NOTES-gpu "Host time between decode steps"): ASYNC_VARIANTS="NAME:ENV=VALUE[,ENV=VALUE]
+  # ..." (default: "sync", this script's timing before session 9, the device synchronized
+  # after every step; "off", EXL3_ASYNC_STEP=0; "argmax", EXL3_STEP_ARGMAX=1; "sampled" /
+  # "sampledoff": temperature 0.8, top_k 40, top_p 0.9, launched ahead / not), each at
+  # ASYNC_JOBS (default JOBS) with the
+  # ASYNC_KV caches (default fp16); "ours" in the same call is the default (launched
+  # ahead, no sync). ASYNC_PROFILE="NAME ...": those variants' one-job profile too
+  # (default "off"; "profile" in the same call is the default's).
+  for m in "8b $M8" "1b $M1"; do
+    set -- $m
+    [[ " $MODELS " == *" $1 "* ]] || continue
+    for variant in ${ASYNC_VARIANTS:-"sync:EXL3_BENCH_SYNC_STEPS=1 off:EXL3_ASYNC_STEP=0
+        argmax:EXL3_STEP_ARGMAX=1 sampled:EXL3_BENCH_TEMPERATURE=0.8
+        sampledoff:EXL3_BENCH_TEMPERATURE=0.8,EXL3_ASYNC_STEP=0"}; do
+      name=${variant%%:*} envs=${variant#*:}
+      env ${envs//,/ } timeout 200 python3 bench/generator_throughput.py "$2" --device cuda \
+        --jobs "${ASYNC_JOBS:-$JOBS}" --prompt 128 --gen 64 --kv "${ASYNC_KV:-fp16}" --repeat 3 \
+        --json >"$OUT/ours-$1-async-$name.json" 2>"$OUT/ours-$1-async-$name.err" \
+        || { echo "FAIL: async $1 $name"; tail -8 "$OUT/ours-$1-async-$name.err"; }
+      if [ "$1" = 8b ] && [[ " ${ASYNC_PROFILE:-off} " == *" $name "* ]]; then
+        env ${envs//,/ } timeout 90 python3 bench/decode_profile.py "$M8" --jobs 1 --kv fp16 \
+          --json >"$OUT/profile-8b-async-$name.json" 2>"$OUT/profile-8b-async-$name.err" \
+          || echo "FAIL: async profile $name"
+      fi
+    done
+  done
+  stamp "async done"
 fi
 
 if [[ " $STAGES " == *" attn "* ]]; then

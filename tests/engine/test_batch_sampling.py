@@ -7,7 +7,13 @@ import random
 import pytest
 import torch
 
-from exl3cli.engine.generation.batch_sampling import batchable, batched_probs, sample_rows
+from exl3cli.engine.generation.batch_sampling import (
+    argmax_rows,
+    batchable,
+    batched_probs,
+    draw_rows,
+    sample_rows,
+)
 from exl3cli.engine.generation.sampling import build_sampler
 
 VOCAB = 300
@@ -86,3 +92,33 @@ def test_wrapped_samplers_and_inactive_steps():
     tokens = sample_rows(logits, [recorder, plain], [[], []])
     assert tokens[0] == int(logits[0].argmax())
     assert [token for token, _, _ in recorder.take(5)] == [tokens[0]]
+
+
+@pytest.mark.parametrize("vocab", [400, 128256, 151936, 1000, 37])
+def test_argmax_in_two_passes_is_torch_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[1] = 0.0  # every entry tied: the first
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 99.0  # ties across chunks
+    logits[3, 1] = logits[3, 2] = 99.0  # ties inside one chunk
+    logits[4] = float("-inf")
+    assert torch.equal(argmax_rows(logits), torch.argmax(logits, dim=-1))
+    rounded = logits[:1].to(torch.bfloat16).float()  # many near-ties
+    assert torch.equal(argmax_rows(rounded), torch.argmax(rounded, dim=-1))
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (3, 400), (2, 128256), (4, 7)])
+def test_draw_rows_is_torch_multinomial_without_its_host_checks(shape):
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        probs = torch.softmax(3 * torch.randn(*shape, generator=gen), dim=-1)
+        if seed % 2:
+            probs[:, shape[1] // 2:] = 0.0  # masked candidates
+            probs = probs / probs.sum(-1, keepdim=True)
+        torch.manual_seed(seed)
+        want = torch.multinomial(probs, 1)[:, 0]
+        after_want = torch.rand(3)  # the same random numbers were used up
+        torch.manual_seed(seed)
+        got = draw_rows(probs)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.rand(3), after_want)

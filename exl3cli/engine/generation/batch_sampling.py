@@ -96,34 +96,77 @@ def batched_probs(logits: torch.Tensor, samplers: Sequence[Sampler]
     else:
         values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
     ranks = torch.arange(values.shape[-1], device=logits.device)[None, :]
-    neg_inf = torch.tensor(float("-inf"), device=logits.device)
-    values = torch.where(ranks < params.row_top_k, values, neg_inf)
+    # Masks by fill, not by a -inf tensor made from a Python float (a blocking copy to the
+    # device: it would wait for the step launched ahead, ahead_step.py).
+    values = values.masked_fill(ranks >= params.row_top_k, float("-inf"))
     # top_p: keep the smallest prefix whose mass reaches p (at least one token).
     probs = torch.softmax(values, dim=-1)
     mass_before = probs.cumsum(-1) - probs
     keep = (mass_before < params.top_p) | (ranks == 0) | (params.top_p >= 1.0)
-    values = torch.where(keep, values, neg_inf)
+    values = values.masked_fill(~keep, float("-inf"))
     # min_p: drop tokens below min_p times the most likely one.
     probs = torch.softmax(values, dim=-1)
     keep = (probs >= probs[:, :1] * params.min_p) | (params.min_p <= 0.0)
-    values = torch.where(keep, values, neg_inf)
+    values = values.masked_fill(~keep, float("-inf"))
     temperature = torch.where(params.temperature == 1.0, torch.ones_like(params.temperature),
                               params.temperature)
     return torch.softmax(values / temperature, dim=-1), ids
 
 
-def sample_on_device(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor | None:
+_CHUNKS = (256, 128, 512, 64, 1024, 32, 16, 8)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) for logits [n, V] (the first of equal maxima), in two
+    passes where a chunk width divides V: each chunk's max, then the first chunk holding
+    the row's max. A 128k-wide row is reduced by few blocks in one torch.argmax; here
+    the first pass spreads it over V / chunk outputs (a decode step's greedy token)."""
+    rows, vocab = logits.shape
+    chunk = next((c for c in _CHUNKS if vocab % c == 0 and vocab >= 2 * c), 0)
+    if not chunk:
+        return torch.argmax(logits, dim=-1)
+    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)
+    best = values.argmax(dim=-1)
+    return best * chunk + within.gather(1, best[:, None])[:, 0]
+
+
+def sample_on_device(logits: torch.Tensor, samplers: Sequence[Sampler],
+                     checked: bool = False, greedy: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
     """Every row's token as a device tensor [n] (nothing read back), or None when a row
-    needs its own sampler."""
-    if not all(batchable(s) for s in samplers):
+    needs its own sampler. `checked`: the caller knows every sampler is `batchable`;
+    `greedy`: each row's argmax, already computed (decode_step.DecodeRunner.greedy)."""
+    if not checked and not all(batchable(s) for s in samplers):
         return None
-    tokens = torch.argmax(logits, dim=-1)
     drawn = [i for i, sampler in enumerate(samplers) if not sampler.greedy]
+    if greedy is None:
+        tokens = torch.argmax(logits, dim=-1)
+    else:  # a graph's output: written over by its next replay, so drawn rows get a copy
+        tokens = greedy.clone() if drawn else greedy
+    if len(drawn) == len(samplers):  # every row drawn: no row index to send
+        probs, ids = batched_probs(logits, samplers)
+        return ids.gather(1, draw_rows(probs)[:, None])[:, 0]
     if drawn:
-        index = torch.tensor(drawn, device=logits.device)
+        index = to_device(drawn, logits.device)
         probs, ids = batched_probs(logits.index_select(0, index), [samplers[i] for i in drawn])
-        tokens.index_copy_(0, index, ids.gather(1, torch.multinomial(probs, 1))[:, 0])
+        tokens.index_copy_(0, index, ids.gather(1, draw_rows(probs)[:, None])[:, 0])
     return tokens
+
+
+def draw_rows(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of probs [n, k], drawn as torch.multinomial(probs, 1) draws it,
+    from the same random numbers to the same result (its one-sample method: the argmax
+    of p / q, q ~ Exp(1)), without its checks of the probabilities, which read values
+    back to the host: a sync that would wait for the step launched ahead (ahead_step.py).
+    The probabilities here come from a softmax (finite, >= 0, sum 1)."""
+    q = torch.empty_like(probs).exponential_(1)
+    return (probs / q).argmax(dim=-1)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of `values` on `device` without waiting for the device's queued work
+    (torch.tensor(..., device=) copies with a stream sync; this copy is asynchronous)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def sample_rows(logits: torch.Tensor, samplers: Sequence[Sampler],

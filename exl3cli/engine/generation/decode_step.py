@@ -1,14 +1,13 @@
 """The generator's decode step with fixed shapes, replayed from CUDA graphs.
 
 A step that only decodes (one new token for each of n jobs) runs through a
-`FixedDecodeStep`: the batch is padded to a bucket of B rows and every row's page
+`FixedDecodeStep` (fixed_step.py): the batch is padded to a bucket of B rows and every row's page
 table to P pages, and all the step reads from the host (token ids, cached lengths,
-rotary offsets, page tables) sits in one device buffer filled by a single copy.
-Everything derived from it (positions, the slot each new key goes to, the slots
-attention reads) is computed on the device inside the step, so one captured graph
-serves every step of that (B, P) bucket: a job joining, leaving or growing a page
-changes the data in the buffer, never the graph. Padding rows write to the pool's
-scratch page and attend to that one slot.
+rotary offsets and positions, the slot each new key goes to, attention lengths, page
+tables; worked out on the host, which knows them) sits in one device buffer filled by
+a single copy, so one captured graph serves every step of that (B, P) bucket: a job
+joining, leaving or growing a page changes the data in the buffer, never the graph.
+Padding rows write to the pool's scratch page and attend to that one slot.
 
 A token's rotary position is its cache position plus its row's offset: 0, except after
 images that move positions (Qwen2.5-VL's M-RoPE, vision/mrope.py: a text token after
@@ -33,7 +32,10 @@ Modes: "graph" (the CUDA default): capture per bucket, replay; "static": the sam
 fixed-shape step run eagerly (what a graph replays, checkable on any device);
 "off": the generator's general paged path for every step (the CPU default, where
 the fused CPU kernels of the general path are faster).
-`EXL3_DECODE_MODE` overrides the default.
+`EXL3_DECODE_MODE` overrides the default. `EXL3_STEP_ARGMAX=1` (opt-in until measured)
+also computes each row's argmax inside the step (in the graph, in two passes:
+batch_sampling.argmax_rows): `DecodeRunner.greedy` after a run, which the generator's
+on-device sampling takes instead of launching its own argmax.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ from typing import Any
 
 import torch
 
-from exl3cli.engine.kvcache.paged_attention import attend_decode
+from exl3cli.engine.generation.batch_sampling import argmax_rows
+from exl3cli.engine.generation.fixed_step import FixedDecodeStep
+from exl3cli.engine.kvcache.paged_attention import reference_paged_attention
 from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
-from exl3cli.ops import cuda_kernels as kernels
 
 MODES = ("graph", "static", "off")
 MAX_ROWS = 64  # rows of a fixed-shape step that verifies drafts (jobs x (1 + k))
@@ -73,188 +76,6 @@ def bucket(count: int, limit: int) -> int:
     return max(count, min(size, limit))
 
 
-class FixedDecodeStep:
-    """The `cache` argument of CausalLM.forward (an `AttentionCache`,
-    kvcache/attention_cache.py) for one fixed-shape decode step of `batch` rows over at
-    most `pages` pages each (see the module docstring).
-
-    `load(rows)` writes the host data; `prepare()` (called by the model inside the
-    step) derives the device tensors every layer shares."""
-
-    # Its tokens were sampled from the vocabulary: never an image id (CausalLM.forward
-    # then embeds them as text without checking on the device).
-    text_only = True
-
-    def __init__(self, pool: PagePool, batch: int, pages: int):
-        if pool.scratch_page is None:
-            raise ValueError("a fixed-shape decode step needs a pool with a scratch page")
-        self.pool = pool
-        self.batch = batch
-        self.pages = pages
-        self.span = pages * pool.page_size
-        device = pool.device
-        self.buffer = torch.zeros(batch, 3 + pages, dtype=torch.long, device=device)
-        # Two pinned staging buffers, used in turn: while the GPU runs behind the host
-        # (a step launched ahead), the copy out of one may not have run yet when the
-        # next step is loaded. Each waits for its own last copy before it is rewritten.
-        cuda = device.type == "cuda"
-        self._host = [torch.zeros(batch, 3 + pages, dtype=torch.long, pin_memory=cuda)
-                      for _ in range(2)]
-        self._copied: list[Any] = [None, None]
-        self._turn = 0
-        self.ids = self.buffer[:, 0]
-        self.lengths = self.buffer[:, 1]  # tokens already cached = the new token's slot
-        self.rope_offsets = self.buffer[:, 2]  # rotary position - cache position
-        self.page_table = self.buffer[:, 3:]
-        self.write_slots: torch.Tensor | None = None
-        self.read_slots: torch.Tensor | None = None
-        self.kv_lengths: torch.Tensor | None = None
-        self.rows = 0
-
-    def load(self, rows: Sequence[tuple[PageTable, int | None]],
-             ids: torch.Tensor | None = None, offsets: Sequence[int] | None = None,
-             ahead: Sequence[int] | None = None) -> None:
-        """Host data of this step: each row's token, length, rotary offset (`offsets`,
-        default 0) and pages (padding rows: the scratch page, length 0). Row i's token
-        sits `ahead[i]` (default 0) positions past its table's length (a draft of a
-        verification pass). Allocates the page a row's new token needs. With `ids` (a
-        device tensor [n], e.g. the tokens the step before sampled) the tokens come
-        from there and those in `rows` are ignored."""
-        if not 0 < len(rows) <= self.batch:
-            raise ValueError(f"{len(rows)} rows for a step of {self.batch}")
-        scratch = self.pool.scratch_page
-        data = [[0, 0, 0] + [scratch] * self.pages for _ in range(self.batch)]
-        for i, (row, (table, token)) in enumerate(zip(data, rows, strict=False)):
-            extra = int(ahead[i]) if ahead is not None else 0
-            table.slots(1 + extra)  # the page of the new position exists from here on
-            if len(table.pages) > self.pages:
-                raise ValueError(f"a row holds {len(table.pages)} pages, step has {self.pages}")
-            row[0], row[1] = int(token or 0), table.length + extra
-            row[2] = int(offsets[i]) if offsets is not None else 0
-            row[3 : 3 + len(table.pages)] = table.pages
-        turn = self._turn
-        self._turn ^= 1
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()
-        staging = self._host[turn]
-        staging.copy_(torch.tensor(data, dtype=torch.long))
-        self.buffer.copy_(staging, non_blocking=True)
-        if staging.is_pinned():
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
-        if ids is not None:
-            self.ids[: len(rows)].copy_(ids)
-        self.rows = len(rows)
-
-    def load_padding(self) -> None:
-        """Host data of a step whose rows are all padding (the scratch page, length 0):
-        what a graph is captured from before any job needs its bucket."""
-        self.buffer.fill_(0)
-        self.page_table.fill_(self.pool.scratch_page)
-        self.rows = 0
-
-    # ---- what CausalLM.forward and the layers call --------------------------------------
-
-    def prepare(self) -> tuple[torch.Tensor, int]:
-        """Device-side derived tensors; (rotary positions [1, B], span) for the rotary
-        tables: cache lengths plus the rows' offsets (never above the lengths)."""
-        size = self.pool.page_size
-        lengths = self.lengths
-        page = self.page_table.gather(1, torch.div(lengths, size, rounding_mode="floor")[:, None])
-        self.write_slots = page[:, 0] * size + lengths % size
-        offsets = torch.arange(size, device=lengths.device)
-        self.read_slots = (self.page_table[:, :, None] * size + offsets).reshape(self.batch, -1)
-        self.kv_lengths = lengths + 1
-        return (lengths + self.rope_offsets)[None, :], self.span
-
-    def check_input(self, input_ids: torch.Tensor) -> None:
-        if tuple(input_ids.shape) != (1, self.batch):
-            raise ValueError(f"a decode step takes input_ids [1, {self.batch}], "
-                             f"got {list(input_ids.shape)}")
-
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               window: int | None, *, softcap: float | None = None,
-               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """query [1, H, B, D], new key/value [1, KV, B, D] -> [1, H, B, D]: write the new
-        keys/values, then each row attends to its first `kv_lengths` positions. `sinks`
-        (gpt-oss) take the PyTorch reference: the kernel has none."""
-        pool = self.pool
-        pool.write(layer, self.write_slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        rows = query[0].transpose(0, 1)  # [B, H, D]
-        out = None if sinks is not None else kernels.paged_attention(
-            rows, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
-            pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
-            window, softcap=softcap, scale=scale)
-        if out is None:  # no kernel for this device or layout: the PyTorch reference
-            out = reference_paged_attention(rows, pool, layer, self.read_slots,
-                                            self.kv_lengths, window, softcap, scale, sinks)
-        return out.transpose(0, 1).unsqueeze(0)
-
-    def kv_target(self, layer: int, dtype: torch.dtype
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(keys, values, write slots) of `layer` where a kernel may store the step's new
-        keys/values itself (ops/layer_fold.py): an unquantized pool in `dtype`; else None."""
-        pool = self.pool
-        if pool.cache_type.quantized or pool.dtype != dtype or self.write_slots is None:
-            return None
-        keys, values = pool.keys[layer], pool.values[layer]
-        if not (keys.is_contiguous() and values.is_contiguous()):
-            return None
-        return keys, values, self.write_slots
-
-    def attend_parts(self, layer: int, query: torch.Tensor, key: torch.Tensor | None,
-                     value: torch.Tensor | None, window: int | None, combine: bool = False
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """`attend` for rows query [B, H, D] and new key/value [B, KV, D] (None: already
-        stored, `kv_target`), leaving the chunks uncombined: (part_acc, part_ml, out) for
-        ops/layer_fold.combine_hadamard (out is written when there is one chunk); with
-        `combine` (None, None, out) from the kernel's own combine, and without the kernel
-        (None, None, out) from the PyTorch reference."""
-        pool = self.pool
-        if key is not None and value is not None:
-            pool.write(layer, self.write_slots, key, value)
-        batch, heads, dim = query.shape
-        if combine:
-            out = kernels.paged_attention(
-                query, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
-                pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
-                window)
-            if out is None:
-                out = reference_paged_attention(query, pool, layer, self.read_slots,
-                                                self.kv_lengths, window)
-            return None, None, out
-        part_acc = torch.empty(batch, heads, kernels.attention_chunks(self.pages, pool.page_size),
-                               dim, dtype=torch.float32, device=query.device)
-        part_ml = part_acc.new_empty(*part_acc.shape[:3], 2)
-        out = kernels.paged_attention(
-            query, pool.keys[layer], pool.values[layer], pool.cache_type.key_bits,
-            pool.cache_type.value_bits, self.page_table, self.kv_lengths, pool.page_size,
-            window, parts=(part_acc, part_ml))
-        if out is None:
-            out = reference_paged_attention(query, pool, layer, self.read_slots,
-                                            self.kv_lengths, window)
-            return None, None, out
-        return part_acc, part_ml, out
-
-    def select_last(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden  # one token per row: every row is its own last token
-
-    def advance(self, counts: Sequence[int] | None = None) -> None:
-        """Nothing: the generator commits the tokens on the host once it knows them."""
-
-    def describe(self) -> dict:
-        """The step's shape; its data is `buffer` (tensor-parallel ranks receive it by a
-        broadcast, engine/generation/tp_driver.py)."""
-        return {"kind": "fixed", "batch": self.batch, "pages": self.pages}
-
-    def mirror(self, pool: PagePool) -> FixedDecodeStep:
-        """This step over `pool` (another device's layers): the same buffer, copied."""
-        step = FixedDecodeStep(pool, self.batch, self.pages)
-        step.buffer.copy_(self.buffer)
-        step.rows = self.rows
-        return step
-
-
 class DecodeRunner:
     """Fixed-shape decode steps of one model over one page pool, by (B, P) bucket."""
 
@@ -277,6 +98,8 @@ class DecodeRunner:
         self.max_rows = max(max_batch, MAX_ROWS)  # verification passes: rows, not jobs
         self.max_pages = pages_for(num_ctx, pool.page_size)
         self.captures = 0  # graphs captured so far (a step that captured is not timed)
+        self.step_argmax = os.environ.get("EXL3_STEP_ARGMAX", "0").strip() == "1"
+        self.greedy: torch.Tensor | None = None  # the last run's argmax rows, or None
         self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle: Any = None
@@ -376,6 +199,7 @@ class DecodeRunner:
             logits = self._replay(key, step)
         else:
             logits = self._forward(step)
+        self.greedy = step.greedy[: len(rows)] if step.greedy is not None else None
         return logits[: len(rows)]
 
     def _row_offsets(self, rows: Sequence[tuple[PageTable, int | None]]) -> list[int] | None:
@@ -392,8 +216,9 @@ class DecodeRunner:
         return out
 
     def _forward(self, step: FixedDecodeStep) -> torch.Tensor:
-        logits = self.model.forward(step.ids[None, :], step, last_logits_only=True)
-        return logits[0]
+        logits = self.model.forward(step.ids[None, :], step, last_logits_only=True)[0]
+        step.greedy = argmax_rows(logits) if self.step_argmax else None
+        return logits
 
     def _replay(self, key: tuple[int, int], step: FixedDecodeStep) -> torch.Tensor:
         version = self._version()
@@ -437,13 +262,5 @@ class DecodeRunner:
         return self._graphs[key]
 
 
-def reference_paged_attention(query: torch.Tensor, pool: PagePool, layer: int,
-                              read_slots: torch.Tensor, kv_lengths: torch.Tensor,
-                              window: int | None, softcap: float | None = None,
-                              scale: float | None = None,
-                              sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """query [B, H, D] over the first kv_lengths[b] positions of `read_slots` [B, S]
-    (pages read and, for a quantized pool, dequantized): [B, H, D]."""
-    keys, values = pool.read(layer, read_slots)
-    return attend_decode(query, keys.to(query.dtype), values.to(query.dtype), kv_lengths,
-                         window, softcap=softcap, scale=scale, sinks=sinks)
+__all__ = ["MAX_ROWS", "MODES", "DecodeRunner", "FixedDecodeStep", "bucket", "default_mode",
+           "reference_paged_attention"]

@@ -19,13 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from exl3cli.engine.generation import invariant
-from exl3cli.engine.generation.batch_sampling import batchable, sample_and_pick, sample_on_device
+from exl3cli.engine.generation.ahead_step import AheadSteps, Flight, StepReport, async_step_default
+from exl3cli.engine.generation.batch_sampling import batchable, sample_and_pick
 from exl3cli.engine.generation.decode_step import DecodeRunner
 from exl3cli.engine.generation.draft_policy import PlainStepClock, charge_step, fit_rows
 from exl3cli.engine.generation.jobs import (
@@ -47,42 +47,7 @@ from exl3cli.errors import ContextOverflow, GeneratorBusy, InvalidOption
 DEFAULT_MAX_PREFILL_TOKENS = 512
 
 
-@dataclass
-class StepReport:
-    """What one step did (for schedulers, tests and benchmarks)."""
-
-    decode_tokens: int = 0  # decoding jobs fed (one pending token each)
-    draft_tokens: int = 0  # draft tokens fed after them for verification
-    prefill_tokens: int = 0
-    jobs: int = 0
-    finished: int = 0
-    job_ids: list[int] = field(default_factory=list)  # the jobs fed in this pass
-
-
-class _Flight:
-    """A decode step on its way: its jobs (in row order), their tokens sampled on the
-    device and being copied to the host, when it started, and its report."""
-
-    def __init__(self, jobs: list[ActiveJob], tokens: torch.Tensor, start: int,
-                 report: StepReport):
-        self.jobs, self.tokens, self.start, self.report = jobs, tokens, start, report
-        self.timed = True  # False: a graph was captured in it (not a plain step's time)
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._ready: Any = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host, self._ready = tokens, None
-
-    def read(self) -> list[int]:
-        """The tokens on the host (waits for this step only, not for later ones)."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
-
-
-class Generator:
+class Generator(AheadSteps):
     """Serves GenerationJobs with continuous batching over a PagePool.
 
     `num_ctx` is the longest context of any job; the pool holds `num_pages` pages
@@ -93,6 +58,8 @@ class Generator:
     (draft_policy.py); without it drafting backs off on acceptance only.
     `batch_invariant` (default EXL3_BATCH_INVARIANT): a job's tokens do not depend on
     the jobs beside it; prompt chunks run on the fixed-shape step (invariant.py).
+    `async_step` (default on, EXL3_ASYNC_STEP=0 turns it off) launches each decode step before the
+    previous one's tokens are read back where nothing can depend on them (ahead_step.py).
     """
 
     def __init__(
@@ -109,6 +76,7 @@ class Generator:
         decode_mode: str | None = None,
         draft_cost: bool | None = None,
         batch_invariant: bool | None = None,
+        async_step: bool | None = None,
     ):
         config = model.config
         self.batch_invariant = invariant.resolve(batch_invariant)
@@ -140,7 +108,11 @@ class Generator:
         self._work = threading.Condition(self._lock)
         self._queue: deque[JobHandle] = deque()
         self._active: list[ActiveJob] = []
-        self._flight: _Flight | None = None  # a decode step whose tokens are not read yet
+        self._flight: Flight | None = None  # a decode step whose tokens are not read yet
+        # Decode steps launched before the previous one is read back (ahead_step.py);
+        # `async_step` False (or EXL3_ASYNC_STEP=0): every step read back first.
+        self.async_step = async_step_default() if async_step is None else bool(async_step)
+        self.launched_ahead = 0  # steps launched so far before their inputs were read
         self._landed_ns = 0
         # Plain decode steps' wall time, which drafting passes must beat (draft_policy.py),
         # and whether the next step is a plain one to time it.
@@ -357,82 +329,6 @@ class Generator:
         if any(active.prefilling or len(tokens) != 1 for active, tokens in fed):
             return False
         return self.decode.fits([(active.table, tokens[0]) for active, tokens in fed])
-
-    # ---- steps launched before the previous one is read back --------------------------
-
-    def _launch(self, jobs: list[ActiveJob], logits: torch.Tensor, start: int,
-                report: StepReport) -> _Flight | None:
-        """Sample a decode step's rows on the device and start copying the tokens back;
-        None when a row needs its own sampler on the host (constraints, penalties...)."""
-        if any(job.handle.job.constraint is not None for job in jobs):
-            return None
-        tokens = sample_on_device(logits, [job.sampler for job in jobs])
-        if tokens is None:
-            return None
-        return _Flight(jobs, tokens, start, report)
-
-    def _ahead_ok(self, jobs: list[ActiveJob]) -> bool:
-        """Whether the step after `jobs`' current one may start before its tokens are
-        known: the same jobs (every active one), nobody to admit or prefill, no drafts
-        or host-side samplers, room for one more token in every budget."""
-        if not jobs or {id(job) for job in jobs} != {id(job) for job in self._active}:
-            return False
-        if self._queue and len(self._active) < self.max_batch:
-            return False
-        for job in jobs:
-            # A drafting job may run ahead only while its drafting is paused (backed off).
-            drafts = job.drafter is not None and job.produced + 2 > job.backoff.paused_until
-            if job.prefilling or drafts or job.handle.job.constraint is not None:
-                return False
-            if job.produced + 2 > job.budget or not batchable(job.sampler):
-                return False
-        return self.decode.fits([(job.table, 0) for job in jobs])
-
-    def _land(self, flight: _Flight) -> StepReport:
-        """Read back `flight`'s tokens (after launching the step that follows it, when
-        it may start now) and hand them to their jobs."""
-        alive = {id(job) for job in self._active}
-        live = [i for i, job in enumerate(flight.jobs) if id(job) in alive]
-        jobs = [flight.jobs[i] for i in live]
-        following = None
-        timed = flight.timed
-        if self._ahead_ok(jobs):
-            start = time.perf_counter_ns()
-            captures = self.decode.captures
-            ids = flight.tokens if len(live) == len(flight.jobs) else flight.tokens.index_select(
-                0, torch.tensor(live, device=flight.tokens.device))
-            with self._adapters_for([(job, 1) for job in jobs]):
-                logits = self.decode.run([(job.table, None) for job in jobs], ids)
-            following = self._launch(jobs, logits, start, StepReport(
-                decode_tokens=len(jobs), jobs=len(jobs),
-                job_ids=[job.handle.id for job in jobs]))
-            timed = timed and self.decode.captures == captures
-            if following is not None:
-                following.timed = self.decode.captures == captures
-        tokens = flight.read()
-        now = time.perf_counter_ns()
-        # Steps in flight overlap: each job is charged from the later of its launch and
-        # the previous read-back, so its eval_duration is the wall time it took.
-        elapsed = now - max(flight.start, self._landed_ns)
-        self._landed_ns = now
-        if timed and self.draft_cost:
-            self.plain_clock.observe(len(flight.jobs), elapsed)
-        report = flight.report
-        continuing = {id(job) for job in following.jobs} if following is not None else set()
-        for i in live:
-            job = flight.jobs[i]
-            events = job.after_forward([], None, elapsed, tokens[i])
-            self._deliver(job, events, report)
-            if id(job) in continuing and job.pending_token is not None:
-                job.table.commit([job.pending_token])  # already fed to the next step
-                job.pending_token = None
-        alive = {id(job) for job in self._active}
-        if following is not None and not any(id(job) in alive for job in following.jobs):
-            following = None  # every job of it ended: nothing to read back
-        self._flight = following
-        for observer in self.step_observers:
-            observer(report)
-        return report
 
     @staticmethod
     def _sample(fed: list[tuple[ActiveJob, list[int]]], logits: torch.Tensor,

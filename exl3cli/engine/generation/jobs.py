@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from exl3cli.engine.generation.batch_sampling import batchable
 from exl3cli.engine.generation.draft_policy import DraftBackoff
 from exl3cli.engine.generation.sampling import Sampler, build_sampler
 from exl3cli.engine.generation.speculative import verify, verify_picks
@@ -183,8 +184,12 @@ class ActiveJob:
     _decoder: Any = None
     _matcher: StopStringMatcher | None = None
     _held: list[int] = field(default_factory=list)  # tokens whose text is held back
+    # Whether its sampler draws with the batch on the device (batch_sampling.batchable;
+    # fixed for the job's life, checked once here rather than at every step).
+    batched: bool = False
 
     def __post_init__(self) -> None:
+        self.batched = batchable(self.sampler)
         self.cursor = self.table.length
         self.history = list(self.prompt)
         self._decoder = self.tokenizer.incremental_decoder(context_ids=self.prompt)

@@ -300,3 +300,15 @@ def mirrored_batch(pool: PagePool, description: dict) -> PagedBatch:
     batch = PagedBatch(pool, tables, [[0] * count for _, _, count in rows])  # type: ignore[arg-type]
     batch.last_index = torch.tensor(description["select"], dtype=torch.long, device=pool.device)
     return batch
+
+
+def reference_paged_attention(query: torch.Tensor, pool: PagePool, layer: int,
+                              read_slots: torch.Tensor, kv_lengths: torch.Tensor,
+                              window: int | None, softcap: float | None = None,
+                              scale: float | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query [B, H, D] over the first kv_lengths[b] positions of `read_slots` [B, S]
+    (pages read and, for a quantized pool, dequantized): [B, H, D]."""
+    keys, values = pool.read(layer, read_slots)
+    return attend_decode(query, keys.to(query.dtype), values.to(query.dtype), kv_lengths,
+                         window, softcap=softcap, scale=scale, sinks=sinks)
