@@ -23,6 +23,10 @@ def _json(path: Path) -> Any:
         return None
 
 
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:5.2f}x" if a and b else "    -"
+
+
 def ours(folder: Path, model: str) -> dict[tuple[str, int], float]:
     report = _json(folder / f"ours-{model}.json") or {}
     return {(row["kv"], row["jobs"]): row["tokens_per_s"] for row in report.get("rows", [])}
@@ -44,7 +48,6 @@ def peer(folder: Path, model: str, kv: int) -> dict[int, float]:
 
 def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
     fmt = lambda v: f"{v:8.1f}" if v else "       -"  # noqa: E731
-    ratio = lambda a, b: f"{a / b:5.2f}x" if a and b else "    -"  # noqa: E731
     print(f"{'model':<8}{'jobs':>5} | {'ours fp16':>9}{'ours q4':>9}{'q4/fp16':>8} | "
           f"{'peer fp16':>9}{'peer q4':>9} | {'fp16 vs peer':>12}{'q4 vs peer':>11}")
     for model in models:
@@ -74,24 +77,14 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
                 bare = plain.get((kv, jobs))
                 print(f"{model} {jobs} jobs, {kv}, rank-16 LoRA on every projection ({variant}): "
                       f"{value:.1f} tok/s; without {bare or 0:.1f} ({ratio(value, bare).strip()})")
-        for path in sorted(folder.glob(f"ours-{model}-moe-*.json")):  # gpu_moe.sh MOE_VARIANTS
-            variant = path.stem.removeprefix(f"ours-{model}-moe-")
-            for (kv, jobs), value in sorted(ours(folder, f"{model}-moe-{variant}").items()):
-                base = plain.get((kv, jobs))
-                print(f"{model} {jobs} jobs, {kv}, MoE variant {variant}: {value:.1f} tok/s; "
-                      f"default {base or 0:.1f} (default / variant {ratio(base, value).strip()})")
+        _variant_rows(folder, model, plain, "moe", "MoE variant")  # gpu_moe.sh MOE_VARIANTS
         for path in sorted(folder.glob(f"ours-{model}-fold-*.json")):  # FOLD_VARIANTS
             variant = path.stem.removeprefix(f"ours-{model}-fold-")
             for (kv, jobs), value in sorted(ours(folder, f"{model}-fold-{variant}").items()):
                 base = plain.get((kv, jobs))
                 print(f"{model} {jobs} jobs, {kv}, EXL3_LAYER_FOLD={variant}: {value:.1f} "
                       f"tok/s; no fold {base or 0:.1f} (fold / none {ratio(value, base).strip()})")
-        for path in sorted(folder.glob(f"ours-{model}-async-*.json")):  # ASYNC_VARIANTS
-            variant = path.stem.removeprefix(f"ours-{model}-async-")
-            for (kv, jobs), value in sorted(ours(folder, f"{model}-async-{variant}").items()):
-                base = plain.get((kv, jobs))
-                print(f"{model} {jobs} jobs, {kv}, async variant {variant}: {value:.1f} tok/s; "
-                      f"default {base or 0:.1f} (default / variant {ratio(base, value).strip()})")
+        _variant_rows(folder, model, plain, "async", "async variant")  # ASYNC_VARIANTS
         for path in sorted(folder.glob(f"profile-{model}-async-*.json")):
             _print_profile(f"{model} 1 job, async {path.stem.removeprefix(f'profile-{model}-async-')}",
                            _json(path), 8)
@@ -110,6 +103,16 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
         prof = _json(folder / f"profile-{jobs}{kv}.json")
         if prof:
             _print_profile(f"8b {jobs} jobs{kv}", prof, 12 if "lora" in kv else 8)
+
+
+def _variant_rows(folder: Path, model: str, plain: dict, tag: str, label: str) -> None:
+    """One line per job count of each `ours-MODEL-TAG-VARIANT.json`, against `plain`."""
+    for path in sorted(folder.glob(f"ours-{model}-{tag}-*.json")):
+        variant = path.stem.removeprefix(f"ours-{model}-{tag}-")
+        for (kv, jobs), value in sorted(ours(folder, f"{model}-{tag}-{variant}").items()):
+            base = plain.get((kv, jobs))
+            print(f"{model} {jobs} jobs, {kv}, {label} {variant}: {value:.1f} tok/s; "
+                  f"default {base or 0:.1f} (default / variant {ratio(base, value).strip()})")
 
 
 def _print_profile(label: str, prof: Any, top_n: int) -> None:

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from exl3cli.engine.generation.draft_policy import PROBE_OVERHEAD, SMOOTHING, size_class
+from exl3cli.engine.generation.draft_policy import PROBE_OVERHEAD, size_class, smooth_into
 
 SHORT_FEED = 4  # tokens per job at most in a draft forward that is timed
 PROBE_DRAFTS = 2  # positions a probe drafts: one forward may catch up, the next is timed
@@ -84,12 +84,7 @@ class DraftForwardCost:
         return spent
 
     def observe(self, jobs: int, elapsed_ns: int) -> None:
-        if jobs <= 0 or elapsed_ns <= 0:
-            return
-        key = size_class(jobs)
-        old = self._ns.get(key)
-        self._ns[key] = elapsed_ns if old is None else (
-            (1 - SMOOTHING) * old + SMOOTHING * elapsed_ns)
+        smooth_into(self._ns, jobs, elapsed_ns)
 
     def forward_ns(self, jobs: int) -> float | None:
         return self._ns.get(size_class(jobs))

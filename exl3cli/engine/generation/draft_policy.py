@@ -159,6 +159,17 @@ def size_class(jobs: int) -> int:
     return 1 << max(0, jobs - 1).bit_length()
 
 
+def smooth_into(times: dict[int, float], jobs: int, elapsed_ns: int) -> bool:
+    """Fold `elapsed_ns` into `times`' running figure for `jobs`' size class (SMOOTHING
+    on the newest); False (nothing kept) for an empty or untimed observation."""
+    if jobs <= 0 or elapsed_ns <= 0:
+        return False
+    key = size_class(jobs)
+    old = times.get(key)
+    times[key] = elapsed_ns if old is None else (1 - SMOOTHING) * old + SMOOTHING * elapsed_ns
+    return True
+
+
 class PlainStepClock:
     """The generator's wall time of a plain decode step, per batch size class: the
     reference `DraftBackoff.record_cost` compares drafting passes with. A size class
@@ -197,13 +208,8 @@ class PlainStepClock:
 
     def observe(self, jobs: int, elapsed_ns: int) -> None:
         """A plain decode step over `jobs` jobs took `elapsed_ns`."""
-        if jobs <= 0 or elapsed_ns <= 0:
-            return
-        key = size_class(jobs)
-        old = self._ns.get(key)
-        self._ns[key] = elapsed_ns if old is None else (
-            (1 - SMOOTHING) * old + SMOOTHING * elapsed_ns)
-        self._age[key] = 0
+        if smooth_into(self._ns, jobs, elapsed_ns):
+            self._age[size_class(jobs)] = 0
 
     def plain_ns(self, jobs: int) -> float | None:
         return self._ns.get(size_class(jobs))
