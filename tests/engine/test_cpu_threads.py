@@ -13,10 +13,11 @@ import torch
 from exl3cli.convert.synthetic import write_synthetic_model
 from exl3cli.engine.layers.cpu_exl3 import CpuExl3Linear
 from exl3cli.engine.layers.linear import DenseLinear, Exl3Linear, FusedLinear
-from exl3cli.engine.layers.offload import HostLinear
+from exl3cli.engine.layers.offload import HostLinear, offload_device_rows
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.models.placement import estimate_memory
 from exl3cli.engine.spec.architecture import load_family_config
+from exl3cli.errors import InvalidOption
 from exl3cli.ops import cpu_kernels
 from exl3cli.ops.cpu_gemv_mode import set_exl3_gemv_mode
 from tests.engine.test_cpu_exl3 import _fresh, _kernel_required, _random_trellis
@@ -103,6 +104,7 @@ def test_offloaded_layers_run_on_the_exl3_kernel(folder, monkeypatch) -> None:
                 assert part.trellis_t.dtype == torch.int16  # K bits a weight, as stored
                 parts[part.trellis_t.data_ptr()] = f"layer {index}"
         assert not any(isinstance(m, (DenseLinear, Exl3Linear)) for m in layer.modules())
+        assert all(h.device_rows == 0 for h in hosted)  # a CPU main device: no copies
 
     called: list[int] = []
     kernel = cpu_kernels.exl3_linear_cpu
@@ -123,3 +125,13 @@ def test_offloaded_layers_run_on_the_exl3_kernel(folder, monkeypatch) -> None:
         torch.testing.assert_close(split(ids), whole(ids), rtol=0, atol=0)
         assert sorted(p for p in called if p in parts) == sorted(parts)
         ids = ids[:, :1]  # then one row: the decode GEMV
+
+
+def test_offload_device_rows_setting(monkeypatch) -> None:
+    monkeypatch.delenv("EXL3_OFFLOAD_DEVICE_ROWS", raising=False)
+    assert offload_device_rows() == 9  # past the CPU's fused GEMV rows
+    monkeypatch.setenv("EXL3_OFFLOAD_DEVICE_ROWS", "0")
+    assert offload_device_rows() == 0
+    monkeypatch.setenv("EXL3_OFFLOAD_DEVICE_ROWS", "many")
+    with pytest.raises(InvalidOption, match="EXL3_OFFLOAD_DEVICE_ROWS"):
+        offload_device_rows()
