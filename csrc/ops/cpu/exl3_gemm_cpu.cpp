@@ -62,6 +62,13 @@ constexpr int kSteps = 256;
 constexpr int64_t kGemvRows = 8;
 constexpr int64_t kHadamard = 128;
 constexpr int64_t kStripBytes = 8 << 20;  // decoded strip size for the prompt path
+// Weights one thread's share of a 1-8 row product holds at least (~8 us of decoding):
+// a small projection (k/v of a small model) is not split into tasks that cost less than
+// waking a thread; an 8B layer's (kb 256) still splits at every strip.
+constexpr int64_t kTaskWeights = int64_t{1} << 16;
+
+// The at::parallel_for grain (strips per task) of a 16-column strip of kb tiles.
+inline int64_t strip_grain(int64_t kb) { return std::max<int64_t>(1, kTaskWeights / (256 * kb)); }
 
 // Where each tile position's 16-bit window lies in the ring (see the header comment).
 struct StepTable {
@@ -448,7 +455,7 @@ void fused_matmul_int(const int16_t* trellis, int64_t nb, int64_t kb, int64_t wo
   // The caller's buffer: inside the parallel body `xq` would name each worker's own.
   const int16_t* xqp = xq.data();
   auto run = [&](auto fn) {
-    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, nb, strip_grain(kb), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j)
         fn(xqp, kb, trellis + j * tile_words, words, t, out + 16 * j, ldo);
     });
@@ -600,7 +607,7 @@ void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
     step_lanes_x(xh, ldx, rows, L.kb, xs.data());
     const float* xsp = xs.data();  // the caller's (a worker's `xs` is its own, empty)
     dispatch_steps(L.codebook, L.table->order.words16 > 32, rows, [&](auto fn) {
-      at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, L.nb, strip_grain(L.kb), [&](int64_t begin, int64_t end) {
         for (int64_t j = begin; j < end; ++j)
           fn(xsp, L.kb, L.trellis + j * tile_words, L.words, L.table->order, out + 16 * j,
              ldo);
@@ -611,7 +618,7 @@ void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
 #endif
 #if defined(__AVX512F__)
   dispatch(L.codebook, L.table->words32, [&](auto rows_fn, auto) {
-    at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, L.nb, strip_grain(L.kb), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j)
         rows_fn(xh, ldx, rows, L.trellis + j * tile_words, L.kb, L.words, *L.table,
                 out + 16 * j, ldo);
