@@ -135,3 +135,28 @@ def test_offload_device_rows_setting(monkeypatch) -> None:
     monkeypatch.setenv("EXL3_OFFLOAD_DEVICE_ROWS", "many")
     with pytest.raises(InvalidOption, match="EXL3_OFFLOAD_DEVICE_ROWS"):
         offload_device_rows()
+
+
+def test_device_path_of_an_offloaded_projection(folder, monkeypatch) -> None:
+    """``HostLinear.on_device`` (what a prompt on a CUDA host runs: each part's trellis
+    moved to x's device, back in the device kernel's (kb, nb) layout, outputs side by
+    side): on CPU tensors exl3_gemm takes its PyTorch reference, which must give the
+    CPU kernel's product for fused q|k|v and gate|up and a single projection."""
+    _kernel_required()
+    config = load_family_config(folder)
+    estimate = estimate_memory(folder, config, torch.float32, 128)
+    fixed = estimate.other + estimate.cache_per_layer * config.num_layers + estimate.workspace
+    monkeypatch.setenv("EXL3_GPU_MEMORY", str(fixed + estimate.layers[0]))
+    split = load_causal_lm(folder, device="cpu", dtype=torch.float32, cpu_weights="exl3",
+                           num_ctx=128)
+    g = _fresh()
+    hosted = [m for m in split.layers[2].modules() if isinstance(m, HostLinear)]
+    assert len(hosted) == 4
+    for host in hosted:
+        device_path = HostLinear(host.inner, device_rows=1)
+        assert device_path.device_rows == 1
+        x = torch.randn(1, 12, host.in_features, generator=g)
+        want = host.inner(x)
+        got = device_path.on_device(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
