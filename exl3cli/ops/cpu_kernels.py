@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -53,7 +54,20 @@ def openmp_flags() -> list[str]:
     (one OpenMP runtime, one thread pool, torch's thread count)."""
     if sys.platform != "linux" or not torch.backends.openmp.is_available():
         return []
-    return ["-fopenmp"]
+    return ["-fopenmp"] if _compiler_has_openmp() else []
+
+
+@cache
+def _compiler_has_openmp() -> bool:
+    """Whether the compiler takes ``-fopenmp`` and finds ``omp.h`` (a preprocessor run):
+    without them the kernels still build, on one thread."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, "-fopenmp", "-x", "c++", "-E", "-o", os.devnull, "-"],
+                              input=b"#include <omp.h>\n", capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _cpu_fingerprint() -> str:
