@@ -10,7 +10,7 @@ callers use the PyTorch reference instead (one line on stderr says why, once).
 
 Public API:
 - ``available() -> bool`` / ``unavailable_reason() -> str | None``
-- ``openmp_flags() -> list[str]``: the OpenMP compile flag where torch uses OpenMP.
+- ``openmp_flags()`` (ops/build.py, re-exported): the OpenMP compile flag.
 - ``parallel_threads() -> int``: how many threads the kernels' ``at::parallel_for``
   split a loop across now (1 when the build has no OpenMP).
 - ``simd_level() -> str``: which inner loop was compiled ("avx512", "avx2", "scalar").
@@ -29,8 +29,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -39,35 +37,10 @@ from typing import NamedTuple
 import torch
 
 from exl3cli.ops import reference
-from exl3cli.ops.build import CSRC, LazyExtension, build_extension
+from exl3cli.ops.build import CSRC, LazyExtension, build_extension, openmp_flags
 
 CSRC_CPU = CSRC / "ops" / "cpu"
 _FLAGS = ["-O3", "-march=native"]
-
-
-def openmp_flags() -> list[str]:
-    """``-fopenmp`` where torch's parallel backend is OpenMP (Linux wheels): ATen's
-    ``at::parallel_for`` is an inline template that only splits work when the code
-    including it is compiled with OpenMP (``_OPENMP``); without the flag every kernel
-    here ran on one thread whatever ``torch.set_num_threads`` said. Only the compile
-    flag: the ``GOMP_*`` symbols resolve to the libgomp that libtorch_cpu already loaded
-    (one OpenMP runtime, one thread pool, torch's thread count)."""
-    if sys.platform != "linux" or not torch.backends.openmp.is_available():
-        return []
-    return ["-fopenmp"] if _compiler_has_openmp() else []
-
-
-@cache
-def _compiler_has_openmp() -> bool:
-    """Whether the compiler takes ``-fopenmp`` and finds ``omp.h`` (a preprocessor run):
-    without them the kernels still build, on one thread."""
-    compiler = os.environ.get("CXX", "c++")
-    try:
-        done = subprocess.run([compiler, "-fopenmp", "-x", "c++", "-E", "-o", os.devnull, "-"],
-                              input=b"#include <omp.h>\n", capture_output=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.returncode == 0
 
 
 def _cpu_fingerprint() -> str:
