@@ -10,7 +10,9 @@ moves a few kilobytes per projection, never weights.
 A forward of many rows (a prompt, a large batch: ``EXL3_OFFLOAD_DEVICE_ROWS``, default 9,
 the first row count past the CPU's fused GEMV) goes the other way: the projection's
 trellis (pinned host memory on a CUDA host, K bits a weight) is copied to the device and
-multiplied there by the device kernel, as a resident layer would be. On the CPU such a
+multiplied there by the device kernel, as a resident layer would be (the memory plan holds
+no room for the copies, ~2x the largest projection: a forward that finds the device full
+runs on the CPU instead). On the CPU such a
 forward decodes every tile to float32 and runs a float32 matrix product (~2 x weights x
 rows flops); the copy costs the same whatever the rows (bench/NOTES-cpu-exl3.md).
 
@@ -67,7 +69,10 @@ class HostLinear(Linear):
         rows = x.numel() // max(1, x.shape[-1])
         if self.device_rows and rows >= self.device_rows and x.is_cuda \
                 and cuda_kernels.available():
-            return self.on_device(x)
+            try:
+                return self.on_device(x)
+            except torch.cuda.OutOfMemoryError:
+                pass  # the plan holds no room for the copies: this forward on the CPU
         return self.inner(x.to("cpu", torch.float32)).to(x.device, x.dtype)
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
