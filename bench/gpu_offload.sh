@@ -44,9 +44,12 @@ nproc | sed 's/^/cpu cores: /'
 [ -f "$MODEL/config.json" ] || python3 bench/synthetic_model.py "$SHAPE" -b 4.0 --head-bits 6 \
   --layers "$LAYERS" --out "$MODEL" >"$OUT/synthetic.log" 2>&1 &
 python3 -c "
-import time; t = time.time()
+import time, torch; t = time.time()
 from exl3cli.ops import cpu_kernels
-print('CPU BUILD', 'ok' if cpu_kernels.available() else 'FAILED', f'{time.time() - t:.1f} s')
+ok = cpu_kernels.available()
+print('CPU BUILD', 'ok' if ok else 'FAILED', f'{time.time() - t:.1f} s', cpu_kernels.simd_level()
+      if ok else '', f'kernel threads {cpu_kernels.parallel_threads(256)}/{torch.get_num_threads()}'
+      if ok else '')
 " >"$OUT/build-cpu.log" 2>&1 &
 python3 -c "
 import time, torch; t = time.time()
@@ -63,7 +66,7 @@ stamp "$(grep BUILD "$OUT/build.log" || tail -3 "$OUT/build.log") / $(grep BUILD
 if [[ " $STAGES " == *" tests "* ]]; then
   if [ "${CPU_TESTS:-0}" = 1 ]; then  # they run on the dev machine; 1 here too
     timeout 240 python3 -m pytest -q -p no:randomly tests/engine/test_streamed.py \
-      tests/engine/test_placement.py >"$OUT/tests-cpu.log" 2>&1
+      tests/engine/test_placement.py tests/engine/test_cpu_threads.py >"$OUT/tests-cpu.log" 2>&1
     stamp "offload tests (CPU): $(tail -1 "$OUT/tests-cpu.log")"
   fi
   collect=$(python3 -c "import torch; print('' if torch.cuda.is_available() else '--collect-only')")

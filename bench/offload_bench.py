@@ -31,6 +31,13 @@ from exl3cli.engine.models.loader import load_causal_lm  # noqa: E402
 from exl3cli.engine.text.tokenizer import Tokenizer  # noqa: E402
 
 
+def kernel_threads() -> int:
+    """Threads one loop of the CPU kernels runs on (0: kernels unavailable)."""
+    from exl3cli.ops import cpu_kernels
+
+    return cpu_kernels.parallel_threads(256) if cpu_kernels.available() else 0
+
+
 def _sync(model) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "streamed": placement.streamed, "processor": placement.processor,
         "gpu_bytes": placement.gpu_bytes, "cpu_bytes": placement.cpu_bytes,
         "load_s": load_s, "threads": torch.get_num_threads(),
+        "kernel_threads": kernel_threads(),
         "gpu_memory": os.environ.get("EXL3_GPU_MEMORY", ""),
     }
     tokenizer = Tokenizer.from_folder(args.model)

@@ -6,6 +6,7 @@ Greedy text against the full-GPU run (the reference: every layer resident, not
 streamed): "identical", or the first position where the tokens differ with the logit
 gap there in the reference between its token and the other run's (float order
 explains a gap under 1e-2; ">= x" when the other token is not in the reference's top 5).
+"CPU threads": threads one loop of the CPU kernels ran on / torch's thread count.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = full[0]
     print(f"reference: {reference['label']} ({reference['decode_tok_s']:.1f} tok/s)")
     header = ("placement", "processor", "resident", "decode tok/s", "x full", "prefill tok/s",
-              "mode", "GPU GiB used/plan", "greedy vs full GPU")
+              "mode", "CPU threads", "GPU GiB used/plan", "greedy vs full GPU")
     lines = [header]
     for r in rows:
         gib = (f"{r['max_allocated'] / 2**30:.2f}/{r['gpu_bytes'] / 2**30:.2f}"
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append((r["label"], r["processor"], f"{r['gpu_layers']}/{r['num_layers']}"
                       + (" +stream" if r["streamed"] else ""), f"{r['decode_tok_s']:.1f}",
                       f"{r['decode_tok_s'] / reference['decode_tok_s']:.2f}",
-                      f"{r['prefill_tok_s']:.0f}", r["decode_mode"], gib,
+                      f"{r['prefill_tok_s']:.0f}", r["decode_mode"],
+                      f"{r.get('kernel_threads', '?')}/{r.get('threads', '?')}", gib,
                       "reference" if r is reference else
                       divergence(reference["greedy"], r["greedy"])))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]

@@ -1,7 +1,8 @@
 """Build C++/CUDA sources as a torch extension once, on first use, and remember why not.
 
 cuda_kernels.py (CUDA GEMM/decode), cuda_viterbi.py and cpu_kernels.py each own one
-`LazyExtension`; this module holds what they share: the JIT build into a cache folder
+`LazyExtension`; this module holds what they share: ``openmp_flags()`` (``-fopenmp``
+where torch's backend is OpenMP and the compiler has it), the JIT build into a cache folder
 keyed by a hash of the sources and the build settings, the try-once, thread-safe,
 say-why-once loading that falls back to the PyTorch reference paths, and the one
 reading of `EXL3_NO_EXT` (`extensions_disabled`): set to anything but "" or "0", every
@@ -15,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -56,6 +59,33 @@ def extensions_disabled() -> bool:
 def kernel_cache_root() -> Path:
     """Where built extensions live (`EXL3_KERNEL_CACHE`, default ~/.cache/exl3/kernels)."""
     return Path(os.environ.get("EXL3_KERNEL_CACHE", Path.home() / ".cache/exl3/kernels"))
+
+
+def openmp_flags() -> list[str]:
+    """``-fopenmp`` where torch's parallel backend is OpenMP (Linux wheels): ATen's
+    ``at::parallel_for`` is an inline template that only splits work when the code
+    including it is compiled with OpenMP (``_OPENMP``); without the flag every loop of a
+    C++ extension ran on one thread whatever ``torch.set_num_threads`` said. Only the
+    compile flag: the ``GOMP_*`` symbols resolve to the libgomp that libtorch_cpu already
+    loaded (one OpenMP runtime, one thread pool, torch's thread count)."""
+    import torch
+
+    if sys.platform != "linux" or not torch.backends.openmp.is_available():
+        return []
+    return ["-fopenmp"] if _compiler_has_openmp() else []
+
+
+@cache
+def _compiler_has_openmp() -> bool:
+    """Whether the compiler takes ``-fopenmp`` and finds ``omp.h`` (a preprocessor run):
+    without them the kernels still build, on one thread."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, "-fopenmp", "-x", "c++", "-E", "-o", os.devnull, "-"],
+                              input=b"#include <omp.h>\n", capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def build_extension(prefix: str, sources: Sequence[Path], key: str, *,

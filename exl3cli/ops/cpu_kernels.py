@@ -2,13 +2,17 @@
 fallback.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (JIT, ninja) with
-``-O3 -march=native``; a ``-march=native`` binary only runs on CPUs like the one that
+``-O3 -march=native`` and ``-fopenmp`` (``openmp_flags``: the kernels' ``at::parallel_for``
+splits across ``torch.get_num_threads()`` threads only then); a ``-march=native`` binary only runs on CPUs like the one that
 built it, so the cache folder is keyed by the sources, torch and the CPU's model and
 feature flags. When no compiler or ninja is present, or ``EXL3_NO_EXT=1`` is set,
 callers use the PyTorch reference instead (one line on stderr says why, once).
 
 Public API:
 - ``available() -> bool`` / ``unavailable_reason() -> str | None``
+- ``openmp_flags()`` (ops/build.py, re-exported): the OpenMP compile flag.
+- ``parallel_threads() -> int``: how many threads the kernels' ``at::parallel_for``
+  split a loop across now (1 when the build has no OpenMP).
 - ``simd_level() -> str``: which inner loop was compiled ("avx512", "avx2", "scalar").
 - ``viterbi_states_cpu(targets[N, 256], k_bits, codebook="mul1") -> states[int64, (N, 256)]``:
   the same states as ``exl3cli.ops.viterbi.viterbi_states_reference``.
@@ -33,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from exl3cli.ops import reference
-from exl3cli.ops.build import CSRC, LazyExtension, build_extension
+from exl3cli.ops.build import CSRC, LazyExtension, build_extension, openmp_flags
 
 CSRC_CPU = CSRC / "ops" / "cpu"
 _FLAGS = ["-O3", "-march=native"]
@@ -67,7 +71,8 @@ def _build() -> ModuleType:
     # No fast-math: the search must round exactly like the PyTorch reference.
     return build_extension("exl3_cpu", sorted(CSRC_CPU.glob("*.cpp")),
                            f"{torch.__version__}|{_cpu_fingerprint()}",
-                           hashed=sorted(CSRC_CPU.glob("*.h")), cflags=_FLAGS)
+                           hashed=sorted(CSRC_CPU.glob("*.h")),
+                           cflags=[*_FLAGS, *openmp_flags()])
 
 
 _EXTENSION = LazyExtension("CPU kernels", _why_not, _build, announce=lambda _reason: True)
@@ -87,6 +92,11 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     """Why the kernels are not in use, or None when they are."""
     return _EXTENSION.unavailable_reason()
+
+
+def parallel_threads(items: int = 64) -> int:
+    """Threads one ``at::parallel_for`` of ``items`` items in these kernels runs on."""
+    return int(_ops().exl3_parallel_threads(int(items)))
 
 
 def simd_level() -> str:

@@ -99,3 +99,36 @@ def test_small_budget_offloads_to_the_cpu_instead_of_failing(folder, monkeypatch
     tokens, _ = _generate(split, folder)
     same = sum(a == b for a, b in zip(tokens, expected, strict=True))
     assert same >= len(expected) // 2, (tokens, expected)
+
+
+def test_offloaded_prompts_run_on_the_device(folder, monkeypatch) -> None:
+    """A prompt through an offloaded layer copies its trellises to the GPU and runs the
+    device kernel (no CPU product); one decode row runs on the CPU kernel; with
+    EXL3_OFFLOAD_DEVICE_ROWS=0 prompts stay on the CPU too. Logits close either way."""
+    from exl3cli.ops import cpu_kernels
+
+    whole = _load(folder)
+    fixed, layers = _fixed_and_layers(folder)
+    monkeypatch.setenv("EXL3_GPU_MEMORY", str(fixed + layers[0]))
+    split = _load(folder)
+    hosted = [m for m in split.layers[1].modules() if isinstance(m, HostLinear)]
+    assert hosted and all(h.device_rows == 9 for h in hosted)
+    assert all(p.trellis_t.is_pinned() for h in hosted for p in h.inner.modules()
+               if hasattr(p, "trellis_t"))
+    calls: list[int] = []
+    kernel = cpu_kernels.exl3_linear_cpu
+    monkeypatch.setattr(cpu_kernels, "exl3_linear_cpu",
+                        lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    ids = torch.arange(40, 140, device="cuda")[None]
+    reference = whole(ids).float()
+    logits = split(ids).float()
+    assert calls == []
+    assert (logits - reference).abs().max() < 2e-2 * reference.abs().max()
+    split(ids[:, :1])
+    assert calls and set(calls) == {1}
+    monkeypatch.setenv("EXL3_OFFLOAD_DEVICE_ROWS", "0")
+    on_cpu = _load(folder)
+    calls.clear()
+    logits = on_cpu(ids).float()
+    assert calls and set(calls) == {100}
+    assert (logits - reference).abs().max() < 2e-2 * reference.abs().max()

@@ -62,6 +62,13 @@ constexpr int kSteps = 256;
 constexpr int64_t kGemvRows = 8;
 constexpr int64_t kHadamard = 128;
 constexpr int64_t kStripBytes = 8 << 20;  // decoded strip size for the prompt path
+// Weights one thread's share of a 1-8 row product holds at least (~8 us of decoding):
+// a small projection (k/v of a small model) is not split into tasks that cost less than
+// waking a thread; an 8B layer's (kb 256) still splits at every strip.
+constexpr int64_t kTaskWeights = int64_t{1} << 16;
+
+// The at::parallel_for grain (strips per task) of a 16-column strip of kb tiles.
+inline int64_t strip_grain(int64_t kb) { return std::max<int64_t>(1, kTaskWeights / (256 * kb)); }
 
 // Where each tile position's 16-bit window lies in the ring (see the header comment).
 struct StepTable {
@@ -445,10 +452,12 @@ void fused_matmul_int(const int16_t* trellis, int64_t nb, int64_t kb, int64_t wo
   float scale[kStepRows];
   double qsum[kStepRows];
   step_lanes_xq(xh, 16 * kb, rows, kb, xq.data(), scale, qsum);
+  // The caller's buffer: inside the parallel body `xq` would name each worker's own.
+  const int16_t* xqp = xq.data();
   auto run = [&](auto fn) {
-    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, nb, strip_grain(kb), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j)
-        fn(xq.data(), kb, trellis + j * tile_words, words, t, out + 16 * j, ldo);
+        fn(xqp, kb, trellis + j * tile_words, words, t, out + 16 * j, ldo);
     });
   };
   const bool wide = t.words16 > 32;
@@ -596,10 +605,11 @@ void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
     thread_local std::vector<float> xs;
     xs.resize(static_cast<size_t>(rows * L.kb * 32));
     step_lanes_x(xh, ldx, rows, L.kb, xs.data());
+    const float* xsp = xs.data();  // the caller's (a worker's `xs` is its own, empty)
     dispatch_steps(L.codebook, L.table->order.words16 > 32, rows, [&](auto fn) {
-      at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, L.nb, strip_grain(L.kb), [&](int64_t begin, int64_t end) {
         for (int64_t j = begin; j < end; ++j)
-          fn(xs.data(), L.kb, L.trellis + j * tile_words, L.words, L.table->order, out + 16 * j,
+          fn(xsp, L.kb, L.trellis + j * tile_words, L.words, L.table->order, out + 16 * j,
              ldo);
       });
     });
@@ -608,7 +618,7 @@ void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
 #endif
 #if defined(__AVX512F__)
   dispatch(L.codebook, L.table->words32, [&](auto rows_fn, auto) {
-    at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, L.nb, strip_grain(L.kb), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j)
         rows_fn(xh, ldx, rows, L.trellis + j * tile_words, L.kb, L.words, *L.table,
                 out + 16 * j, ldo);
@@ -772,6 +782,16 @@ std::string exl3_gemv_kind(double k_bits, int64_t rows) {
   return kSimd ? "rows" : "scalar";
 }
 
+// How many threads one at::parallel_for of this build splits `items` items across (1 when
+// it was compiled without OpenMP: ATen's parallel_for is inline and then runs serially).
+int64_t exl3_parallel_threads(int64_t items) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, std::max<int64_t>(items, 1), 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() & 63));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace exl3_cpu
 
 TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
@@ -785,6 +805,8 @@ TORCH_LIBRARY_FRAGMENT(exl3_cpu, m) {
   // "exact" (default) or "fast" (mul1 layers, 1-2 rows: the inexact integer product);
   // returns the mode in force ("exact" where the build has no step-order GEMV).
   m.def("exl3_set_gemv_mode(str mode) -> str", &exl3_cpu::exl3_set_gemv_mode);
+  // Threads one parallel loop of `items` items ran on (the build's OpenMP check).
+  m.def("exl3_parallel_threads(int items) -> int", &exl3_cpu::exl3_parallel_threads);
 }
 
 TORCH_LIBRARY_IMPL(exl3_cpu, CPU, m) {

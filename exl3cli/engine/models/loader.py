@@ -385,7 +385,7 @@ def build_causal_lm(
         return offload_linear([
             load_linear(reader, p, i, o, "cpu", torch.float32, mode="trellis", require_bias=bias)
             for p, (i, o) in zip(prefixes, shapes, strict=True)
-        ])
+        ], device)
 
     first_offloaded = config.num_layers if offload_from is None else offload_from
     streamer = LayerStreamer(device) if streamed else None
