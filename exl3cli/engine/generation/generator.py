@@ -18,14 +18,13 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from exl3cli.engine.generation import invariant
+from exl3cli.engine.generation import invariant, step_forward
 from exl3cli.engine.generation.ahead_step import AheadSteps, Flight, StepReport, async_step_default
-from exl3cli.engine.generation.batch_sampling import batchable, sample_and_pick
 from exl3cli.engine.generation.decode_step import DecodeRunner
 from exl3cli.engine.generation.draft_policy import PlainStepClock, charge_step, fit_rows
 from exl3cli.engine.generation.jobs import (
@@ -36,9 +35,9 @@ from exl3cli.engine.generation.jobs import (
     build_job_sampler,
     special_stop_ids,
 )
-from exl3cli.engine.generation.speculative import VerifyingBatch, prepare_drafts
+from exl3cli.engine.generation.speculative import prepare_drafts
+from exl3cli.engine.generation.step_forward import Fed
 from exl3cli.engine.kvcache.kv_quant import KVCacheType, resolve_kv_cache_type
-from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, ROOT_HASH, PagePool, PageTable, pages_for
 from exl3cli.engine.text.token_ids import check_token_ids
 from exl3cli.engine.text.tokenizer import Tokenizer
@@ -236,7 +235,7 @@ class Generator(AheadSteps):
             report.job_ids = [active.handle.id for active, _ in fed]
             start = time.perf_counter_ns()
             captures = self.decode.captures
-            if self._decode_only(fed):
+            if step_forward.decode_only(self.decode, fed):
                 with self._adapters_for([(active, 1) for active, _ in fed]):
                     logits = self.decode.run([(active.table, tokens[0])
                                               for active, tokens in fed])
@@ -250,7 +249,7 @@ class Generator(AheadSteps):
             else:
                 with self._adapters_for([(active, len(tokens)) for active, tokens in fed]):
                     logits, rows = self._forward(fed)
-            tokens_of, picks_of = self._sample(fed, logits, rows)
+            tokens_of, picks_of = step_forward.sample_rows(fed, logits, rows)
             elapsed = time.perf_counter_ns() - start
             before = [(active.produced, active.verifying) for active, _ in fed]
             for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
@@ -264,12 +263,12 @@ class Generator(AheadSteps):
                 observer(report)
             return report
 
-    def _gather(self, report: StepReport) -> list[tuple[ActiveJob, list[int]]]:
+    def _gather(self, report: StepReport) -> Fed:
         """The tokens each active job feeds this step: decoders first (they are never
         held back), then prompt chunks up to max_prefill_tokens. No drafts when a plain
         step is to be timed (`_time_step`)."""
         room = self.max_prefill_tokens
-        fed: list[tuple[ActiveJob, list[int]]] = []
+        fed: Fed = []
         draft, self._time_plain = not self._time_plain, False
         self._catch_up_ns = 0
         decoding = sum(1 for a in self._active if not a.prefilling and a.pending_token is not None)
@@ -302,11 +301,11 @@ class Generator(AheadSteps):
             report.draft_tokens -= self._fit_drafts(fed)
         return fed
 
-    def _fit_drafts(self, fed: list[tuple[ActiveJob, list[int]]]) -> int:
+    def _fit_drafts(self, fed: Fed) -> int:
         """Drafts dropped so the pass fits one fixed-shape step (draft_policy.fit_rows)."""
         return fit_rows(fed, self.decode.max_rows) if self.decode.enabled else 0
 
-    def _time_step(self, fed: list[tuple[ActiveJob, list[int]]], report: StepReport,
+    def _time_step(self, fed: Fed, report: StepReport,
                    took_ns: int, before: list[tuple[int, bool]]) -> None:
         """Account for a decode step's wall time (draft_policy.charge_step); steps with
         prompt chunks time nothing."""
@@ -322,91 +321,15 @@ class Generator(AheadSteps):
         elif events:
             self._emit(active.handle, events)
 
-    def _decode_only(self, fed: list[tuple[ActiveJob, list[int]]]) -> bool:
-        """Whether this step can run on the fixed-shape decode runner."""
-        if not self.decode.enabled:
-            return False
-        if any(active.prefilling or len(tokens) != 1 for active, tokens in fed):
-            return False
-        return self.decode.fits([(active.table, tokens[0]) for active, tokens in fed])
+    def _forward(self, fed: Fed) -> tuple[torch.Tensor, list[Any]]:
+        """One general forward pass over the fed tokens (step_forward.forward)."""
+        return step_forward.forward(self.model, self.pool, self.decode, self.batch_invariant,
+                                    fed)
 
-    @staticmethod
-    def _sample(fed: list[tuple[ActiveJob, list[int]]], logits: torch.Tensor,
-                rows: list[Any]) -> tuple[dict[int, int], dict[int, list[int]]]:
-        """({index in fed: token} for the jobs whose step ends in a plain sample, {index:
-        the argmax after each fed token} for greedy jobs verifying drafts), read back
-        together (batch_sampling.sample_and_pick: one read-back for the batch)."""
-        due = [i for i, (active, tokens) in enumerate(fed) if active.samples_after(tokens)]
-        picking = [i for i, (active, _) in enumerate(fed) if active.verifying
-                   and active.sampler.greedy and batchable(active.sampler)]
-        if not due and not picking:
-            return {}, {}
-        drawn, picks = sample_and_pick(
-            logits, [rows[i] for i in due], [fed[i][0].sampler for i in due],
-            [fed[i][0].history for i in due],
-            [range(rows[i].start, rows[i].stop) for i in picking])
-        return dict(zip(due, drawn, strict=True)), dict(zip(picking, picks, strict=True))
-
-    def _forward(self, fed: list[tuple[ActiveJob, list[int]]]) -> tuple[torch.Tensor, list[Any]]:
-        """One forward pass over the fed tokens: (logits, the logits row of each job:
-        an index, or a slice of 1 + k rows for a job verifying k drafts)."""
-        decode = [(active.table, tokens[0]) for active, tokens in fed
-                  if not active.prefilling and len(tokens) == 1]
-        if len(decode) == len(fed) and self.decode.fits(decode):
-            return self.decode.run(decode), list(range(len(fed)))
-        if self._verify_fixed(fed) or (self.batch_invariant and invariant.fits(fed, self.decode)):
-            return self._forward_fixed(fed)
-        tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
-        verifying = [active.verifying for active, _ in fed]
-        if any(verifying):
-            batch = VerifyingBatch(self.pool, tables, token_lists, verifying)
-            rows: list[Any] = [r if v else r.start
-                               for r, v in zip(batch.output_rows, verifying, strict=True)]
-        else:
-            batch = PagedBatch(self.pool, tables, token_lists)
-            rows = list(range(len(fed)))
-        input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]],
-                                 dtype=torch.long, device=self.model.device)
-        return self.model.forward(input_ids, batch, last_logits_only=True)[0], rows
-
-    def _verify_fixed(self, fed: list[tuple[ActiveJob, list[int]]]) -> bool:
-        """Whether a pass with drafts runs on the fixed-shape runner: every job decodes
-        (no prompt chunk) and all their rows fit one step (decode_step.MAX_ROWS)."""
-        if any(active.prefilling for active, _ in fed):
-            return False
-        return self.decode.fits_feeds([(active.table, tokens) for active, tokens in fed])
-
-    def _forward_fixed(self, fed: list[tuple[ActiveJob, list[int]]]
-                       ) -> tuple[torch.Tensor, list[Any]]:
-        """A verification pass (or, batch-invariant, any step) as one fixed-shape step: a
-        row per fed token. Plain jobs' tokens and prompt chunks are committed here (a
-        chunk's logits: its last row); verifying jobs commit what they accept."""
-        logits = self.decode.run_feeds([(active.table, tokens) for active, tokens in fed])
-        rows: list[Any] = []
-        first = 0
-        for active, tokens in fed:
-            if active.verifying:
-                rows.append(slice(first, first + len(tokens)))
-            else:
-                rows.append(first + len(tokens) - 1)
-                active.table.commit(tokens)
-            first += len(tokens)
-        return logits, rows
-
-    @contextlib.contextmanager
-    def _adapters_for(self, rows: list[tuple[ActiveJob, int]]) -> Iterator[None]:
-        """Around a forward: tell the model's LoRA adapters (engine/adapters/lora.py), if it has
-        any, which one each row uses: (job, its token count), in input order."""
-        adapters = getattr(self.model, "adapters", None)
-        if adapters is None:
-            yield
-            return
-        adapters.select_rows([active.handle.job.adapter for active, _ in rows],
-                             [count for _, count in rows])
-        try:
-            yield
-        finally:
-            adapters.release()
+    def _adapters_for(self, rows: list[tuple[ActiveJob, int]]
+                      ) -> contextlib.AbstractContextManager[None]:
+        """Around a forward: each row's LoRA adapter (step_forward.adapter_rows)."""
+        return step_forward.adapter_rows(self.model, rows)
 
     def adapters_in_use(self) -> set[str]:
         """The adapters of queued and running jobs (not to be unloaded under them)."""
