@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,7 +42,7 @@ from pathlib import Path
 import torch
 
 from exl3cli.codec import dequantize_linear
-from exl3cli.codec.format import Exl3FolderWriter, make_quantization_config, padded_size
+from exl3cli.codec.format import padded_size
 from exl3cli.convert.allocation import GroupShape
 from exl3cli.convert.allocation_plan import BitPlan, make_plan, representative_bits
 from exl3cli.convert.calibration import (
@@ -52,7 +51,7 @@ from exl3cli.convert.calibration import (
     calibration_tokens,
     read_calibration_text,
 )
-from exl3cli.convert.embed_quant import EMBED_FILE, embed_checkpoint
+from exl3cli.convert.embed_quant import embed_checkpoint
 from exl3cli.convert.engine_layer import LINEAR_SLOTS, EngineLayerForward
 from exl3cli.convert.fused_source import split_fused
 from exl3cli.convert.hessian import HessianAccumulator
@@ -62,15 +61,14 @@ from exl3cli.convert.moe_layer import (
     layer_modules,
     moe_units,
     quantize_experts,
-    stored_name,
 )
+from exl3cli.convert.output_folder import RECIPE_FILE, write_output
 from exl3cli.convert.quantize_layer import (
     QuantizedLinear,
     QuantSettings,
     quantize_group,
     quantize_mixed,
 )
-from exl3cli.convert.recipe import write_recipe
 from exl3cli.convert.report import ConversionSummary, LayerReport
 from exl3cli.convert.work_folder import (
     atomic_save,
@@ -79,15 +77,12 @@ from exl3cli.convert.work_folder import (
     prepare_work_dir,
 )
 from exl3cli.engine.layers.fused_experts import split_fused_experts
-from exl3cli.engine.models.vision.loader import stored_tensor_name
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.spec.architecture import get_architecture, load_family_config
 from exl3cli.engine.text.tokenizer import Tokenizer
 
-_WEIGHT_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
 PLAN_FILE = "plan.json"
 FISHER_FILE = "out-fisher.safetensors"
-RECIPE_FILE = "exl3-recipe.json"
 
 
 @dataclass(frozen=True)
@@ -155,6 +150,20 @@ class _Converter:
     def bias(self, module: str) -> torch.Tensor | None:
         name = module + ".bias"
         return self.tensor(name) if self.reader.has(name) else None
+
+    def head_name(self) -> str:
+        """The output head's module name."""
+        return self.names.lm_head.removesuffix(".weight")
+
+    def embed_name(self) -> str:
+        """The token embedding's module name."""
+        return self.names.embed.removesuffix(".weight")
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's (in, out) weight; a tied head copies the embedding."""
+        t = self.names
+        name = t.lm_head if self.reader.has(t.lm_head) else t.embed
+        return self.tensor(name).T
 
     def settings(self, k_bits: int) -> QuantSettings:
         o = self.options
@@ -332,7 +341,7 @@ def convert_model(
     del hidden
 
     progress("writing output folder")
-    _write_output(conv, out_dir, work_dir, options, plan)
+    write_output(conv, out_dir, work_dir, plan)
     return ConversionSummary(
         reports, plan.head_bits, head_error, plan.average,
         time.perf_counter() - started, out_dir,
@@ -355,27 +364,14 @@ def _load_or_make_plan(conv: _Converter, shapes: list[GroupShape], tokens: torch
         if fisher_path.is_file():
             plan.fisher = load_checkpoint(fisher_path)[0]
         return plan
-    plan = make_plan(conv, shapes, tokens, _head_name(conv), _head_weight, _embed_name(conv))
+    plan = make_plan(conv, shapes, tokens, conv.head_name(), _Converter.head_weight,
+                     conv.embed_name())
     if plan.fisher:
         atomic_save(plan.fisher, fisher_path, {"report": "{}"})
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(plan.to_dict()), encoding="utf-8")
     os.replace(tmp, path)
     return plan
-
-
-def _head_name(conv: _Converter) -> str:
-    return conv.names.lm_head.removesuffix(".weight")
-
-
-def _embed_name(conv: _Converter) -> str:
-    return conv.names.embed.removesuffix(".weight")
-
-
-def _head_weight(conv: _Converter) -> torch.Tensor:
-    t = conv.names
-    name = t.lm_head if conv.reader.has(t.lm_head) else t.embed  # tied: copy the embedding
-    return conv.tensor(name).T
 
 
 def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool,
@@ -388,77 +384,10 @@ def _head(conv: _Converter, hidden: torch.Tensor, work_dir: Path, resume: bool,
     x = conv.engine_layers.final_norm(hidden, conv.tensor(conv.names.final_norm))
     acc = HessianAccumulator(x.shape[-1], conv.device)
     acc.add(x)
-    name = _head_name(conv)
-    q, = quantize_group([name], [_head_weight(conv)], [None], acc.hessian(),
+    name = conv.head_name()
+    q, = quantize_group([name], [conv.head_weight()], [None], acc.hessian(),
                         conv.settings(head_bits))
     atomic_save({f"{name}.{k}": v for k, v in q.tensors.items()}, path,
                  {"report": json.dumps({"error": q.proxy_error})})
     conv.progress(f"head {head_bits}b {q.proxy_error:.2e}")
     return q.proxy_error
-
-
-def _wrapper_tensors(conv: _Converter) -> list[str]:
-    """A multimodal wrapper's tensors outside its text model (vision tower, projector):
-    kept as they are, so the folder stays a whole checkpoint of its architecture."""
-    if conv.spec.alt_tensors is None:
-        return []
-    text = conv.names.embed.removesuffix("embed_tokens.weight")
-    head = conv.names.lm_head
-    return sorted(k for k in conv.reader.keys() if not k.startswith(text) and k != head)
-
-
-def _write_output(conv: _Converter, out_dir: Path, work_dir: Path, options: ConvertOptions,
-                  plan: BitPlan) -> None:
-    raw = json.loads((conv.src / "config.json").read_text(encoding="utf-8"))
-    if isinstance(raw.get("text_config"), dict) and "tie_word_embeddings" in raw["text_config"]:
-        # The engine reads text_config over the top level: untie there too (the
-        # writer unties the top level).
-        raw["text_config"] = {**raw["text_config"], "tie_word_embeddings": False}
-    building = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(building, ignore_errors=True)
-    writer = Exl3FolderWriter(building, raw)
-    t = conv.names
-    if plan.embed_bits <= 8:
-        stored, _ = load_checkpoint(work_dir / EMBED_FILE)
-        writer.add_table(_embed_name(conv), stored["trellis"], stored["signs"])
-    else:
-        writer.add_tensor(t.embed, conv.reader.get(t.embed))
-    for i in range(conv.config.num_layers):
-        stored, _ = load_checkpoint(work_dir / f"layer-{i:04d}.safetensors")
-        for name in conv.norm_names(i):
-            writer.add_tensor(stored_name(conv.spec, i, name), conv.reader.get(name))
-        for modules in conv.layer_modules(i).values():
-            for m in modules:
-                if plan.tensor_bits[m] > 8:
-                    bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
-                    writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
-                else:
-                    writer.add_linear_tensors(m, module_tensors(stored, m))
-        for m in conv.kept_modules(i):
-            bias = conv.reader.get(m + ".bias") if conv.reader.has(m + ".bias") else None
-            writer.add_dense_linear(m, conv.reader.get(m + ".weight"), bias)
-    writer.add_tensor(t.final_norm, conv.reader.get(t.final_norm))
-    head = _head_name(conv)
-    if plan.head_bits >= 16:
-        writer.add_dense_linear(head, _head_weight(conv).T)
-    else:
-        stored, _ = load_checkpoint(work_dir / "head.safetensors")
-        writer.add_linear_tensors(head, module_tensors(stored, head))
-    for name in _wrapper_tensors(conv):  # 16-bit, under ExLlamaV3's names
-        writer.add_tensor(stored_tensor_name(conv.spec.name, name), conv.reader.get(name))
-    qconfig = make_quantization_config(
-        plan.average, plan.head_bits, options.codebook,
-        {"rows": options.rows, "cols": options.cols},
-        tensor_bits=dict(plan.tensor_bits),
-        **({"embed_bits": plan.embed_bits} if plan.embed_bits <= 8 else {}),
-    )
-    writer.close(qconfig)
-    write_recipe(building / RECIPE_FILE, plan.recipe_bits(head, _embed_name(conv)),
-                 note="bits per tensor of this conversion: edit, then pass this file to "
-                      "`exl3 convert --recipe` (later entries override earlier ones)")
-    for path in sorted(conv.src.iterdir()):
-        if path.is_file() and path.name not in _WEIGHT_FILES and path.suffix != ".safetensors":
-            shutil.copyfile(path, building / path.name)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(building, out_dir)
