@@ -19,8 +19,9 @@ from typing import Any
 
 from exl3cli.errors import ChatTemplateError, Exl3Error, ModelfileError
 from exl3cli.runtime.adapters import adapter_files, check_adapter
+from exl3cli.store.manifest import Manifest
 from exl3cli.store.modelfile import Modelfile
-from exl3cli.store.store import Manifest, ModelStore
+from exl3cli.store.store import ModelStore
 
 # `{{ .Prompt }}`, `{{- if .System }}`, `{{ range .Messages }}`, `{{ end }}`, `$.Tools`:
 # the marks of Go's text/template, which Ollama's TEMPLATE uses.

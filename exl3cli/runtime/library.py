@@ -20,9 +20,10 @@ from typing import Any
 from exl3cli.errors import Exl3Error, InvalidModelName, ModelfileError, ModelNotFound
 from exl3cli.runtime.create_checks import check_new_model
 from exl3cli.runtime.model_info import model_capabilities, model_facts
+from exl3cli.store.manifest import Manifest
 from exl3cli.store.modelfile import Modelfile, parse_modelfile
 from exl3cli.store.names import ModelName
-from exl3cli.store.store import Manifest, ModelStore
+from exl3cli.store.store import ModelStore
 
 Body = dict[str, Any]
 
@@ -160,12 +161,12 @@ class ModelLibrary:
     def _from_files(self, files: Any) -> Iterator[Body]:
         """The manifest of stored blobs named by file: an HF folder (config.json and
         weights) or one GGUF file, which is converted."""
-        from exl3cli.store.store import _check_relpath
+        from exl3cli.store.manifest import check_relpath
 
         if not isinstance(files, dict) or not files:
             raise Exl3Error("files must map file names to blob digests")
         for relpath, digest in files.items():
-            _check_relpath(relpath)
+            check_relpath(relpath)
             if not isinstance(digest, str) or not self.store.has_blob(digest):
                 raise Exl3Error(f"files: blob {digest} of '{relpath}' is not in the store; "
                                 "upload it first (POST /api/blobs/<digest>)")

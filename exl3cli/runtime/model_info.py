@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from exl3cli.store.store import Manifest, ModelStore
+from exl3cli.store.manifest import Manifest
+from exl3cli.store.store import ModelStore
 
 # Per-module side tensors of EXL3 folders: not weights of their own.
 _EXL3_SIDE_TENSORS = (".suh", ".svh", ".su", ".sv", ".mul1", ".mcg")

@@ -20,9 +20,10 @@ from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound, PullError
 from exl3cli.store.catalog import CatalogEntry, catalog_entry, catalog_sources
+from exl3cli.store.manifest import Manifest
 from exl3cli.store.names import DEFAULT_TAG, ModelName
 from exl3cli.store.sources import FetchedModel, fetch_ref
-from exl3cli.store.store import Manifest, ModelStore
+from exl3cli.store.store import ModelStore
 
 HUB_HOSTS = ("hf.co", "huggingface.co")
 _QUANT_TAG = re.compile(r"^(i?q\d[a-z0-9_]*|f16|f32|bf16)$", re.IGNORECASE)

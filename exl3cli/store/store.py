@@ -25,13 +25,13 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from exl3cli.errors import Exl3Error, ModelNotFound
 from exl3cli.store.atomic import atomic_write_bytes, write_hashed
+from exl3cli.store.manifest import Manifest, StoredModel, check_relpath
 from exl3cli.store.names import ModelName
 from exl3cli.store.store_lock import (
     hold_store_lock,
@@ -39,77 +39,9 @@ from exl3cli.store.store_lock import (
     remove_leftover_files,
 )
 
-MANIFEST_SCHEMA = 1
-
 _CHUNK = 1 << 20
 # mkstemp makes 0600 files; store files are meant to be readable like any download.
 _DIR_MODE = 0o755
-
-
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
-
-
-@dataclass
-class Manifest:
-    """What a model name points at: files by digest plus its Modelfile settings."""
-
-    files: dict[str, str]
-    source: dict[str, Any] = field(default_factory=dict)
-    parameters: dict[str, Any] = field(default_factory=dict)
-    template: str | None = None
-    system: str | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
-    adapter: str | None = None
-    license: str | None = None
-    draft: str | None = None
-    created: str = field(default_factory=_now_iso)
-    schema: int = MANIFEST_SCHEMA
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema, "files": dict(sorted(self.files.items())),
-            "source": self.source, "parameters": self.parameters,
-            "template": self.template, "system": self.system, "messages": self.messages,
-            "adapter": self.adapter, "license": self.license, "draft": self.draft,
-            "created": self.created,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
-
-    # Read access by key too, so code that treats a manifest as its JSON dict works.
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self.__dataclass_fields__ else default
-
-    def digest(self) -> str:
-        """sha256 hex of the manifest's content, creation time left out (so the same
-        files and settings always give the same id)."""
-        body = self.to_dict()
-        del body["created"]
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-@dataclass
-class StoredModel:
-    """One row of `list_models()`."""
-
-    name: ModelName
-    digest: str
-    size: int
-    modified: datetime
-
-    @property
-    def id(self) -> str:
-        return self.digest[:12]
 
 
 def _check_digest(digest: str) -> str:
@@ -117,12 +49,6 @@ def _check_digest(digest: str) -> str:
     if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
         raise Exl3Error(f"invalid blob digest '{digest}'")
     return hexpart
-
-
-def _check_relpath(relpath: str) -> None:
-    parts = Path(relpath).parts
-    if not parts or Path(relpath).is_absolute() or ".." in parts or "\\" in relpath:
-        raise Exl3Error(f"invalid file name in manifest: '{relpath}'")
 
 
 class ModelStore:
@@ -291,7 +217,7 @@ class ModelStore:
         """Point `name` at `manifest`; every blob it names must already be stored."""
         model = ModelName.coerce(name)
         for relpath, digest in manifest.files.items():
-            _check_relpath(relpath)
+            check_relpath(relpath)
             if not self.has_blob(digest):
                 raise Exl3Error(f"blob {digest} of '{relpath}' is missing from the store")
         data = json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False).encode("utf-8")
@@ -415,7 +341,7 @@ class ModelStore:
         try:
             os.chmod(staging, _DIR_MODE)
             for relpath, digest in manifest.files.items():
-                _check_relpath(relpath)
+                check_relpath(relpath)
                 link = staging / relpath
                 link.parent.mkdir(parents=True, exist_ok=True)
                 blob = self.blob_path(digest)

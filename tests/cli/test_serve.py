@@ -21,7 +21,7 @@ from exl3cli.cli.run import run_one_shot
 from exl3cli.cli.serve import processor_text, ps, stop, until_text
 from exl3cli.client.http import HttpClient, daemon_url
 from exl3cli.errors import Exl3Error
-from exl3cli.store.store import Manifest
+from exl3cli.store.manifest import Manifest
 from tests.fixtures.daemon import Daemon
 from tests.fixtures.tiny_store import make_tiny_store
 

@@ -14,7 +14,7 @@ from exl3cli.errors import ContextOverflow, InvalidOption, ModelNotFound
 from exl3cli.runtime.jobs import ThinkingSplitter
 from exl3cli.runtime.options import merge_options, parse_keep_alive
 from exl3cli.runtime.residency import InferenceRunner
-from exl3cli.store.store import Manifest
+from exl3cli.store.manifest import Manifest
 from tests.fixtures.tiny_store import make_tiny_store
 
 GREEDY = {"temperature": 0}

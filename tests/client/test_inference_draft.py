@@ -7,7 +7,7 @@ import pytest
 from exl3cli.cli.output import format_stats
 from exl3cli.errors import InvalidOption
 from exl3cli.runtime.residency import InferenceRunner
-from exl3cli.store.store import Manifest
+from exl3cli.store.manifest import Manifest
 
 GREEDY = {"temperature": 0}
 # A prompt that repeats itself, so prompt lookup has something to draft.

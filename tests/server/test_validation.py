@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exl3cli.store.store import Manifest
+from exl3cli.store.manifest import Manifest
 from tests.fixtures.daemon import Daemon
 from tests.fixtures.tiny_store import make_tiny_store
 

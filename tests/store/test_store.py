@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from exl3cli.errors import Exl3Error, ModelNotFound
+from exl3cli.store.manifest import Manifest
 from exl3cli.store.names import ModelName
-from exl3cli.store.store import Manifest, ModelStore
+from exl3cli.store.store import ModelStore
 
 
 def write_hf_folder(folder: Path, seed: int = 0, hidden: int = 8) -> Path:
