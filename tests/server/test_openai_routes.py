@@ -8,7 +8,7 @@ import urllib.request
 import openai
 import pytest
 
-from exl3cli.server.openai_routes import chat_request, sampling_options
+from exl3cli.server.openai_requests import chat_request, sampling_options
 from exl3cli.server.validation import BadRequest
 from tests.fixtures.daemon import Daemon
 from tests.fixtures.tiny_store import make_tiny_store
