@@ -2,8 +2,9 @@
 sequential resumable conversion (EXL3-FORMAT.md section 5).
 
 Every family is calibrated through the engine's own decoder layers (engine_layer.py:
-built by the loader's ``build_decoder_layer``), so a model is quantized on the
-activations it computes, and the sensitivity pass of the bit allocation runs them too.
+built by the engine's ``build_decoder_layer``, engine/models/decoder_layer.py), so a
+model is quantized on the activations it computes, and the sensitivity pass of the bit
+allocation runs them too.
 
 Entry point: ``pipeline.convert_model(src, out_dir, ConvertOptions(bits=...), work_dir,
 resume=False, progress=None) -> report.ConversionSummary``. Modules: calibration,

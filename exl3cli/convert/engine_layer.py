@@ -1,7 +1,7 @@
 """The quantizer's calibration forward: the engine's own decoder layers, for every family
 the converter takes.
 
-Each layer is assembled by ``engine.models.loader.build_decoder_layer`` (what the loader
+Each layer is assembled by ``engine.models.decoder_layer.build_decoder_layer`` (what the loader
 itself uses) from ``DenseLinear`` weights and runs on the step ``CausalLM`` gives a
 cache-less forward (positions, rotary tables, masks), so the activations a model is
 calibrated on are the ones the engine computes: norms (1 + w, sandwich, q/k), ropes
@@ -45,7 +45,7 @@ from exl3cli.engine.layers.attention import Attention, AttentionStep
 from exl3cli.engine.layers.linear import DenseLinear, Linear
 from exl3cli.engine.layers.rope import RotaryEmbedding
 from exl3cli.engine.models.causal_lm import DecoderLayer, softcap_logits
-from exl3cli.engine.models.loader import build_decoder_layer, family_norm
+from exl3cli.engine.models.decoder_layer import build_decoder_layer, family_norm
 from exl3cli.engine.spec.architecture import ArchitectureSpec, TensorNames
 from exl3cli.engine.spec.config import ModelConfig
 

@@ -11,7 +11,7 @@ import torch
 from exl3cli.engine.layers.attention import AttentionStep
 from exl3cli.engine.layers.linear import DenseLinear
 from exl3cli.engine.layers.rope import RotaryEmbedding
-from exl3cli.engine.models.loader import build_decoder_layer
+from exl3cli.engine.models.decoder_layer import build_decoder_layer
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.spec.architecture import get_architecture, load_family_config
 from exl3cli.ops import cpu_kernels

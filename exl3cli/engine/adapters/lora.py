@@ -327,7 +327,7 @@ def _target_block(target: _Target, adapter: PeftAdapter
 def _model_targets(model: Any) -> list[_Target]:
     """The projections of `model` an adapter may touch, with their checkpoint names."""
     from exl3cli.engine.layers.mlp import GatedMLP
-    from exl3cli.engine.models.loader import _head_order, _qkv_order
+    from exl3cli.engine.models.decoder_layer import fused_qkv_order, rope_head_order
 
     config, names = model.config, getattr(model, "tensor_names", None)
     if names is None:
@@ -336,8 +336,8 @@ def _model_targets(model: Any) -> list[_Target]:
     hidden = config.hidden_size
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
-    head_order = _head_order(config, model.spec)
-    qkv_order = None if head_order is None else _qkv_order(config, head_order)
+    head_order = rope_head_order(config, model.spec)
+    qkv_order = None if head_order is None else fused_qkv_order(config, head_order)
     targets = []
     for i, layer in enumerate(model.layers):
         attention = layer.attention
