@@ -74,7 +74,7 @@ from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.ops import cuda_kernels as kernels
-from exl3cli.ops import layer_fold, layer_kernels
+from exl3cli.ops import gemm_pro, layer_fold, layer_kernels
 from exl3cli.ops.batch_invariant import batch_invariant
 from exl3cli.ops.reference import apply_rotary
 
@@ -137,14 +137,7 @@ class _Parts(NamedTuple):
         """The parts' split sums and, for an adapted projection, its LoRA update of the
         rows `x_in` (first product in the same launch where the kernel takes it)."""
         rows = xhs[0].shape[0]
-        key = (rows, batch_invariant())  # the mode ignores the row count (choose_splits)
-        splits = self.splits.get(key)
-        if splits is None:
-            device = self.trellises[0].device
-            kb, nb = self.trellises[0].shape[0], sum(t.shape[1] for t in self.trellises)
-            splits = (kernels.choose_splits(kb, nb, device, rows=rows)
-                      if device.type == "cuda" else 1)
-            self.splits[key] = splits
+        splits = self.splits_for(rows)
         if adapted is None or x_in is None:
             scales = None
             if rows > kernels.FUSED_MAX_ROWS and kernels.prefill_mode() == "half":
@@ -155,6 +148,35 @@ class _Parts(NamedTuple):
                                                      self.codebook, splits, x_in,
                                                      adapted.lora_a)
         return partials, adapted.low_rank_of(low)
+
+    def splits_for(self, rows: int) -> int:
+        """The GEMM's split count at `rows` rows (chosen once per count and mode)."""
+        key = (rows, batch_invariant())  # the mode ignores the row count (choose_splits)
+        splits = self.splits.get(key)
+        if splits is None:
+            device = self.trellises[0].device
+            kb, nb = self.trellises[0].shape[0], sum(t.shape[1] for t in self.trellises)
+            splits = (kernels.choose_splits(kb, nb, device, rows=rows)
+                      if device.type == "cuda" else 1)
+            self.splits[key] = splits
+        return splits
+
+    def norm_gemm(self, x: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> list[torch.Tensor]:
+        """The "pro" fold: the split sums of norm(x)'s rotated rows, the input side inside
+        the GEMM launch where ops/gemm_pro.py takes it (no adapter)."""
+        return gemm_pro.norm_gemm(x, weight, norm.eps, norm.unit_offset, self.pres,
+                                  self.pad_in, self.trellises, self.k2, self.codebook,
+                                  self.splits_for(x.shape[0]))
+
+    def glu_gemm(self, gate: torch.Tensor, up: torch.Tensor, gate_up: _Parts, act: str,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """The "pro" fold for down: its split sums from gate_up's, act(gate) * up and the
+        input side inside the GEMM launch where ops/gemm_pro.py takes it."""
+        posts = gate_up.posts_for([gate])
+        return gemm_pro.glu_gemm(gate, up, posts[0], posts[1], gate_up.biases[0],
+                                 gate_up.biases[1], gate_up.widths[0], act, self.pres[0], dtype,
+                                 self.trellises[0], self.k2, self.codebook,
+                                 self.splits_for(gate.shape[1]))
 
 
 def _f32(layer: Exl3Linear, name: str) -> torch.Tensor:
@@ -223,6 +245,7 @@ class FusedDecodeLayer:
         self.fold_norm = ("norm" in folds and self.o_lora is None
                           and self.gate_up_lora is None and self.moe is None)
         self.counters = layer_fold.out_norm_counters(self.device) if self.fold_norm else None
+        self.fold_pro = "pro" in folds  # input sides inside the GEMMs (ops/gemm_pro.py)
         # The next layer's plan, linked at run time (forward: the "norm" fold across layers).
         self.successor: FusedDecodeLayer | None = None
         self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
@@ -311,11 +334,17 @@ class FusedDecodeLayer:
             return self.moe.decode_block(h, self.norm2, self.norm2_weight).view(
                 batch, steps, hidden)
         assert mlp is not None and self.down is not None
+        if self._pro(rows) and self.gate_up_lora is None:
+            return self._mlp(x, h, None, None, None, step)
         normed = x2.new_empty(rows, hidden) if self.gate_up_lora is not None else None
         xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
                                              self.norm2.unit_offset, mlp.pres, mlp.pad_in,
                                              normed=normed)
         return self._mlp(x, h, xg, xu, normed, step)
+
+    def _pro(self, rows: int) -> bool:
+        """Whether the "pro" fold runs a step of `rows` rows (a decode step's few rows)."""
+        return self.fold_pro and rows <= gemm_pro.PRO_MAX_ROWS
 
     def _carried(self, x: torch.Tensor, step: AttentionStep) -> list[torch.Tensor] | None:
         """The rotated q/k/v input the layer before made for this one (the "norm" fold
@@ -334,31 +363,45 @@ class FusedDecodeLayer:
         producer.successor = self
         return None
 
-    def _mlp(self, x: torch.Tensor, h: torch.Tensor, xg: torch.Tensor, xu: torch.Tensor,
-             normed: torch.Tensor | None, step: AttentionStep) -> torch.Tensor:
-        """The gated MLP from its rotated inputs and the residual h: the layer's output."""
+    def _mlp(self, x: torch.Tensor, h: torch.Tensor, xg: torch.Tensor | None,
+             xu: torch.Tensor | None, normed: torch.Tensor | None,
+             step: AttentionStep) -> torch.Tensor:
+        """The gated MLP from its rotated inputs (None: the "pro" fold makes them inside
+        the gate/up GEMM from h) and the residual h: the layer's output."""
         batch, steps, hidden = x.shape
         rows = batch * steps
         x2 = x.reshape(rows, hidden)
         mlp = self.gate_up
         assert mlp is not None and self.down is not None
-        (gate, up), lora = mlp.gemm([xg, xu], self.gate_up_lora, normed)
+        if xg is None or xu is None:
+            (gate, up), lora = mlp.norm_gemm(h, self.norm2, self.norm2_weight), None
+        else:
+            (gate, up), lora = mlp.gemm([xg, xu], self.gate_up_lora, normed)
         inter = mlp.widths[0]
         product = x2.new_empty(rows, inter) if self.down_lora is not None else None
-        posts = mlp.posts_for([gate])
-        xd = layer_kernels.glu_hadamard(gate, up, posts[0], posts[1], mlp.biases[0],
-                                        mlp.biases[1], inter, self.activation,
-                                        self.down.pres[0], x.dtype, lora=lora, product=product)
+        down_sums = None  # the "pro" fold: down's split sums, its input made in its GEMM
+        if self._pro(rows) and lora is None and product is None:
+            down_sums = [self.down.glu_gemm(gate, up, mlp, self.activation, x.dtype)]
+        else:
+            posts = mlp.posts_for([gate])
+            xd = layer_kernels.glu_hadamard(gate, up, posts[0], posts[1], mlp.biases[0],
+                                            mlp.biases[1], inter, self.activation,
+                                            self.down.pres[0], x.dtype, lora=lora,
+                                            product=product)
         out = x2.new_empty(rows, hidden)
         nxt = self.successor if self.fold_norm and self.down_lora is None else None
         if nxt is None:
-            self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora,
-                          x_in=product)
+            if down_sums is not None:
+                layer_kernels.hadamard_out(down_sums, self.down.posts_for(down_sums),
+                                           self.down.biases, [out], [0], residual=h)
+            else:
+                self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora,
+                              x_in=product)
             result = out.view(batch, steps, hidden)
             if self.fold_norm and self.down_lora is None:
                 step.carry = (self, result, None)  # the next layer links itself
             return result
-        partials, _ = self.down.gemm([xd])
+        partials = down_sums if down_sums is not None else self.down.gemm([xd])[0]
         xhs = layer_fold.out_norm(partials[0], self.down.posts[0], self.down.biases[0], h, out,
                                   nxt.norm1_weight, nxt.norm1.eps, nxt.norm1.unit_offset,
                                   nxt.qkv.pres, nxt.qkv.pad_in, self.counters)
@@ -376,11 +419,14 @@ class FusedDecodeLayer:
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = x2.shape[0]
         normed = x2.new_empty(x2.shape) if self.qkv_lora is not None else None
-        if xhs is None:  # else the layer before made them (the "norm" fold)
-            xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
-                                              self.norm1.unit_offset, self.qkv.pres,
-                                              self.qkv.pad_in, normed=normed)
-        partials, lora = self.qkv.gemm(xhs, self.qkv_lora, normed)
+        if xhs is None and self._pro(rows) and normed is None:  # the input side in the GEMM
+            partials, lora = self.qkv.norm_gemm(x2, self.norm1, self.norm1_weight), None
+        else:
+            if xhs is None:  # else the layer before made them (the "norm" fold)
+                xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
+                                                  self.norm1.unit_offset, self.qkv.pres,
+                                                  self.qkv.pad_in, normed=normed)
+            partials, lora = self.qkv.gemm(xhs, self.qkv_lora, normed)
         qkv = x2.new_empty(rows, self.qkv_width)
         outs, start = [], 0
         for width in self.qkv.widths:
