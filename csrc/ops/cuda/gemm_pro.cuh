@@ -57,8 +57,8 @@ struct Prep {
         const int t = warp * 32 + lane;
         for (int r = 0; r < rows; r++) {
           const T* xr = x + r * in->x_stride;
-          const float a = warp_sum(sumsq_thread(xr, in->x_cols, t));
-          const float b = warp_sum(sumsq_thread(xr, in->x_cols, t + 128));
+          const float a = warp_sum(sumsq_thread_batched(xr, in->x_cols, t));
+          const float b = warp_sum(sumsq_thread_batched(xr, in->x_cols, t + 128));
           if (lane == 0) {
             sums[r * 8 + warp] = a;
             sums[r * 8 + warp + 4] = b;
@@ -138,12 +138,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   uint32_t* ring = smem + warp * kStages * kStageWords;
   const __half* xb = xs + (size_t)(p - p0) * rows * x_stride;
   if (tn == kTN)
-    lean::warp_gemm<K2, CB, 1, true, true>(xb, trellis, part, nb_total, nb0, tn, rows, kb_total,
-                                           kb0, kb1, ring, lane, prep, x_stride, h0 * 128);
+    lean::warp_gemm<K2, CB, 1, true, true>(nullptr, trellis, part, nb_total, nb0, tn, rows,
+                                           kb_total, kb0, kb1, ring, lane, prep, x_stride,
+                                           h0 * 128, xb);
   else
-    lean::warp_gemm<K2, CB, 1, false, true>(xb, trellis, part, nb_total, nb0, tn, rows,
+    lean::warp_gemm<K2, CB, 1, false, true>(nullptr, trellis, part, nb_total, nb0, tn, rows,
                                             kb_total, kb0, kb1, ring, lane, prep, x_stride,
-                                            h0 * 128);
+                                            h0 * 128, xb);
 }
 
 // The arguments the kernel takes (the launchers refuse the rest before any launch).

@@ -32,6 +32,26 @@ __device__ __forceinline__ float sumsq_thread(const T* __restrict__ xr, int x_co
   return s;
 }
 
+// sumsq_thread's sum with its loads issued kBatch at a time ahead of the adds (the same
+// adds in the same order; past x_cols the added squares are +0, which leaves a sum of
+// squares unchanged): for a GEMM block that sums whole rows before its own work.
+template <typename T, int kBatch = 8>
+__device__ __forceinline__ float sumsq_thread_batched(const T* __restrict__ xr, int x_cols,
+                                                      int t) {
+  float s = 0.0f;
+  for (int c0 = t; c0 < x_cols; c0 += 256 * kBatch) {
+    float f[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; k++) {
+      const int c = c0 + 256 * k;
+      f[k] = c < x_cols ? to_f32(xr[c]) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; k++) s += f[k] * f[k];
+  }
+  return s;
+}
+
 // 1/rms from the 8 warp sums `partial` (every lane of the calling warp gets it).
 __device__ __forceinline__ float norm_rs(const float* partial, int lane, int x_cols, float eps) {
   const float s = warp_sum(lane < 8 ? partial[lane] : 0.0f);
