@@ -18,6 +18,14 @@
 #include "gemm_impl.cuh"
 #include "layer_prologue.cuh"
 
+// Splits of gate/up whose loads kProGlu issues together (per tensor) before adding them:
+// 4 costs the down instances 119-121 registers (4 blocks an SM: the 8B down grid of 512
+// blocks in one wave), 2 costs 72-80 with a few bytes of spills. A/B with
+// EXL3_NVCC_FLAGS=-DEXL3_PRO_GLU_BATCH=2.
+#ifndef EXL3_PRO_GLU_BATCH
+#define EXL3_PRO_GLU_BATCH 4
+#endif
+
 namespace exl3 {
 namespace gemm {
 namespace pro {
@@ -79,8 +87,8 @@ struct Prep {
                       in->pre[p0 + b], nullptr, v);
       } else {
         float g[4], u[4];
-        load_split_sum(in->gate, in->g_splits, rows, width, r, base, g);
-        load_split_sum(in->up, in->g_splits, rows, width, r, base, u);
+        load_split_sums2<EXL3_PRO_GLU_BATCH>(in->gate, in->up, in->g_splits, rows, width, r,
+                                             base, g, u);
         hadamard128_warp(g, lane);
         hadamard128_warp(u, lane);
         const float d[2][4] = {};

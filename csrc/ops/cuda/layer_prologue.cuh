@@ -102,6 +102,49 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
   v[3] = s.w;
 }
 
+// load_split_sum of two partials (gate and up) at once, their loads issued kBatch splits
+// at a time ahead of the adds (each sum's adds in split order, as load_split_sum's).
+template <int kBatch = 4>
+__device__ __forceinline__ void load_split_sums2(const float* __restrict__ pa,
+                                                 const float* __restrict__ pb, int splits,
+                                                 int rows, int width, int row, int col,
+                                                 float (&a)[4], float (&b)[4]) {
+  const size_t slice = (size_t)rows * width, at = (size_t)row * width + col;
+  float4 sa = make_float4(0.f, 0.f, 0.f, 0.f), sb = sa;
+#pragma unroll 1
+  for (int s0 = 0; s0 < splits; s0 += kBatch) {
+    float4 ta[kBatch], tb[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; k++) {
+      if (s0 + k < splits) {
+        ta[k] = __ldg(reinterpret_cast<const float4*>(pa + at + (s0 + k) * slice));
+        tb[k] = __ldg(reinterpret_cast<const float4*>(pb + at + (s0 + k) * slice));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; k++) {
+      if (s0 + k < splits) {
+        sa.x += ta[k].x;
+        sa.y += ta[k].y;
+        sa.z += ta[k].z;
+        sa.w += ta[k].w;
+        sb.x += tb[k].x;
+        sb.y += tb[k].y;
+        sb.z += tb[k].z;
+        sb.w += tb[k].w;
+      }
+    }
+  }
+  a[0] = sa.x;
+  a[1] = sa.y;
+  a[2] = sa.z;
+  a[3] = sa.w;
+  b[0] = sb.x;
+  b[1] = sb.y;
+  b[2] = sb.z;
+  b[3] = sb.w;
+}
+
 __device__ __forceinline__ float activation(float g, int act) {
   if (act == 0) return g / (1.0f + expf(-g));
   const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
