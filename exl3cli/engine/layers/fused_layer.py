@@ -62,13 +62,14 @@ float16 fold of svh into Ŵ (bench/NOTES-gpu.md, "Prefill at 2,048").
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from exl3cli.engine.layers.adapted_linear import AdaptedLinear
 from exl3cli.engine.layers.attention import Attention, AttentionStep
+from exl3cli.engine.layers.fused_parts import Parts
 from exl3cli.engine.layers.linear import Exl3Linear, FusedLinear, Linear
 from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP
@@ -80,108 +81,6 @@ from exl3cli.ops.reference import apply_rotary
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 PREFILL_MAX_ROWS = 65535  # norm_hadamard's grid has a row per z index
-
-
-class _Parts(NamedTuple):
-    """Projections of one input, run as one launch per step."""
-
-    trellises: list[torch.Tensor]
-    pres: list[torch.Tensor]
-    posts: list[torch.Tensor]
-    biases: list[torch.Tensor | None]
-    widths: list[int]  # logical output columns
-    k2: int
-    codebook: str
-    pad_in: int
-    splits: dict[tuple[int, bool], int]  # by (row count, batch-invariant), filled on first use
-    half: dict[str, list[torch.Tensor]]  # half_sums(), made on first use
-
-    @staticmethod
-    def of(layers: list[Linear]) -> _Parts | None:
-        if not layers or not all(isinstance(p, Exl3Linear) and p.mode == "trellis"
-                                  for p in layers):
-            return None
-        parts: list[Exl3Linear] = layers  # type: ignore[assignment]
-        k2s = {kernels._k2(p.k) for p in parts}
-        if len(k2s) != 1 or len({p.codebook for p in parts}) != 1:
-            return None
-        if len({p.padded_in for p in parts}) != 1 or any(p.padded_out % 128 for p in parts):
-            return None
-        if parts[0].padded_in % 128:
-            return None
-        return _Parts(
-            trellises=[p.trellis.contiguous() for p in parts],
-            pres=[_f32(p, "suh") for p in parts], posts=[_f32(p, "svh") for p in parts],
-            biases=[None if p.bias is None else p.bias.float().contiguous() for p in parts],
-            widths=[p.out_features for p in parts], k2=k2s.pop(), codebook=parts[0].codebook,
-            pad_in=parts[0].padded_in, splits={}, half={})
-
-    def half_sums(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(scales, posts) of EXL3_PREFILL=half's float16 sums: each part's max|svh| in
-        float16 (the decode multiplies Ŵ by it, as the unfused prompt path's fold does)
-        and svh divided by it. Made on a prompt's first use, never in a graph capture."""
-        if not self.half:
-            scales = [p.abs().amax().clamp(2.0**-14, 65504.0).half().reshape(1)
-                      for p in self.posts]
-            self.half["scales"] = scales
-            self.half["posts"] = [p / s.float() for p, s in zip(self.posts, scales, strict=True)]
-        return self.half["scales"], self.half["posts"]
-
-    def posts_for(self, partials: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The svh vectors that go with these sums (scaled ones for float16 sums)."""
-        return self.half_sums()[1] if partials[0].dtype == torch.float16 else self.posts
-
-    def gemm(self, xhs: list[torch.Tensor], adapted: AdaptedLinear | None = None,
-             x_in: torch.Tensor | None = None
-             ) -> tuple[list[torch.Tensor], layer_kernels.LowRank | None]:
-        """The parts' split sums and, for an adapted projection, its LoRA update of the
-        rows `x_in` (first product in the same launch where the kernel takes it)."""
-        rows = xhs[0].shape[0]
-        splits = self.splits_for(rows)
-        if adapted is None or x_in is None:
-            scales = None
-            if rows > kernels.FUSED_MAX_ROWS and kernels.prefill_mode() == "half":
-                scales = self.half_sums()[0]
-            return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook,
-                                            splits, scales), None
-        partials, low = layer_kernels.gemm_parts_low(xhs, self.trellises, self.k2,
-                                                     self.codebook, splits, x_in,
-                                                     adapted.lora_a)
-        return partials, adapted.low_rank_of(low)
-
-    def splits_for(self, rows: int) -> int:
-        """The GEMM's split count at `rows` rows (chosen once per count and mode)."""
-        key = (rows, batch_invariant())  # the mode ignores the row count (choose_splits)
-        splits = self.splits.get(key)
-        if splits is None:
-            device = self.trellises[0].device
-            kb, nb = self.trellises[0].shape[0], sum(t.shape[1] for t in self.trellises)
-            splits = (kernels.choose_splits(kb, nb, device, rows=rows)
-                      if device.type == "cuda" else 1)
-            self.splits[key] = splits
-        return splits
-
-    def norm_gemm(self, x: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> list[torch.Tensor]:
-        """The "pro" fold: the split sums of norm(x)'s rotated rows, the input side inside
-        the GEMM launch where ops/gemm_pro.py takes it (no adapter)."""
-        return gemm_pro.norm_gemm(x, weight, norm.eps, norm.unit_offset, self.pres,
-                                  self.pad_in, self.trellises, self.k2, self.codebook,
-                                  self.splits_for(x.shape[0]))
-
-    def glu_gemm(self, gate: torch.Tensor, up: torch.Tensor, gate_up: _Parts, act: str,
-                 dtype: torch.dtype) -> torch.Tensor:
-        """The "pro" fold for down: its split sums from gate_up's, act(gate) * up and the
-        input side inside the GEMM launch where ops/gemm_pro.py takes it."""
-        posts = gate_up.posts_for([gate])
-        return gemm_pro.glu_gemm(gate, up, posts[0], posts[1], gate_up.biases[0],
-                                 gate_up.biases[1], gate_up.widths[0], act, self.pres[0], dtype,
-                                 self.trellises[0], self.k2, self.codebook,
-                                 self.splits_for(gate.shape[1]))
-
-
-def _f32(layer: Exl3Linear, name: str) -> torch.Tensor:
-    cached = getattr(layer, f"{name}32", None)  # made at load on CUDA
-    return cached if cached is not None else getattr(layer, name).float().contiguous()
 
 
 def _split(linear: Linear) -> list[Linear]:
@@ -204,8 +103,8 @@ def _plain_norm(norm: nn.Module) -> bool:
 class FusedDecodeLayer:
     """See the module docstring."""
 
-    def __init__(self, layer: nn.Module, qkv: _Parts, o: _Parts, gate_up: _Parts | None,
-                 down: _Parts | None, activation: str):
+    def __init__(self, layer: nn.Module, qkv: Parts, o: Parts, gate_up: Parts | None,
+                 down: Parts | None, activation: str):
         self.attention: Attention = layer.attention
         self.norm1 = layer.input_norm
         self.norm2 = layer.post_attention_norm
@@ -264,7 +163,7 @@ class FusedDecodeLayer:
             return None  # Ministral 3's per-position query scale lives in Attention.forward
         if not (_plain_norm(layer.input_norm) and _plain_norm(layer.post_attention_norm)):
             return None
-        qkv, o = _Parts.of(_split(attention.qkv)), _Parts.of([_base(attention.o)])
+        qkv, o = Parts.of(_split(attention.qkv)), Parts.of([_base(attention.o)])
         if qkv is None or o is None:
             return None
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
@@ -277,7 +176,7 @@ class FusedDecodeLayer:
             activation = ""
         else:
             activation = _ACTIVATIONS.get(mlp.activation)
-            gate_up, down = _Parts.of(_split(mlp.gate_up)), _Parts.of([_base(mlp.down)])
+            gate_up, down = Parts.of(_split(mlp.gate_up)), Parts.of([_base(mlp.down)])
             if activation is None or gate_up is None or down is None or len(gate_up.widths) != 2:
                 return None
             inter = gate_up.widths[0]
@@ -304,7 +203,7 @@ class FusedDecodeLayer:
         """Whether a prompt's rows (more than FUSED_MAX_ROWS) take this path: with
         EXL3_PREFILL=fused, no MoE block, no adapter (their many-row products stay
         on the unfused path) and decode + cuBLAS available (cuda_kernels.dense_sums);
-        EXL3_PREFILL=half: the same with float16 sums (_Parts.half_sums)."""
+        EXL3_PREFILL=half: the same with float16 sums (Parts.half_sums)."""
         if kernels.prefill_mode() not in ("fused", "half") or self.moe is not None:
             return False
         if any(a is not None for a in (self.qkv_lora, self.o_lora, self.gate_up_lora,
@@ -489,7 +388,7 @@ class FusedDecodeLayer:
         return attended, [layer_fold.combine_hadamard(part_acc, part_ml, attended,
                                                       self.o.pres[0], self.o.pad_in)]
 
-    def _project(self, parts: _Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
+    def _project(self, parts: Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
                  residual: torch.Tensor | None = None, adapted: AdaptedLinear | None = None,
                  x_in: torch.Tensor | None = None) -> None:
         partials, lora = parts.gemm(xhs, adapted, x_in)
