@@ -114,7 +114,7 @@ def test_pro_fold_gives_the_default_layers_bits_on_cpu(monkeypatch, tmp_path_fac
 def _norm_on_cuda(x, weight, pres, trellises, k2, codebook, splits, unit_offset=False):
     """(kernel partials into NaN, the two launches' partials, taken)."""
     rows, width = x.shape[0], 16 * trellises[0].shape[0]
-    x, weight = x.cuda(), weight.cuda()
+    x, weight = x.cuda(), None if weight is None else weight.cuda()
     pres, trellises = [p.cuda() for p in pres], [t.cuda() for t in trellises]
     got = [torch.full((splits, rows, 16 * t.shape[1]), float("nan"), device="cuda")
            for t in trellises]
@@ -153,6 +153,22 @@ def test_norm_gemm_kernel_gives_the_two_launches_bits(codebook, k2, dtype, rows)
 def test_norm_gemm_kernel_any_split_run(splits):
     x, weight, pres, trellises = _norm_case(5, 640, 640, [40], 8, torch.float16, splits)
     got, want, taken = _norm_on_cuda(x, weight, pres, trellises, 8, "mul1", splits)
+    assert taken
+    _assert_bits(got, want)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_norm_gemm_kernel_without_norm_on_a_strided_input(dtype, rows):
+    # The o projection's input (attention's output, no norm): 4096 -> 4096 (8B), taken
+    # from a wider tensor so the row stride is not the width.
+    x, _, pres, trellises = _norm_case(rows, 4096, 4096, [256], 8, dtype, 40 + rows)
+    wide = torch.zeros(rows, 4096 + 64, dtype=dtype)
+    wide[:, :4096] = x
+    splits = kernels.choose_splits(256, 256, torch.device("cuda"), rows=rows)
+    got, want, taken = _norm_on_cuda(wide.cuda()[:, :4096], None, pres, trellises, 8, "mul1",
+                                     splits)
     assert taken
     _assert_bits(got, want)
 

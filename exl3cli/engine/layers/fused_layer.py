@@ -216,19 +216,26 @@ class FusedDecodeLayer:
         rows = batch * steps
         x2 = x.reshape(rows, hidden)
         attended, xo = self._attention(x2, step, batch, steps, self._carried(x, step))
-        if xo is None:
+        o_sums = None  # the "pro" fold: o's split sums, its input side made in its GEMM
+        if xo is None and self._pro(rows) and self.o_lora is None:
+            o_sums = self.o.norm_gemm(attended, None, None)
+        elif xo is None:
             xo = layer_kernels.norm_hadamard(attended, None, 0.0, False, self.o.pres,
                                              self.o.pad_in)
         h = x2.new_empty(rows, hidden)
         mlp = self.gate_up
         if self.fold_norm and mlp is not None:
-            partials, _ = self.o.gemm(xo)
+            partials = o_sums if o_sums is not None else self.o.gemm(xo)[0]
             xg, xu = layer_fold.out_norm(partials[0], self.o.posts[0], self.o.biases[0], x2, h,
                                          self.norm2_weight, self.norm2.eps,
                                          self.norm2.unit_offset, mlp.pres, mlp.pad_in,
                                          self.counters)
             return self._mlp(x, h, xg, xu, None, step)
-        self._project(self.o, xo, [h], residual=x2, adapted=self.o_lora, x_in=attended)
+        if o_sums is not None:
+            layer_kernels.hadamard_out(o_sums, self.o.posts_for(o_sums), self.o.biases, [h], [0],
+                                       residual=x2)
+        else:
+            self._project(self.o, xo, [h], residual=x2, adapted=self.o_lora, x_in=attended)
         if self.moe is not None:
             return self.moe.decode_block(h, self.norm2, self.norm2_weight).view(
                 batch, steps, hidden)

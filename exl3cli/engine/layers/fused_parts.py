@@ -106,11 +106,13 @@ class Parts(NamedTuple):
             self.splits[key] = splits
         return splits
 
-    def norm_gemm(self, x: torch.Tensor, norm: RMSNorm, weight: torch.Tensor) -> list[torch.Tensor]:
-        """The "pro" fold: the split sums of norm(x)'s rotated rows, the input side inside
-        the GEMM launch where ops/gemm_pro.py takes it (no adapter)."""
-        return gemm_pro.norm_gemm(x, weight, norm.eps, norm.unit_offset, self.pres,
-                                  self.pad_in, self.trellises, self.k2, self.codebook,
+    def norm_gemm(self, x: torch.Tensor, norm: RMSNorm | None,
+                  weight: torch.Tensor | None) -> list[torch.Tensor]:
+        """The "pro" fold: the split sums of norm(x)'s rotated rows (norm None: x's), the
+        input side inside the GEMM launch where ops/gemm_pro.py takes it (no adapter)."""
+        eps, unit_offset = (norm.eps, norm.unit_offset) if norm is not None else (0.0, False)
+        return gemm_pro.norm_gemm(x, weight, eps, unit_offset, self.pres, self.pad_in,
+                                  self.trellises, self.k2, self.codebook,
                                   self.splits_for(x.shape[0]))
 
     def glu_gemm(self, gate: torch.Tensor, up: torch.Tensor, gate_up: Parts, act: str,
