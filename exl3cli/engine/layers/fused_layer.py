@@ -31,6 +31,9 @@ decode step), "combine" makes the o input from attention's uncombined chunks, "n
 runs the o output + the MLP's input side as one launch and the down output + the next
 layer's input side as one (the next plan links itself at run time: ``successor``, the
 hand-over in ``AttentionStep.carry``, taken only for the very tensor the layer returned).
+"pro" (not in "all") has the q/k/v, o, gate/up and down GEMMs make their own input side
+at 1..8 rows (``Parts.norm_gemm`` / ``Parts.glu_gemm``, ``ops/gemm_pro.py``): no
+norm_hadamard or glu_hadamard launch, the same bits.
 
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
 on this path: the first low-rank product ``x_in @ A_all^T`` (one per input: q|k|v and
