@@ -13,6 +13,9 @@ steps: ``layer_kernels.norm_hadamard`` (or ``glu_hadamard``) then ``gemm_parts``
 
 Public API:
 - ``PRO_MAX_ROWS`` (8), ``PRO_K2`` (the 2*K values built: K = 2..6).
+- ``pro_rows() -> int``: the most rows a step may have for the fused layer to take the
+  fold: ``EXL3_PRO_ROWS`` (1..8, default 8; read where a layer is built, ValueError
+  for another value), so a device run can A/B the row limit without a rebuild.
 - ``norm_gemm(x, norm_weight, eps, unit_offset, pres, width, trellises, k2, codebook,
   splits) -> list[float32 (splits, rows, 16*nb)]``: ``gemm_parts(norm_hadamard(x,
   norm_weight, eps, unit_offset, pres, width), trellises, k2, codebook, splits)``.
@@ -26,6 +29,7 @@ Public API:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +40,14 @@ from exl3cli.ops import layer_kernels
 PRO_MAX_ROWS = 8  # exl3_ops.h kProMaxRows
 PRO_K2 = (4, 6, 8, 10, 12)  # gemm_pro.cuh EXL3_FOR_PRO_K2
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+
+
+def pro_rows() -> int:
+    """See the module docstring."""
+    text = os.environ.get("EXL3_PRO_ROWS", "").strip() or str(PRO_MAX_ROWS)
+    if not text.isdigit() or not 1 <= int(text) <= PRO_MAX_ROWS:
+        raise ValueError(f"EXL3_PRO_ROWS must be a whole number 1..{PRO_MAX_ROWS}, got {text!r}")
+    return int(text)
 
 
 def kernel_takes(rows: int, k2: int, dtype: torch.dtype) -> bool:

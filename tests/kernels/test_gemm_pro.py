@@ -62,6 +62,17 @@ def test_kernel_takes_few_rows_k2_to_6_half_types():
     assert not gemm_pro.kernel_takes(1, 8, torch.float32)
 
 
+def test_pro_rows_from_the_environment(monkeypatch):
+    monkeypatch.delenv("EXL3_PRO_ROWS", raising=False)
+    assert gemm_pro.pro_rows() == 8
+    monkeypatch.setenv("EXL3_PRO_ROWS", "2")
+    assert gemm_pro.pro_rows() == 2
+    for bad in ("0", "9", "two", "-1"):
+        monkeypatch.setenv("EXL3_PRO_ROWS", bad)
+        with pytest.raises(ValueError, match="EXL3_PRO_ROWS"):
+            gemm_pro.pro_rows()
+
+
 @pytest.mark.parametrize("unit_offset", [False, True])
 def test_norm_gemm_twin_is_rmsnorm_suh_hadamard_then_the_decoded_product(unit_offset):
     rows, cols, width, k2 = 3, 576, 640, 8
@@ -109,6 +120,29 @@ def test_pro_fold_gives_the_default_layers_bits_on_cpu(monkeypatch, tmp_path_fac
             hidden = plan.forward(hidden, step)
         results[folds] = hidden
     assert torch.equal(results[""], results["pro"])
+
+
+@pytest.mark.parametrize("limit, taken", [("8", True), ("2", False)])
+def test_pro_fold_takes_the_steps_up_to_its_row_limit(monkeypatch, tmp_path_factory, limit,
+                                                      taken):
+    folder = write_fused_shapes(tmp_path_factory, seed=7)["test-hd64"]
+    model = load_causal_lm(folder, device="cpu", dtype=torch.bfloat16, linear_mode="trellis")
+    calls = []
+    for name in ("norm_gemm", "glu_gemm"):
+        real = getattr(gemm_pro, name)
+        monkeypatch.setattr(gemm_pro, name, lambda *a, _real=real, _n=name, **k: (
+            calls.append(_n), _real(*a, **k))[1])
+    monkeypatch.setattr(layer_fold, "FOLDS", layer_fold.fold_names("pro"))
+    monkeypatch.setenv("EXL3_PRO_ROWS", limit)
+    plans = [FusedDecodeLayer.of(layer, force=True) for layer in model.layers]
+    ids = torch.tensor([[5, 17, 99]])
+    step = model._plan_step(1, ids.shape[1])
+    hidden = model._embed(ids)
+    for plan in plans:
+        hidden = plan.forward(hidden, step)
+    # per layer: q/k/v, o, gate/up (norm_gemm) and down (glu_gemm)
+    want = len(plans) * ["norm_gemm", "norm_gemm", "norm_gemm", "glu_gemm"] if taken else []
+    assert sorted(calls) == sorted(want)
 
 
 def _norm_on_cuda(x, weight, pres, trellises, k2, codebook, splits, unit_offset=False):

@@ -148,6 +148,7 @@ class FusedDecodeLayer:
                           and self.gate_up_lora is None and self.moe is None)
         self.counters = layer_fold.out_norm_counters(self.device) if self.fold_norm else None
         self.fold_pro = "pro" in folds  # input sides inside the GEMMs (ops/gemm_pro.py)
+        self.pro_rows = gemm_pro.pro_rows() if self.fold_pro else 0
         # The next layer's plan, linked at run time (forward: the "norm" fold across layers).
         self.successor: FusedDecodeLayer | None = None
         self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
@@ -253,7 +254,7 @@ class FusedDecodeLayer:
 
     def _pro(self, rows: int) -> bool:
         """Whether the "pro" fold runs a step of `rows` rows (a decode step's few rows)."""
-        return self.fold_pro and rows <= gemm_pro.PRO_MAX_ROWS
+        return rows <= self.pro_rows
 
     def _carried(self, x: torch.Tensor, step: AttentionStep) -> list[torch.Tensor] | None:
         """The rotated q/k/v input the layer before made for this one (the "norm" fold
