@@ -172,10 +172,11 @@ def _assert_bits(got, want):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_norm_gemm_kernel_gives_the_two_launches_bits(codebook, k2, dtype, rows):
-    # SmolLM2-ish: 576 columns padded to 640; q/k/v-like parts of 36, 12, 12 tile columns
-    # (9 + 3 + 3 column groups: the third block holds warps of all three parts).
-    x, weight, pres, trellises = _norm_case(rows, 576, 640, [36, 12, 12], k2, dtype, rows + k2)
-    splits = kernels.choose_splits(40, 60, torch.device("cuda"), rows=rows)
+    # SmolLM2-ish: 576 columns padded to 640; q/k/v-like parts of 36, 10, 10 tile columns
+    # (9 + 3 + 3 column groups: the third block holds warps of two parts, the fourth one
+    # warp past the last group; k's and v's last groups are half wide).
+    x, weight, pres, trellises = _norm_case(rows, 576, 640, [36, 10, 10], k2, dtype, rows + k2)
+    splits = kernels.choose_splits(40, 56, torch.device("cuda"), rows=rows)
     got, want, taken = _norm_on_cuda(x, weight, pres, trellises, k2, codebook, splits,
                                      unit_offset=rows == 3)
     assert taken
