@@ -39,7 +39,8 @@ from exl3cli.ops.build import CSRC, LazyExtension, build_extension
 _SOURCES = ("bindings.cpp", "layer_bindings.cpp", "fold_bindings.cpp", "moe_bindings.cpp",
             "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
             "layer_fused.cu", "qk_norm_rope.cu", "moe_decode.cu", "moe_gemm_mul1.cu", "moe_gemm_mcg.cu",
-            "moe_gemm_3inst.cu", "moe_norm_route.cu", "lora_low.cu", "layer_fold.cu")
+            "moe_gemm_3inst.cu", "moe_norm_route.cu", "lora_low.cu", "layer_fold.cu",
+            "gemm_pro_mul1.cu", "gemm_pro_mcg.cu", "gemm_pro_3inst.cu")
 # csrc/ mirrors the package: ops/cuda (these kernels), ops/cpu, codec (the format's
 # decode and Hadamard, included by the kernels).
 CUDA_DIR = CSRC / "ops" / "cuda"
@@ -92,7 +93,8 @@ def _build() -> ModuleType:
                                          "exl3_convert.cuh", "gemm_lora.cuh",
                                          "exl3_launch.cuh", "exl3_lora.cuh", "exl3_moe.cuh",
                                          "moe_gemm_impl.cuh", "moe_route.cuh", "moe_combine.cuh",
-                                         "bindings_util.h")),
+                                         "bindings_util.h", "gemm_pro.cuh",
+                                         "layer_prologue.cuh")),
                 *(CSRC / "codec" / h for h in ("exl3_trellis.cuh", "exl3_hadamard.cuh"))],
         cuda_cflags=["-O3", "-lineinfo", *flags, *os.environ.get("EXL3_NVCC_FLAGS", "").split()])
 

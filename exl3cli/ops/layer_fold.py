@@ -14,8 +14,14 @@
   last block, by an integer ticket, runs the second half), in place of ``hadamard_out``
   and ``norm_hadamard``.
 
-``EXL3_LAYER_FOLD`` picks them: "kv", "combine", "norm", a list "kv,combine", or "all"; unset,
-"" or "0": none (the path of runs 10-28). Any other name: ValueError at import.
+- the input side inside the GEMM (``ops/gemm_pro.py``): "pro" has the q/k/v and gate/up
+  GEMMs make their own RMSNorm + suh + H128 input and the down GEMM its act(gate) * up
+  + suh + H128 input, block by block, in place of ``norm_hadamard`` and ``glu_hadamard``
+  (1..8 rows, K 2..6, no adapter on the projection; else the two launches).
+
+``EXL3_LAYER_FOLD`` picks them: "kv", "combine", "norm", "pro", a list "kv,combine", or
+"all" (kv, combine and norm: "pro" stays off until a device run has measured it); unset,
+"" or "0": none (the path of runs 10-28). Any other name: ValueError where a layer is built.
 
 Public API:
 - ``active_folds()`` (the names on; ``FOLDS`` overrides the environment), ``fold_names(text)
@@ -49,7 +55,8 @@ from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_kernels
 from exl3cli.ops.layer_kernels import LowRank
 
-NAMES = ("kv", "combine", "norm")
+NAMES = ("kv", "combine", "norm", "pro")
+ALL = ("kv", "combine", "norm")  # what "all" turns on
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -59,7 +66,7 @@ def fold_names(text: str) -> frozenset[str]:
     if text in ("", "0", "none", "off"):
         return frozenset()
     if text in ("all", "1"):
-        return frozenset(NAMES)
+        return frozenset(ALL)
     names = frozenset(n.strip() for n in text.split(",") if n.strip())
     unknown = sorted(names - set(NAMES))
     if unknown:

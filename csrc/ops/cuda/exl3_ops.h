@@ -64,6 +64,42 @@ bool launch_gemm_mcg(const GemmParts& parts, int rows, int kb, int k2, int split
                      cudaStream_t stream);
 bool launch_gemm_3inst(const GemmParts& parts, int rows, int kb, int k2, int splits,
                        cudaStream_t stream);
+// The fused GEMM with its own input side (gemm_pro.cuh, EXL3_LAYER_FOLD=pro): every block
+// makes the float16 x of its run of tile rows in shared memory, bit for bit what
+// launch_norm_hadamard (mode kProNorm) or launch_glu_hadamard (kProGlu) would write to
+// the parts' xh (GemmPart.xh unused), then multiplies it. 1..kProMaxRows rows, no LoRA,
+// no normed / product outputs, float32 partials in (glu). dtype: DT_HALF or DT_BF16.
+constexpr int kProNorm = 0, kProGlu = 1, kProMaxRows = 8;
+struct ProIn {
+  int mode;
+  int dtype;
+  const float* pre[kMaxParts];  // suh of each part (glu: part 0's)
+  // kProNorm: x (rows, x_cols) with row stride x_stride, norm_w float32 (x_cols) or null
+  const void* x;
+  int64_t x_stride;
+  int x_cols;
+  const float* norm_w;
+  float eps;
+  bool unit_offset;
+  // kProGlu: gate/up float32 partials (g_splits, rows, 16 * kb), svh / bias of each or
+  // null, inter logical columns, act 0 SiLU / 1 tanh-GELU
+  const float* gate;
+  const float* up;
+  int g_splits;
+  const float* post_gate;
+  const float* post_up;
+  const float* bias_gate;
+  const float* bias_up;
+  int inter;
+  int act;
+};
+// false: not taken (a K, codebook, shape or row count it does not run; nothing launched).
+bool launch_gemm_pro_mul1(const GemmParts& parts, const ProIn& in, int rows, int kb, int k2,
+                          int splits, cudaStream_t stream);
+bool launch_gemm_pro_mcg(const GemmParts& parts, const ProIn& in, int rows, int kb, int k2,
+                         int splits, cudaStream_t stream);
+bool launch_gemm_pro_3inst(const GemmParts& parts, const ProIn& in, int rows, int kb, int k2,
+                           int splits, cudaStream_t stream);
 // The fused GEMM's build-time variant (EXL3_GEMM_VARIANT, gemm_lean.cuh; default 4).
 int gemm_variant();
 

@@ -135,13 +135,25 @@ __device__ __forceinline__ void fragment(const uint32_t (&st)[8], uint32_t b0, u
   }
 }
 
+// No input side of the warp's own (prep, below).
+struct NoPrep {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // One warp: tile columns nb0..nb0+tn-1 (kFull: tn == kTN) over tile rows kb0..kb1-1.
-template <int K2, int CB, int NG, bool kFull>
+// kSmemX (gemm_pro.cuh): x comes from xs (xh unused), shared memory holding the columns
+// from x_col0 on with a row stride of x_stride halves, written by prep(), which runs
+// right after pdl_wait() (the weights' first stages in flight); xs is not __restrict__,
+// so no load of it moves above prep()'s stores and barrier. Else x is xh, global (rows,
+// 16*kb_total).
+template <int K2, int CB, int NG, bool kFull, bool kSmemX = false, typename Prep = NoPrep>
 __device__ __forceinline__ void warp_gemm(const __half* __restrict__ xh,
                                           const uint32_t* __restrict__ trellis,
                                           float* __restrict__ part, int nb_total, int nb0,
                                           int tn, int rows, int kb_total, int kb0, int kb1,
-                                          uint32_t* ring, int lane) {
+                                          uint32_t* ring, int lane, const Prep& prep = Prep{},
+                                          int x_stride = 0, int x_col0 = 0,
+                                          const __half* xs = nullptr) {
   using B = TileBits<K2>;
   using L = Lane<K2>;
   constexpr bool kTC = CB == CB_MUL1 && (EXL3_GEMM_VARIANT == 2 || EXL3_GEMM_VARIANT == 3 ||
@@ -184,11 +196,14 @@ __device__ __forceinline__ void warp_gemm(const __half* __restrict__ xh,
   const int sigma = (gid >> 1) + 4 * (gid & 1);
   const uint32_t tc_b0 = sigma == (lane & 3) ? 0x01010101u : 0u;
   const uint32_t tc_b1 = sigma == (lane & 3) + 4 ? 0x01010101u : 0u;
-  const int in_cols = kb_total * 16;
-  const __half* x_lane = xh + (size_t)gid * in_cols + (size_t)kb0 * 16 + k2;
+  const int in_cols = kSmemX ? x_stride : kb_total * 16;
+  const __half* x_lane =
+      kSmemX ? xs + (gid * in_cols + (kb0 * 16 - x_col0) + k2)
+             : xh + (size_t)gid * in_cols + (size_t)kb0 * 16 + k2;
   const size_t x_group = (size_t)8 * in_cols;  // halves between groups of 8 rows
 
   pdl_wait();  // the weights are in flight; xh (and the partial buffer) belong to the step
+  prep();
 
   float acc[NG][kTN][4];
 #pragma unroll
@@ -217,8 +232,13 @@ __device__ __forceinline__ void warp_gemm(const __half* __restrict__ xh,
         if (g * 8 + gid < rows) {
           const uint32_t* xr =
               reinterpret_cast<const uint32_t*>(x_lane + g * x_group + u * 16);
-          b[g][0] = __ldg(xr);
-          b[g][1] = __ldg(xr + 4);
+          if constexpr (kSmemX) {
+            b[g][0] = xr[0];
+            b[g][1] = xr[4];
+          } else {
+            b[g][0] = __ldg(xr);
+            b[g][1] = __ldg(xr + 4);
+          }
         } else {
           b[g][0] = 0u;
           b[g][1] = 0u;

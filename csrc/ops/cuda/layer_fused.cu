@@ -19,6 +19,7 @@
 #include "exl3_launch.cuh"
 #include "exl3_lora.cuh"
 #include "exl3_ops.h"
+#include "layer_prologue.cuh"
 
 namespace exl3 {
 namespace {
@@ -26,32 +27,8 @@ namespace {
 constexpr int kWarps = 8;
 
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
-
-// Sum of the splits of partial (splits, rows, width) at 4 columns from `col`.
-__device__ __forceinline__ void load_split_sum(const float* __restrict__ partial, int splits,
-                                               int rows, int width, int row, int col,
-                                               float (&v)[4]) {
-  const size_t slice = (size_t)rows * width;
-  const float* p = partial + (size_t)row * width + col;
-  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int sl = 0; sl < splits; sl++) {
-    const float4 t = __ldg(reinterpret_cast<const float4*>(p + sl * slice));
-    s.x += t.x;
-    s.y += t.y;
-    s.z += t.z;
-    s.w += t.w;
-  }
-  v[0] = s.x;
-  v[1] = s.y;
-  v[2] = s.z;
-  v[3] = s.w;
-}
+using prologue::load_split_sum;
+using prologue::warp_sum;
 
 // The same from a float16 (1, rows, width) partial (a prompt's cuBLAS sums), or float32.
 __device__ __forceinline__ void load_sum(const void* partial, bool half, int splits, int rows,
@@ -91,36 +68,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   float rs = 1.0f;
   if (norm_w != nullptr) {
     __shared__ float partial[kWarps];
-    float s = 0.0f;
-    for (int c = threadIdx.x; c < x_cols; c += kWarps * 32) {
-      const float f = to_f32(xr[c]);
-      s += f * f;
-    }
-    s = warp_sum(s);
+    static_assert(kWarps * 32 == 256, "prologue::sumsq_thread's order: 256 threads");
+    const float s = warp_sum(prologue::sumsq_thread(xr, x_cols, threadIdx.x));
     if (lane == 0) partial[warp] = s;
     __syncthreads();
-    s = warp_sum(lane < kWarps ? partial[lane] : 0.0f);
-    rs = rsqrtf(s / (float)x_cols + eps);
+    rs = prologue::norm_rs(partial, lane, x_cols, eps);
   }
   const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
   if (base >= width) return;  // whole warps: width is a multiple of 128
   const float* pre = parts.pre[blockIdx.y];
   T* normed_row = normed != nullptr && blockIdx.y == 0 ? normed + row * normed_stride : nullptr;
   float v[4];
-#pragma unroll
-  for (int e = 0; e < 4; e++) {
-    const int c = base + e;
-    float f = 0.0f;
-    if (c < x_cols) {
-      f = to_f32(xr[c]);
-      if (norm_w != nullptr)
-        f = unit_offset ? round_to<T>(f * rs * norm_w[c])
-                        : round_to<T>(round_to<T>(f * rs) * norm_w[c]);
-      if (normed_row != nullptr) normed_row[c] = from_f32<T>(f);
-      f *= pre[c];
-    }
-    v[e] = f;
-  }
+  prologue::norm_block<T>(xr, x_cols, base, norm_w, rs, unit_offset, pre, normed_row, v);
   hadamard128_warp(v, lane);
   __half* out = parts.out[blockIdx.y] + (size_t)row * width + base;
   __half2* out2 = reinterpret_cast<__half2*>(out);
@@ -205,12 +164,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-__device__ __forceinline__ float activation(float g, int act) {
-  if (act == 0) return g / (1.0f + expf(-g));
-  const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  return 0.5f * g * (1.0f + tanhf(inner));
-}
-
 // LORA: with the LoRA update or the product output (the bare instance keeps its registers).
 template <typename T, bool LORA>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -243,28 +196,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                        : lora_delta<T, 2>(lora, row, lora_offset, base, inter, lane, d));
   T* product_row = LORA && product != nullptr ? product + (size_t)row * product_stride : nullptr;
   float v[4];
-#pragma unroll
-  for (int e = 0; e < 4; e++) {
-    const int c = base + e;
-    float a = 0.0f;
-    if (c < inter) {
-      float gv = g[e] * kHadamardScale;
-      float uv = u[e] * kHadamardScale;
-      if (post_gate != nullptr) gv *= post_gate[c];
-      if (post_up != nullptr) uv *= post_up[c];
-      if (bias_gate != nullptr) gv += bias_gate[c];
-      if (bias_up != nullptr) uv += bias_up[c];
-      gv = round_to<T>(gv);
-      uv = round_to<T>(uv);
-      if (adapted) {
-        gv = round_to<T>(gv + d[0][e]);
-        uv = round_to<T>(uv + d[1][e]);
-      }
-      a = round_to<T>(round_to<T>(activation(gv, act)) * uv);
-      if (product_row != nullptr) product_row[c] = from_f32<T>(a);
-    }
-    v[e] = a * pre[c];
-  }
+  prologue::glu_block<T>(g, u, base, post_gate, post_up, bias_gate, bias_up, inter, act,
+                         adapted, d, product_row, pre, v);
   hadamard128_warp(v, lane);
   __half2* out2 = reinterpret_cast<__half2*>(out + (size_t)row * width + base);
   out2[0] = __floats2half2_rn(v[0] * kHadamardScale, v[1] * kHadamardScale);

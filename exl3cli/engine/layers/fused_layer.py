@@ -31,6 +31,9 @@ decode step), "combine" makes the o input from attention's uncombined chunks, "n
 runs the o output + the MLP's input side as one launch and the down output + the next
 layer's input side as one (the next plan links itself at run time: ``successor``, the
 hand-over in ``AttentionStep.carry``, taken only for the very tensor the layer returned).
+"pro" (not in "all") has the q/k/v, o, gate/up and down GEMMs make their own input side
+at 1..8 rows (``Parts.norm_gemm`` / ``Parts.glu_gemm``, ``ops/gemm_pro.py``): no
+norm_hadamard or glu_hadamard launch, the same bits.
 
 A projection wrapped in an ``AdaptedLinear`` (LoRA adapters, ``adapted_linear.py``) stays
 on this path: the first low-rank product ``x_in @ A_all^T`` (one per input: q|k|v and
@@ -62,104 +65,25 @@ float16 fold of svh into Ŵ (bench/NOTES-gpu.md, "Prefill at 2,048").
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from exl3cli.engine.layers.adapted_linear import AdaptedLinear
 from exl3cli.engine.layers.attention import Attention, AttentionStep
+from exl3cli.engine.layers.fused_parts import Parts
 from exl3cli.engine.layers.linear import Exl3Linear, FusedLinear, Linear
 from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.moe import MoEMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.ops import cuda_kernels as kernels
-from exl3cli.ops import layer_fold, layer_kernels
+from exl3cli.ops import gemm_pro, layer_fold, layer_kernels
 from exl3cli.ops.batch_invariant import batch_invariant
 from exl3cli.ops.reference import apply_rotary
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 PREFILL_MAX_ROWS = 65535  # norm_hadamard's grid has a row per z index
-
-
-class _Parts(NamedTuple):
-    """Projections of one input, run as one launch per step."""
-
-    trellises: list[torch.Tensor]
-    pres: list[torch.Tensor]
-    posts: list[torch.Tensor]
-    biases: list[torch.Tensor | None]
-    widths: list[int]  # logical output columns
-    k2: int
-    codebook: str
-    pad_in: int
-    splits: dict[tuple[int, bool], int]  # by (row count, batch-invariant), filled on first use
-    half: dict[str, list[torch.Tensor]]  # half_sums(), made on first use
-
-    @staticmethod
-    def of(layers: list[Linear]) -> _Parts | None:
-        if not layers or not all(isinstance(p, Exl3Linear) and p.mode == "trellis"
-                                  for p in layers):
-            return None
-        parts: list[Exl3Linear] = layers  # type: ignore[assignment]
-        k2s = {kernels._k2(p.k) for p in parts}
-        if len(k2s) != 1 or len({p.codebook for p in parts}) != 1:
-            return None
-        if len({p.padded_in for p in parts}) != 1 or any(p.padded_out % 128 for p in parts):
-            return None
-        if parts[0].padded_in % 128:
-            return None
-        return _Parts(
-            trellises=[p.trellis.contiguous() for p in parts],
-            pres=[_f32(p, "suh") for p in parts], posts=[_f32(p, "svh") for p in parts],
-            biases=[None if p.bias is None else p.bias.float().contiguous() for p in parts],
-            widths=[p.out_features for p in parts], k2=k2s.pop(), codebook=parts[0].codebook,
-            pad_in=parts[0].padded_in, splits={}, half={})
-
-    def half_sums(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(scales, posts) of EXL3_PREFILL=half's float16 sums: each part's max|svh| in
-        float16 (the decode multiplies Ŵ by it, as the unfused prompt path's fold does)
-        and svh divided by it. Made on a prompt's first use, never in a graph capture."""
-        if not self.half:
-            scales = [p.abs().amax().clamp(2.0**-14, 65504.0).half().reshape(1)
-                      for p in self.posts]
-            self.half["scales"] = scales
-            self.half["posts"] = [p / s.float() for p, s in zip(self.posts, scales, strict=True)]
-        return self.half["scales"], self.half["posts"]
-
-    def posts_for(self, partials: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The svh vectors that go with these sums (scaled ones for float16 sums)."""
-        return self.half_sums()[1] if partials[0].dtype == torch.float16 else self.posts
-
-    def gemm(self, xhs: list[torch.Tensor], adapted: AdaptedLinear | None = None,
-             x_in: torch.Tensor | None = None
-             ) -> tuple[list[torch.Tensor], layer_kernels.LowRank | None]:
-        """The parts' split sums and, for an adapted projection, its LoRA update of the
-        rows `x_in` (first product in the same launch where the kernel takes it)."""
-        rows = xhs[0].shape[0]
-        key = (rows, batch_invariant())  # the mode ignores the row count (choose_splits)
-        splits = self.splits.get(key)
-        if splits is None:
-            device = self.trellises[0].device
-            kb, nb = self.trellises[0].shape[0], sum(t.shape[1] for t in self.trellises)
-            splits = (kernels.choose_splits(kb, nb, device, rows=rows)
-                      if device.type == "cuda" else 1)
-            self.splits[key] = splits
-        if adapted is None or x_in is None:
-            scales = None
-            if rows > kernels.FUSED_MAX_ROWS and kernels.prefill_mode() == "half":
-                scales = self.half_sums()[0]
-            return layer_kernels.gemm_parts(xhs, self.trellises, self.k2, self.codebook,
-                                            splits, scales), None
-        partials, low = layer_kernels.gemm_parts_low(xhs, self.trellises, self.k2,
-                                                     self.codebook, splits, x_in,
-                                                     adapted.lora_a)
-        return partials, adapted.low_rank_of(low)
-
-
-def _f32(layer: Exl3Linear, name: str) -> torch.Tensor:
-    cached = getattr(layer, f"{name}32", None)  # made at load on CUDA
-    return cached if cached is not None else getattr(layer, name).float().contiguous()
 
 
 def _split(linear: Linear) -> list[Linear]:
@@ -182,8 +106,8 @@ def _plain_norm(norm: nn.Module) -> bool:
 class FusedDecodeLayer:
     """See the module docstring."""
 
-    def __init__(self, layer: nn.Module, qkv: _Parts, o: _Parts, gate_up: _Parts | None,
-                 down: _Parts | None, activation: str):
+    def __init__(self, layer: nn.Module, qkv: Parts, o: Parts, gate_up: Parts | None,
+                 down: Parts | None, activation: str):
         self.attention: Attention = layer.attention
         self.norm1 = layer.input_norm
         self.norm2 = layer.post_attention_norm
@@ -223,6 +147,8 @@ class FusedDecodeLayer:
         self.fold_norm = ("norm" in folds and self.o_lora is None
                           and self.gate_up_lora is None and self.moe is None)
         self.counters = layer_fold.out_norm_counters(self.device) if self.fold_norm else None
+        self.fold_pro = "pro" in folds  # input sides inside the GEMMs (ops/gemm_pro.py)
+        self.pro_rows = gemm_pro.pro_rows() if self.fold_pro else 0
         # The next layer's plan, linked at run time (forward: the "norm" fold across layers).
         self.successor: FusedDecodeLayer | None = None
         self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
@@ -241,7 +167,7 @@ class FusedDecodeLayer:
             return None  # Ministral 3's per-position query scale lives in Attention.forward
         if not (_plain_norm(layer.input_norm) and _plain_norm(layer.post_attention_norm)):
             return None
-        qkv, o = _Parts.of(_split(attention.qkv)), _Parts.of([_base(attention.o)])
+        qkv, o = Parts.of(_split(attention.qkv)), Parts.of([_base(attention.o)])
         if qkv is None or o is None:
             return None
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
@@ -254,7 +180,7 @@ class FusedDecodeLayer:
             activation = ""
         else:
             activation = _ACTIVATIONS.get(mlp.activation)
-            gate_up, down = _Parts.of(_split(mlp.gate_up)), _Parts.of([_base(mlp.down)])
+            gate_up, down = Parts.of(_split(mlp.gate_up)), Parts.of([_base(mlp.down)])
             if activation is None or gate_up is None or down is None or len(gate_up.widths) != 2:
                 return None
             inter = gate_up.widths[0]
@@ -281,7 +207,7 @@ class FusedDecodeLayer:
         """Whether a prompt's rows (more than FUSED_MAX_ROWS) take this path: with
         EXL3_PREFILL=fused, no MoE block, no adapter (their many-row products stay
         on the unfused path) and decode + cuBLAS available (cuda_kernels.dense_sums);
-        EXL3_PREFILL=half: the same with float16 sums (_Parts.half_sums)."""
+        EXL3_PREFILL=half: the same with float16 sums (Parts.half_sums)."""
         if kernels.prefill_mode() not in ("fused", "half") or self.moe is not None:
             return False
         if any(a is not None for a in (self.qkv_lora, self.o_lora, self.gate_up_lora,
@@ -294,28 +220,41 @@ class FusedDecodeLayer:
         rows = batch * steps
         x2 = x.reshape(rows, hidden)
         attended, xo = self._attention(x2, step, batch, steps, self._carried(x, step))
-        if xo is None:
+        o_sums = None  # the "pro" fold: o's split sums, its input side made in its GEMM
+        if xo is None and self._pro(rows) and self.o_lora is None:
+            o_sums = self.o.norm_gemm(attended, None, None)
+        elif xo is None:
             xo = layer_kernels.norm_hadamard(attended, None, 0.0, False, self.o.pres,
                                              self.o.pad_in)
         h = x2.new_empty(rows, hidden)
         mlp = self.gate_up
         if self.fold_norm and mlp is not None:
-            partials, _ = self.o.gemm(xo)
+            partials = o_sums if o_sums is not None else self.o.gemm(xo)[0]
             xg, xu = layer_fold.out_norm(partials[0], self.o.posts[0], self.o.biases[0], x2, h,
                                          self.norm2_weight, self.norm2.eps,
                                          self.norm2.unit_offset, mlp.pres, mlp.pad_in,
                                          self.counters)
             return self._mlp(x, h, xg, xu, None, step)
-        self._project(self.o, xo, [h], residual=x2, adapted=self.o_lora, x_in=attended)
+        if o_sums is not None:
+            layer_kernels.hadamard_out(o_sums, self.o.posts_for(o_sums), self.o.biases, [h], [0],
+                                       residual=x2)
+        else:
+            self._project(self.o, xo, [h], residual=x2, adapted=self.o_lora, x_in=attended)
         if self.moe is not None:
             return self.moe.decode_block(h, self.norm2, self.norm2_weight).view(
                 batch, steps, hidden)
         assert mlp is not None and self.down is not None
+        if self._pro(rows) and self.gate_up_lora is None:
+            return self._mlp(x, h, None, None, None, step)
         normed = x2.new_empty(rows, hidden) if self.gate_up_lora is not None else None
         xg, xu = layer_kernels.norm_hadamard(h, self.norm2_weight, self.norm2.eps,
                                              self.norm2.unit_offset, mlp.pres, mlp.pad_in,
                                              normed=normed)
         return self._mlp(x, h, xg, xu, normed, step)
+
+    def _pro(self, rows: int) -> bool:
+        """Whether the "pro" fold runs a step of `rows` rows (a decode step's few rows)."""
+        return rows <= self.pro_rows
 
     def _carried(self, x: torch.Tensor, step: AttentionStep) -> list[torch.Tensor] | None:
         """The rotated q/k/v input the layer before made for this one (the "norm" fold
@@ -334,31 +273,45 @@ class FusedDecodeLayer:
         producer.successor = self
         return None
 
-    def _mlp(self, x: torch.Tensor, h: torch.Tensor, xg: torch.Tensor, xu: torch.Tensor,
-             normed: torch.Tensor | None, step: AttentionStep) -> torch.Tensor:
-        """The gated MLP from its rotated inputs and the residual h: the layer's output."""
+    def _mlp(self, x: torch.Tensor, h: torch.Tensor, xg: torch.Tensor | None,
+             xu: torch.Tensor | None, normed: torch.Tensor | None,
+             step: AttentionStep) -> torch.Tensor:
+        """The gated MLP from its rotated inputs (None: the "pro" fold makes them inside
+        the gate/up GEMM from h) and the residual h: the layer's output."""
         batch, steps, hidden = x.shape
         rows = batch * steps
         x2 = x.reshape(rows, hidden)
         mlp = self.gate_up
         assert mlp is not None and self.down is not None
-        (gate, up), lora = mlp.gemm([xg, xu], self.gate_up_lora, normed)
+        if xg is None or xu is None:
+            (gate, up), lora = mlp.norm_gemm(h, self.norm2, self.norm2_weight), None
+        else:
+            (gate, up), lora = mlp.gemm([xg, xu], self.gate_up_lora, normed)
         inter = mlp.widths[0]
         product = x2.new_empty(rows, inter) if self.down_lora is not None else None
-        posts = mlp.posts_for([gate])
-        xd = layer_kernels.glu_hadamard(gate, up, posts[0], posts[1], mlp.biases[0],
-                                        mlp.biases[1], inter, self.activation,
-                                        self.down.pres[0], x.dtype, lora=lora, product=product)
+        down_sums = None  # the "pro" fold: down's split sums, its input made in its GEMM
+        if self._pro(rows) and lora is None and product is None:
+            down_sums = [self.down.glu_gemm(gate, up, mlp, self.activation, x.dtype)]
+        else:
+            posts = mlp.posts_for([gate])
+            xd = layer_kernels.glu_hadamard(gate, up, posts[0], posts[1], mlp.biases[0],
+                                            mlp.biases[1], inter, self.activation,
+                                            self.down.pres[0], x.dtype, lora=lora,
+                                            product=product)
         out = x2.new_empty(rows, hidden)
         nxt = self.successor if self.fold_norm and self.down_lora is None else None
         if nxt is None:
-            self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora,
-                          x_in=product)
+            if down_sums is not None:
+                layer_kernels.hadamard_out(down_sums, self.down.posts_for(down_sums),
+                                           self.down.biases, [out], [0], residual=h)
+            else:
+                self._project(self.down, [xd], [out], residual=h, adapted=self.down_lora,
+                              x_in=product)
             result = out.view(batch, steps, hidden)
             if self.fold_norm and self.down_lora is None:
                 step.carry = (self, result, None)  # the next layer links itself
             return result
-        partials, _ = self.down.gemm([xd])
+        partials = down_sums if down_sums is not None else self.down.gemm([xd])[0]
         xhs = layer_fold.out_norm(partials[0], self.down.posts[0], self.down.biases[0], h, out,
                                   nxt.norm1_weight, nxt.norm1.eps, nxt.norm1.unit_offset,
                                   nxt.qkv.pres, nxt.qkv.pad_in, self.counters)
@@ -376,11 +329,14 @@ class FusedDecodeLayer:
         heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         rows = x2.shape[0]
         normed = x2.new_empty(x2.shape) if self.qkv_lora is not None else None
-        if xhs is None:  # else the layer before made them (the "norm" fold)
-            xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
-                                              self.norm1.unit_offset, self.qkv.pres,
-                                              self.qkv.pad_in, normed=normed)
-        partials, lora = self.qkv.gemm(xhs, self.qkv_lora, normed)
+        if xhs is None and self._pro(rows) and normed is None:  # the input side in the GEMM
+            partials, lora = self.qkv.norm_gemm(x2, self.norm1, self.norm1_weight), None
+        else:
+            if xhs is None:  # else the layer before made them (the "norm" fold)
+                xhs = layer_kernels.norm_hadamard(x2, self.norm1_weight, self.norm1.eps,
+                                                  self.norm1.unit_offset, self.qkv.pres,
+                                                  self.qkv.pad_in, normed=normed)
+            partials, lora = self.qkv.gemm(xhs, self.qkv_lora, normed)
         qkv = x2.new_empty(rows, self.qkv_width)
         outs, start = [], 0
         for width in self.qkv.widths:
@@ -443,7 +399,7 @@ class FusedDecodeLayer:
         return attended, [layer_fold.combine_hadamard(part_acc, part_ml, attended,
                                                       self.o.pres[0], self.o.pad_in)]
 
-    def _project(self, parts: _Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
+    def _project(self, parts: Parts, xhs: list[torch.Tensor], outs: list[torch.Tensor],
                  residual: torch.Tensor | None = None, adapted: AdaptedLinear | None = None,
                  x_in: torch.Tensor | None = None) -> None:
         partials, lora = parts.gemm(xhs, adapted, x_in)
