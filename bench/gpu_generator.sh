@@ -52,7 +52,7 @@ stamp "$(grep BUILD "$OUT/build.log" || { echo 'FAIL: build crashed'; tail -20 "
 if [[ " $STAGES " == *" tests "* ]]; then
   # Every file with cuda-marked tests (the others may import packages this image lacks).
   # CUDA_TESTS="files": only those (default: every file with cuda-marked tests).
-  timeout 300 python3 -m pytest -q -m cuda -p no:randomly ${CUDA_TESTS:-$(grep -rl "mark.cuda" tests | sort)} \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m cuda -p no:randomly ${CUDA_TESTS:-$(grep -rl "mark.cuda" tests | sort)} \
     >"$OUT/tests-cuda.log" 2>&1
   stamp "cuda tests: $(tail -1 "$OUT/tests-cuda.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/tests-cuda.log" | head -12
