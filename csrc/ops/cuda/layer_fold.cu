@@ -18,6 +18,7 @@
 #include "exl3_convert.cuh"
 #include "../../codec/exl3_hadamard.cuh"
 #include "exl3_launch.cuh"
+#include "layer_prologue.cuh"
 #include "exl3_lora.cuh"
 #include "exl3_ops.h"
 
@@ -138,18 +139,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   const int base = (blockIdx.x * kWarps + warp) * 128 + lane * 4;
   if (base < width) {
-    const size_t slice = (size_t)rows * width;
-    const float* pp = partial + (size_t)row * width + base;
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int sl = 0; sl < splits; sl++) {
-      const float4 t = __ldg(reinterpret_cast<const float4*>(pp + sl * slice));
-      sum.x += t.x;
-      sum.y += t.y;
-      sum.z += t.z;
-      sum.w += t.w;
-    }
-    float v[4] = {sum.x, sum.y, sum.z, sum.w};
+    float v[4];
+    prologue::load_split_sum(partial, splits, rows, width, row, base, v);
     hadamard128_warp(v, lane);
     T* hr = h + (size_t)row * h_stride;
 #pragma unroll
