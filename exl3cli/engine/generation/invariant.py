@@ -40,9 +40,10 @@ def model_refusal(model: Any) -> str | None:
     experts layers (their expert grouping follows the batch) and tensor-parallel models
     keep kernels the mode does not cover, so the mode refuses them instead of running
     them unpromised."""
+    from exl3cli.engine.generation.tp_driver import TensorParallelModel
     from exl3cli.engine.layers.moe import MoEMLP
 
-    if type(model).__name__ == "TensorParallelModel":
+    if isinstance(model, TensorParallelModel):
         return "batch-invariant mode does not cover tensor-parallel models"
     for layer in getattr(model, "layers", []):
         if any(isinstance(module, MoEMLP) for module in layer.modules()):
