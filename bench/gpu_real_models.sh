@@ -43,7 +43,15 @@ DEVICE=cuda; [ -n "$DRY" ] && DEVICE=cpu
 GPU_DTYPE=${GPU_DTYPE:-float16}; [ -n "$DRY" ] && GPU_DTYPE=float32
 CLIENTS=${CLIENTS:-64}
 EXL3="python3 -m exl3cli"
-has() { [[ " $STAGES " == *" $1 "* ]]; }
+# BUDGET_S: a stage (or a serve pass) that would start past this many seconds is skipped,
+# so the script still ends with its table and tarballs inside the device call's limit
+# (a `timeout` around it would kill it before it bundles what came back).
+BUDGET_S=${BUDGET_S:-100000}
+in_budget() {
+  (( $(date +%s) - T0 < BUDGET_S )) && return 0
+  echo "SKIPPED (BUDGET_S=$BUDGET_S reached): $1"; return 1
+}
+has() { [[ " $STAGES " == *" $1 "* ]] && in_budget "$1"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
   | tee "$OUT/env.txt"
@@ -185,6 +193,7 @@ if has serve; then
   # SERVE_INVARIANT="0 1": the phases once per EXL3_BATCH_INVARIANT value (names -inv0,
   # -inv1); unset: once, with the environment as it is.
   for inv in ${SERVE_INVARIANT:-keep}; do
+    in_budget "serve inv=$inv" || break
     tag=""; [ "$inv" = keep ] || tag="-inv$inv"
     if [ "$inv" = keep ]; then serve_phase turns 1; else EXL3_BATCH_INVARIANT=$inv serve_phase "turns$tag" 1; fi
     if [ "$(echo $MODELS | wc -w)" -gt 1 ]; then

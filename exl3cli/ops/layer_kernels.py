@@ -33,7 +33,7 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
 - ``gemm_parts_low(xhs, trellises, k2, codebook, splits, x, a) -> (partials, low)``:
   ``gemm_parts`` and ``low = x @ a^T`` (an adapted projection's first LoRA product, in
   a's dtype), in the GEMM's own launch on CUDA when ``low_in_gemm(x, a)`` (its own blocks
-  of the grid, csrc/ops/cuda/gemm_lora.cuh; only with ``EXL3_LORA_GEMM=1``), else
+  of the grid, csrc/ops/cuda/gemm_lora.cuh; off with ``EXL3_LORA_GEMM=0``), else
   ``gemm_parts`` then ``lora_low``; x/A that do not fit the parts: ValueError first.
 - ``hadamard_out(partials, posts, biases, outs, rope_cols, residual=None, cos=None,
   sin=None, head_dim=0, lora=None)``: writes ``outs[p] = H128(sum partial) * post +
@@ -131,11 +131,11 @@ def lora_low(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return x @ a.t()
 
 
-# EXL3_LORA_GEMM=1: the first LoRA product inside the projection's GEMM launch (NOTES-gpu
-# "LoRA, session 8"); off by default until its cuda tests have passed on a GPU (run 30
-# ended in a segfault before them), so the product runs as its own launch (lora_low /
-# torch's matmul), the path runs 18-26 measured.
-_LORA_IN_GEMM = os.environ.get("EXL3_LORA_GEMM", "0") == "1"
+# The first LoRA product inside the projection's GEMM launch (NOTES-gpu "LoRA, session 8"),
+# the default since its cuda tests passed on the H200 (run 40) and it measured 0.92x the
+# bare model at 1 and 16 jobs against 0.78x / 0.80x for its own launch (run 41).
+# EXL3_LORA_GEMM=0: the product as its own launch (lora_low / torch's matmul).
+_LORA_IN_GEMM = os.environ.get("EXL3_LORA_GEMM", "1") != "0"
 _GEMM_LORA_MAX_RANK = 128  # exl3_ops.h kGemmLoraMaxRank
 
 

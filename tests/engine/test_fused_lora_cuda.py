@@ -215,7 +215,7 @@ def test_the_first_product_rides_in_each_gemm_launch(folder, dtype, monkeypatch)
     # o, gate|up, down), and the logits are the separate product's (EXL3_LORA_GEMM=0).
     from exl3cli.ops import layer_kernels
 
-    monkeypatch.setattr(layer_kernels, "_LORA_IN_GEMM", True)  # opt-in (EXL3_LORA_GEMM=1)
+    monkeypatch.setattr(layer_kernels, "_LORA_IN_GEMM", True)  # the default (EXL3_LORA_GEMM=1)
     model, bank = _adapted(folder, dtype)
     ids = torch.tensor([[5, 17, 99, 3, 42, 7, 7, 8]], device="cuda").expand(len(ROWS), -1)
     ids = ids.contiguous()

@@ -26,6 +26,12 @@ CASES = [(4, "mul1"), (2, "mul1"), (3, "mul1"), (5, "mul1"), (6, "mul1"), (4, "m
 SHAPES = [(576, 1536), (1536, 576), (576, 192), (4096, 4096)]  # SmolLM2 and 8B widths
 
 
+def _tiles(n: int) -> int:
+    """16-wide tiles of a trellis side: the format pads every side to a multiple of 128
+    (SmolLM2's 576 is stored as 640; the kernels refuse anything else)."""
+    return -(-n // 128) * 8
+
+
 @pytest.fixture(autouse=True)
 def invariant_on():
     assert torch.cuda.is_available(), "cuda tests need a GPU"
@@ -49,7 +55,7 @@ def test_exl3_gemm_rows_do_not_depend_on_the_batch(k, codebook, shape, dtype):
     n_in, n_out = shape
     gen = torch.Generator().manual_seed(n_in + n_out + int(4 * k) + len(codebook))
     k2 = int(2 * k)
-    trellis = torch.randint(-32768, 32768, (n_in // 16, n_out // 16, 8 * k2),
+    trellis = torch.randint(-32768, 32768, (_tiles(n_in), _tiles(n_out), 8 * k2),
                             dtype=torch.int16, generator=gen).cuda()
     suh = (torch.randint(0, 2, (n_in,), generator=gen) * 2 - 1).float().cuda()
     svh = (torch.rand(n_out, generator=gen) * 0.02 + 0.01).cuda()
@@ -66,7 +72,8 @@ def test_exl3_gemm_rows_do_not_depend_on_the_batch(k, codebook, shape, dtype):
 
 def test_many_rows_in_the_mode_equal_the_fused_rows_and_the_reference():
     gen = torch.Generator().manual_seed(7)
-    trellis = torch.randint(-32768, 32768, (36, 96, 32), dtype=torch.int16, generator=gen)
+    trellis = torch.randint(-32768, 32768, (_tiles(576), 96, 64), dtype=torch.int16,
+                            generator=gen)
     suh = (torch.randint(0, 2, (576,), generator=gen) * 2 - 1).float()
     svh = torch.rand(1536, generator=gen) * 0.02 + 0.01
     x = torch.randn(200, 576, generator=gen)

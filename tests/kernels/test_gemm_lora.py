@@ -24,8 +24,8 @@ cuda = pytest.mark.cuda
 
 @pytest.fixture(autouse=True)
 def _product_in_gemm(monkeypatch):
-    """The in-GEMM product is opt-in (EXL3_LORA_GEMM=1) until it has passed on a GPU;
-    these tests are about it, so they turn it on."""
+    """The in-GEMM product is the default (EXL3_LORA_GEMM=0 turns it off); these tests
+    are about it, so they pin it on whatever the environment says."""
     monkeypatch.setattr(layer_kernels, "_LORA_IN_GEMM", True)
 
 

@@ -217,6 +217,9 @@ class CausalLM(nn.Module):
             torch.tensor(config.hidden_size**0.5, dtype=self._compute_dtype).item()
             if spec.embed_scale else None
         )
+        # engine/models/residual_scale.py: the stream's scale (a power of two, also folded
+        # into embed_scale) when a float16 Gemma carries x / 64; None: the stream is x.
+        self.residual_scale: float | None = None
         self.final_softcap = config.final_logit_softcapping
         # Tensor parallel (engine/models/shard.py): this rank's slice of the vocabulary
         # (embedding rows, head columns), a layers/parallel.VocabShard; None: all of it.
@@ -355,7 +358,7 @@ class CausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.images is not None:  # image ids read their rows, text ids the table
-            return self.images.embed(input_ids, self._embed_text)
+            return self.images.embed(input_ids, self._embed_text, self.residual_scale)
         return self._embed_text(input_ids)
 
     def _embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from exl3cli.engine.models.placement import (
     offload_mode,
     plan_placement,
 )
+from exl3cli.engine.models.residual_scale import scale_residual_stream, wants_residual_scale
 from exl3cli.engine.models.weights import WeightReader
 from exl3cli.engine.spec.architecture import (
     ArchitectureSpec,
@@ -251,6 +252,8 @@ def build_causal_lm(
     final_norm = family_norm(config, spec, tensor(names.final_norm))
     model = CausalLM(config, spec, embed, layers, final_norm, lm_head,
                      compute_dtype=dtype).eval()
+    if wants_residual_scale(spec, dtype):  # float16 Gemma: the stream would overflow
+        scale_residual_stream(model)
     model.tensor_names = names  # the checkpoint's module names (LoRA adapters: engine/adapters/lora.py)
     model.streamer = streamer
     return model

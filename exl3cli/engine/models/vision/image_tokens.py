@@ -153,9 +153,11 @@ class ImageTokens:
         return (first, row) if row < self._counts[first] else None
 
     def embed(self, input_ids: torch.Tensor,
-              text_embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+              text_embed: Callable[[torch.Tensor], torch.Tensor],
+              scale: float | None = None) -> torch.Tensor:
         """Embeddings [B, T, H] of input_ids: text ids through `text_embed`, image ids
-        from the held rows (not scaled: Gemma scales only its text embeddings)."""
+        from the held rows (not scaled by Gemma's sqrt(hidden), which is for text only;
+        times `scale` when the model carries a scaled residual stream)."""
         image = input_ids >= self.vocab_size
         if not bool(image.any()):
             return text_embed(input_ids)
@@ -166,7 +168,8 @@ class ImageTokens:
             if any(place is None for place in located):
                 raise InvalidOption("an image token's embeddings are no longer held")
             rows = torch.cat(self._slices(located))  # type: ignore[arg-type]
-        hidden[image] = rows.to(hidden.device, hidden.dtype)
+        rows = rows.to(hidden.device, hidden.dtype)
+        hidden[image] = rows if scale is None else rows * scale
         return hidden
 
     def _slices(self, located: list[tuple[int, int]]) -> list[torch.Tensor]:
