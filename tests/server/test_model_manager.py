@@ -51,6 +51,9 @@ def hold_long_chats(daemon: Daemon, release: threading.Event) -> None:
     """Make the daemon's long chats (num_predict 200) wait after their first object until
     `release` is set, so a test does not race a tiny model that answers in milliseconds
     (a fast machine) against a client that takes seconds to start (a busy one)."""
+    # The hold wraps the runner's blocking iterator, which only the thread relay reads
+    # (the batched relay's own disconnect and queue tests: test_stream_handoff.py).
+    daemon.manager.batched_relay = False
     runner = daemon.manager.runner
     chat = runner.chat
 
