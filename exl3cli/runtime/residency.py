@@ -260,7 +260,15 @@ class InferenceRunner:
             generator = self._generator(loaded, num_ctx, cache_type)
             loaded.context_length = num_ctx
             generation.adapter = job_adapter(self.store, loaded, manifest, generator)
+            loaded.submitting += 1  # no rebuild meanwhile: the generator stays put
+        try:
+            # Outside the runner's lock: submit waits for the step in progress (the
+            # generator's lock), and other requests must not queue behind that wait.
             return generator.submit(generation)
+        finally:
+            with self._lock:
+                loaded.submitting -= 1
+                self._changed.notify_all()
 
     def _generator(self, loaded: LoadedModel, num_ctx: int, cache_type: Any) -> Any:
         """The model's generator, built on first use and rebuilt for a longer context
@@ -277,7 +285,8 @@ class InferenceRunner:
             current = loaded.generator
             if not unfit(current) and not loaded.rebuilds_waiting:
                 return current
-            if unfit(current) and (current is None or not current.has_work
+            if unfit(current) and (current is None or not (current.has_work
+                                                           or loaded.submitting)
                                    or self._loaded.get(loaded.key) is not loaded):
                 break  # idle (or unloaded meanwhile): rebuild now
             waiting = unfit(current)  # a request that fits only lets a rebuild go first
