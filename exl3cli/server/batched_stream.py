@@ -51,7 +51,7 @@ class BatchedJob:
         self._executor = executor
         self._pushed = pushed  # runtime.responses.PushedResponses
         self._on_finish = on_finish
-        self.cancel = _CancelFlag(lambda: executor.submit(self._cancel_job))
+        self.cancel = _CancelFlag(lambda: self._off_loop(self._cancel_job))
         self._items: deque[dict] = deque()
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -61,6 +61,13 @@ class BatchedJob:
         self.finished_normally = False
         self.stopped_by_shutdown = False
         self.outcome = "running"
+
+    def _off_loop(self, work: Callable[[], None]) -> None:
+        """Run `work` on the executor; inline once it is shut down (server closing)."""
+        try:
+            self._executor.submit(work)
+        except RuntimeError:
+            work()
 
     def _cancel_job(self) -> None:
         try:
@@ -91,8 +98,13 @@ class BatchedJob:
         self._finishing = True
         self.outcome = outcome
         if self._error is not None and not self.cancel.is_set():
-            self._executor.submit(self._cancel_job)  # a shaping failure: stop the job
-        release = self._loop.run_in_executor(self._executor, self._pushed.release)
+            self._off_loop(self._cancel_job)  # a shaping failure: stop the job
+        try:
+            release = self._loop.run_in_executor(self._executor, self._pushed.release)
+        except RuntimeError:  # the executor is shut down: the server is closing
+            self._pushed.release()
+            self._released(outcome)
+            return
         release.add_done_callback(lambda _: self._released(outcome))
 
     def _released(self, outcome: str) -> None:
@@ -178,7 +190,10 @@ class EventRelay:
             if job is None:
                 self._unclaimed.setdefault(handle, []).extend(events)
                 continue
-            job.feed(events)
+            try:
+                job.feed(events)
+            except Exception:  # one job's trouble must not cost the others their events
+                log.exception("handing a job its events failed")
             if job._finishing:
                 self._jobs.pop(handle, None)
 

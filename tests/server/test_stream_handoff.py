@@ -187,3 +187,25 @@ def test_cancelling_at_shutdown_stops_a_running_job(store):
         assert stats(daemon.url)["completed"] == 1  # only the loading request
         assert not generator.has_work and generator.pool.pages_in_use == 0
         connection.close()
+
+
+def test_a_failed_generator_step_ends_the_stream_with_an_error_line(store):
+    with Daemon(store) as daemon:
+        ollama_chunks(daemon.url, 0, tokens=1)  # loads the model
+        generator = daemon.manager.runner.generator_for("tiny")
+        steps: list = []
+
+        def fail_at_the_fifth_step(report) -> None:
+            steps.append(report)
+            if len(steps) == 5:
+                raise RuntimeError("step exploded")
+
+        generator.step_observers.append(fail_at_the_fifth_step)
+        connection, response = open_stream(daemon.url, {
+            "model": "tiny", "messages": question(3), "options": {"num_predict": 100}})
+        lines = [json.loads(line) for line in response.read().splitlines() if line]
+        connection.close()
+        assert lines[-1] == {"error": "step exploded"}
+        assert not any(line.get("done") for line in lines[:-1])
+        wait_for(lambda: stats(daemon.url)["failed"] == 1)
+        assert ollama_chunks(daemon.url, 1, tokens=3)  # the daemon still serves
