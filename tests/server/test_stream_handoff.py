@@ -131,6 +131,15 @@ def slow_down(generator, seconds: float = 0.01) -> None:
     generator.step_observers.append(lambda report: time.sleep(seconds))
 
 
+def endless(url: str, index: int) -> dict:
+    """A greedy request for the whole context whose answer is checked not to end
+    (EOS) within its first 40 tokens, so a test can leave or cancel it in time."""
+    answer = ollama.Client(host=url, timeout=120).chat(
+        model="tiny", messages=question(index), options=greedy(40))
+    assert answer.eval_count == 40 and answer.done_reason == "length"
+    return {"model": "tiny", "messages": question(index), "options": greedy(-1)}
+
+
 def open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection,
                                                http.client.HTTPResponse]:
     parts = urlsplit(url)
@@ -144,7 +153,7 @@ def test_a_client_that_leaves_mid_stream_harms_no_one_and_its_job_stops(store):
         solo = [ollama_chunks(daemon.url, index, tokens=40) for index in range(6)]
         generator = daemon.manager.runner.generator_for("tiny")
         slow_down(generator)
-        leaving = {"model": "tiny", "messages": question(99), "options": {"num_predict": -1}}
+        leaving = endless(daemon.url, 99)
         connection, response = open_stream(daemon.url, leaving)
         for _ in range(3):
             assert json.loads(response.readline())["done"] is False
@@ -165,7 +174,7 @@ def test_a_client_that_leaves_mid_stream_harms_no_one_and_its_job_stops(store):
         wait_for(lambda: stats(daemon.url)["active"] == 0, timeout=20)
         counters = stats(daemon.url)
         assert counters["cancelled"] == 1 and counters["failed"] == 0
-        assert counters["completed"] == 12
+        assert counters["completed"] == 13  # 6 solo, 6 beside it, the check of it
         assert not generator.has_work  # cancelling stopped the endless job
         assert (generator.pool.pages_in_use, generator.pool.reserved) == (0, 0)
         assert daemon.manager._relay._jobs == {} and daemon.manager._relay._unclaimed == {}
@@ -173,18 +182,17 @@ def test_a_client_that_leaves_mid_stream_harms_no_one_and_its_job_stops(store):
 
 def test_cancelling_at_shutdown_stops_a_running_job(store):
     with Daemon(store) as daemon:
-        ollama_chunks(daemon.url, 0, tokens=1)  # loads the model
+        body = endless(daemon.url, 7)  # also loads the model
         generator = daemon.manager.runner.generator_for("tiny")
         slow_down(generator)
-        connection, response = open_stream(daemon.url, {
-            "model": "tiny", "messages": question(7), "options": {"num_predict": -1}})
+        connection, response = open_stream(daemon.url, body)
         assert json.loads(response.readline())["done"] is False
         [job] = daemon.manager._jobs.values()
         job.cancel.set()  # what shutdown and the disconnect watcher do
         lines = [json.loads(line) for line in response.read().splitlines() if line]
-        assert not any(line.get("done") for line in lines)  # no final object: cancelled
+        assert not any(line.get("done") for line in lines), lines[-2:]  # cancelled: no final
         wait_for(lambda: stats(daemon.url)["cancelled"] == 1)
-        assert stats(daemon.url)["completed"] == 1  # only the loading request
+        assert stats(daemon.url)["completed"] == 1  # only the check of the request
         assert not generator.has_work and generator.pool.pages_in_use == 0
         connection.close()
 
