@@ -82,6 +82,16 @@ class InferenceRunner:
 
         return self._run(ChatJob(req), cancel)
 
+    def open(self, kind: str, req: dict, sink: Any) -> Any:
+        """Start a generate/chat request whose events go to `sink` (a WakeBatcher,
+        engine/generation/wake.py): a runtime.responses.PushedResponses for the caller
+        to feed; a load-only request gives its iterator of response objects instead.
+        Errors raise here, as for generate/chat."""
+        from exl3cli.runtime.jobs import ChatJob, GenerateJob
+
+        job = GenerateJob(req) if kind == "generate" else ChatJob(req)
+        return self._run(job, None, sink)
+
     def embed(self, req: dict, normalize: bool = True) -> dict:
         """/api/embed in-process: L2-normalised mean-pooled embeddings of `input`
         (unnormalised with normalize=False, as the legacy /api/embeddings)."""
@@ -169,7 +179,7 @@ class InferenceRunner:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _run(self, job: Any, cancel: threading.Event | None) -> Iterator[dict]:
+    def _run(self, job: Any, cancel: threading.Event | None, sink: Any = None) -> Any:
         # Validate, resolve and start eagerly so a bad request raises at the call, not
         # at the first next(): that is where a CLI or HTTP handler expects errors.
         started = time.perf_counter_ns()
@@ -192,16 +202,22 @@ class InferenceRunner:
         if cancel is None:
             cancel = threading.Event()  # set when the stream is closed early
         try:
-            handle = self._submit(job, loaded, manifest, options, cache_type, cancel)
+            handle = self._submit(job, loaded, manifest, options, cache_type, cancel, sink)
         except BaseException:
             self._release(loaded, keep_alive)
             raise
+        if sink is not None:
+            from exl3cli.runtime.responses import PushedResponses, ResponseShaper
+
+            shaper = ResponseShaper(job, handle, loaded.text_model.tokenizer, ignored,
+                                    started, load_ns)
+            return PushedResponses(shaper, lambda: self._release(loaded, keep_alive))
         return self._respond(job, loaded, handle, cancel, ignored, keep_alive,
                              started, load_ns)
 
     def _submit(self, job: Any, loaded: LoadedModel, manifest: dict[str, Any],
                 options: dict[str, Any], cache_type: Any,
-                cancel: threading.Event | None = None) -> Any:
+                cancel: threading.Event | None = None, sink: Any = None) -> Any:
         """Build the prompt (dropping old chat turns that do not fit) and the
         GenerationJob, and submit it to the model's generator."""
         from exl3cli.engine.generation.jobs import GenerationJob
@@ -238,13 +254,21 @@ class InferenceRunner:
             num_predict=-1 if num_predict is None else num_predict, num_ctx=num_ctx,
             truncate=truncate, num_keep=max(0, int_option(options, "num_keep") or 0),
             constraint=build_constraint(job.req.get("format"), text_model.tokenizer),
-            drafter=drafter, draft_tokens=draft_tokens,
+            drafter=drafter, draft_tokens=draft_tokens, sink=sink,
         )
         with self._lock:
             generator = self._generator(loaded, num_ctx, cache_type)
             loaded.context_length = num_ctx
             generation.adapter = job_adapter(self.store, loaded, manifest, generator)
+            loaded.submitting += 1  # no rebuild meanwhile: the generator stays put
+        try:
+            # Outside the runner's lock: submit waits for the step in progress (the
+            # generator's lock), and other requests must not queue behind that wait.
             return generator.submit(generation)
+        finally:
+            with self._lock:
+                loaded.submitting -= 1
+                self._changed.notify_all()
 
     def _generator(self, loaded: LoadedModel, num_ctx: int, cache_type: Any) -> Any:
         """The model's generator, built on first use and rebuilt for a longer context
@@ -261,7 +285,8 @@ class InferenceRunner:
             current = loaded.generator
             if not unfit(current) and not loaded.rebuilds_waiting:
                 return current
-            if unfit(current) and (current is None or not current.has_work
+            if unfit(current) and (current is None or not (current.has_work
+                                                           or loaded.submitting)
                                    or self._loaded.get(loaded.key) is not loaded):
                 break  # idle (or unloaded meanwhile): rebuild now
             waiting = unfit(current)  # a request that fits only lets a rebuild go first

@@ -2,9 +2,11 @@
 cancellation when a client goes away, and keep_alive expiry.
 
 `InferenceRunner` (runtime/residency.py) owns loading, caching and keep_alive
-bookkeeping; this module decides *when* its blocking calls run. Each job runs in a
-worker thread and hands its response objects to the event loop through an
-`asyncio.Queue`, so the loop only ever waits, never computes.
+bookkeeping; this module decides *when* its blocking calls run. A generate/chat job
+starts on a worker thread, then its events come to the loop in batches, one wake-up
+per generator step for every job (server/batched_stream.py). Other streams (pull,
+create; and every job with EXL3_SERVE_RELAY=thread, the old path kept for comparison)
+run in a worker thread that hands its objects over one by one (`StreamJob`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +26,7 @@ from exl3cli.runtime.library import ModelLibrary
 from exl3cli.runtime.loaded_model import weights_key
 from exl3cli.runtime.options import default_num_parallel
 from exl3cli.runtime.residency import InferenceRunner
+from exl3cli.server.batched_stream import BatchedJob, EventRelay
 from exl3cli.server.limits import env_int
 from exl3cli.store.names import ModelName
 
@@ -147,6 +151,11 @@ class StreamJob:
             self.count += 1
             yield item
 
+    async def batches(self) -> AsyncIterator[list[dict]]:
+        """The objects one at a time, as one-item lists (BatchedJob's interface)."""
+        async for item in self:
+            yield [item]
+
     async def close(self) -> None:
         if not self.finished_normally:
             self.cancel.set()
@@ -183,7 +192,10 @@ class ModelManager:
         self._slots: dict[str, _Slot] = {}  # by weights key (runtime/loaded_model.py)
         self._per_client: dict[str, int] = {}
         self.max_client_jobs = max_client_jobs
-        self._jobs: dict[int, StreamJob] = {}
+        self._jobs: dict[int, StreamJob | BatchedJob] = {}
+        # EXL3_SERVE_RELAY=thread: the old relay (a thread and a loop call per object).
+        self.batched_relay = os.environ.get("EXL3_SERVE_RELAY", "").strip() != "thread"
+        self._relay: EventRelay | None = None
         self._ids = itertools.count()
         self._closing = False
         self._sweeper: asyncio.Task | None = None
@@ -264,11 +276,6 @@ class ModelManager:
             raise ServerBusy("server is shutting down") if self._closing else \
                 ConnectionResetError("client went away while queued")
         stats.active += 1
-        method = getattr(self.runner, kind)
-
-        def factory(cancel: threading.Event) -> Iterator[dict]:
-            return method(req, cancel=cancel)
-
         job_id = next(self._ids)
 
         def finished(outcome: str) -> None:
@@ -279,13 +286,56 @@ class ModelManager:
             slot.semaphore.release()
             self._client_done(client)
 
-        job = self._jobs[job_id] = self.stream(factory, on_finish=finished)
+        if self.batched_relay:
+            job = await self._open_batched(kind, req, finished)
+        else:
+            method = getattr(self.runner, kind)
+            job = self.stream(lambda cancel: method(req, cancel=cancel), on_finish=finished)
+        self._jobs[job_id] = job
         try:
             await job.first()
         except BaseException:
             await job.close()
             raise
         return job
+
+    async def _open_batched(self, kind: str, req: dict[str, Any],
+                            finished: Callable[[str], None]) -> StreamJob | BatchedJob:
+        """Start the job on a worker thread with its events going to the loop's relay;
+        a load-only request (no prompt) answers through a plain StreamJob."""
+        loop = asyncio.get_running_loop()
+        if self._relay is None:
+            self._relay = EventRelay(loop)
+        relay = self._relay
+        opening = loop.run_in_executor(self.executor, self.runner.open, kind, req,
+                                       relay.batcher)
+        try:
+            opened = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the request went away while the job started
+            opening.add_done_callback(lambda _: self._abandon(opening, relay, finished))
+            raise
+        except BaseException:
+            finished("failed")
+            raise
+        if not hasattr(opened, "push"):  # load-only: its one object, already made
+            return self.stream(lambda cancel: opened, on_finish=finished)
+        job = BatchedJob(loop, self.executor, opened, on_finish=finished)
+        relay.register(job)
+        return job
+
+    def _abandon(self, opening: asyncio.Future, relay: EventRelay,
+                 finished: Callable[[str], None]) -> None:
+        """A job whose request went away while it started: stop it (on the loop)."""
+        if opening.cancelled() or opening.exception() is not None:
+            finished("failed")
+            return
+        opened = opening.result()
+        if not hasattr(opened, "push"):
+            finished("cancelled")
+            return
+        job = BatchedJob(opening.get_loop(), self.executor, opened, on_finish=finished)
+        relay.register(job)
+        asyncio.ensure_future(job.close())
 
     def _client_done(self, client: str) -> None:
         left = self._per_client.get(client, 0) - 1

@@ -18,6 +18,7 @@ from aiohttp import web
 from exl3cli import __version__
 from exl3cli.errors import Exl3Error, ServerBusy
 from exl3cli.runtime.options import parse_keep_alive
+from exl3cli.server.batched_stream import BatchedJob
 from exl3cli.server.limits import Limits, request_limits
 from exl3cli.server.model_manager import ModelManager, StreamJob
 from exl3cli.server.validation import (
@@ -60,7 +61,7 @@ def client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def watch_disconnect(request: web.Request, job: StreamJob) -> None:
+async def watch_disconnect(request: web.Request, job: StreamJob | BatchedJob) -> None:
     """Cancel `job` as soon as its client goes away, even while nothing is written
     (a long prefill, a non-streaming answer)."""
     while not client_gone(request):
@@ -124,14 +125,16 @@ async def run_inference(request: web.Request, kind: str,
         await job.close()
 
 
-async def write_ndjson(request: web.Request, job: StreamJob) -> web.StreamResponse:
+async def write_ndjson(request: web.Request, job: StreamJob | BatchedJob
+                       ) -> web.StreamResponse:
     """Stream a job's objects one per line; a failure mid-stream ends it with an
     {"error": ...} line (the status is already sent)."""
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
         await response.prepare(request)
-        async for item in job:
-            await response.write(json.dumps(item).encode() + b"\n")
+        async for batch in job.batches():  # all pending lines in one write
+            await response.write(b"".join(json.dumps(item).encode() + b"\n"
+                                          for item in batch))
         if job.stopped_by_shutdown:
             await response.write(json.dumps(
                 {"error": "the server shut down before the answer was complete"}

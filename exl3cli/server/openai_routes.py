@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from exl3cli.errors import Exl3Error, ModelNotFound
 from exl3cli.runtime.logprobs import completion_logprobs
+from exl3cli.server.batched_stream import BatchedJob
 from exl3cli.server.limits import request_limits
 from exl3cli.server.model_manager import StreamJob
 from exl3cli.server.ollama_routes import MANAGER, client_gone, watch_disconnect
@@ -160,57 +162,48 @@ async def _run(request: web.Request, kind: str, req: dict[str, Any],
         await job.close()
 
 
-async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
+async def _write_sse(request: web.Request, job: StreamJob | BatchedJob, shape: _Shape,
                      include_usage: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+    pending: list[bytes] = []  # the events of one batch of objects, written at once
 
-    async def send(payload: Any) -> None:
+    def send(payload: Any) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)
-        await response.write(f"data: {data}\n\n".encode())
+        pending.append(f"data: {data}\n\n".encode())
+
+    async def flush() -> None:
+        if pending:
+            data = b"".join(pending)
+            pending.clear()
+            await response.write(data)
 
     try:
         await response.prepare(request)
-        first = True
-        called = 0
-        async for item in job:
-            text, thinking = shape.text_of(item)
-            calls = shape.calls_of(item)
-            logprobs = item.get("logprobs")  # present when the request asked for them
-            if calls:
-                await send(_with_usage(shape.chunk("", "", first, None, openai_tool_calls(
-                    calls, start=called, streaming=True)), include_usage))
-                first = False
-                called += len(calls)
-            if item.get("done"):
-                if text or thinking or logprobs:
-                    await send(_with_usage(shape.chunk(text, thinking, first, None,
-                                                       logprobs=logprobs), include_usage))
-                    first = False
-                await send(_with_usage(shape.chunk("", "", first,
-                                                   _finish_reason(item, called > 0)),
-                                       include_usage))
-                if include_usage:
-                    usage_chunk = shape.envelope(shape.object + (".chunk" if shape.chat
-                                                                 else ""), [])
-                    usage_chunk["usage"] = _usage(item)
-                    await send(usage_chunk)
+        state = {"first": True, "called": 0}
+        ended = False
+        async for batch in job.batches():
+            for item in batch:
+                if _send_item(item, shape, include_usage, state, send):
+                    ended = True
+                    break
+            await flush()
+            if ended:
                 break
-            if text or thinking:
-                await send(_with_usage(shape.chunk(text, thinking, first, None,
-                                                   logprobs=logprobs), include_usage))
-                first = False
         if job.stopped_by_shutdown:
-            await send(openai_error_body(
+            send(openai_error_body(
                 Exl3Error("the server shut down before the answer was complete"), 503))
-        await send("[DONE]")
+        send("[DONE]")
+        await flush()
     except ConnectionError:
         return response
     except Exception as error:
         if not isinstance(error, Exl3Error):
             log.exception("job failed mid-stream")
         try:
-            await send(openai_error_body(error, getattr(error, "http_status", 500)))
+            await flush()
+            send(openai_error_body(error, getattr(error, "http_status", 500)))
+            await flush()
         except ConnectionError:
             return response
     try:
@@ -218,6 +211,37 @@ async def _write_sse(request: web.Request, job: StreamJob, shape: _Shape,
     except ConnectionError:
         pass  # the client left after the last chunk
     return response
+
+
+def _send_item(item: dict[str, Any], shape: _Shape, include_usage: bool,
+               state: dict[str, Any], send: Callable[[Any], None]) -> bool:
+    """Queue the SSE chunks of one response object; True at the final one."""
+    text, thinking = shape.text_of(item)
+    calls = shape.calls_of(item)
+    logprobs = item.get("logprobs")  # present when the request asked for them
+    if calls:
+        send(_with_usage(shape.chunk("", "", state["first"], None, openai_tool_calls(
+            calls, start=state["called"], streaming=True)), include_usage))
+        state["first"] = False
+        state["called"] += len(calls)
+    if item.get("done"):
+        if text or thinking or logprobs:
+            send(_with_usage(shape.chunk(text, thinking, state["first"], None,
+                                         logprobs=logprobs), include_usage))
+            state["first"] = False
+        send(_with_usage(shape.chunk("", "", state["first"],
+                                     _finish_reason(item, state["called"] > 0)),
+                         include_usage))
+        if include_usage:
+            usage_chunk = shape.envelope(shape.object + (".chunk" if shape.chat else ""), [])
+            usage_chunk["usage"] = _usage(item)
+            send(usage_chunk)
+        return True
+    if text or thinking:
+        send(_with_usage(shape.chunk(text, thinking, state["first"], None,
+                                     logprobs=logprobs), include_usage))
+        state["first"] = False
+    return False
 
 
 def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:

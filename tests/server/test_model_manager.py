@@ -51,6 +51,9 @@ def hold_long_chats(daemon: Daemon, release: threading.Event) -> None:
     """Make the daemon's long chats (num_predict 200) wait after their first object until
     `release` is set, so a test does not race a tiny model that answers in milliseconds
     (a fast machine) against a client that takes seconds to start (a busy one)."""
+    # The hold wraps the runner's blocking iterator, which only the thread relay reads
+    # (the batched relay's own disconnect and queue tests: test_stream_handoff.py).
+    daemon.manager.batched_relay = False
     runner = daemon.manager.runner
     chat = runner.chat
 
@@ -86,10 +89,15 @@ def test_a_full_queue_answers_503(store):
 def test_a_client_that_disconnects_frees_its_job(store):
     with Daemon(store) as daemon:
         connection, response = open_stream(daemon.url, long_chat())
-        for _ in range(2):
-            assert json.loads(response.readline())["done"] is False
+        assert json.loads(response.readline())["done"] is False
+        # 10 ms more per step: the 200 tokens take seconds, so the job is surely still
+        # running when the client leaves (the batched relay lets a tiny model answer
+        # them in well under a second)
+        generator = daemon.manager.runner.generator_for("tiny")
+        generator.step_observers.append(lambda report: time.sleep(0.01))
+        assert json.loads(response.readline())["done"] is False
         assert stats(daemon.url)["active"] == 1
-        pool = daemon.manager.runner.generator_for("tiny").pool
+        pool = generator.pool
         assert pool.pages_in_use > 0
         started = time.monotonic()
         connection.sock.close()

@@ -37,6 +37,7 @@ from exl3cli.engine.generation.jobs import (
 )
 from exl3cli.engine.generation.speculative import prepare_drafts
 from exl3cli.engine.generation.step_forward import Fed
+from exl3cli.engine.generation.wake import flush_all
 from exl3cli.engine.kvcache.kv_quant import KVCacheType, resolve_kv_cache_type
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, ROOT_HASH, PagePool, PageTable, pages_for
 from exl3cli.engine.text.token_ids import check_token_ids
@@ -125,6 +126,7 @@ class Generator(AheadSteps):
         self._next_id = 0
         # Called with each step's report (from the stepping thread, under the lock).
         self.step_observers: list[Callable[[StepReport], None]] = []
+        self._to_wake: set[Any] = set()  # event sinks written since the last flush
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -184,11 +186,11 @@ class Generator(AheadSteps):
                 self._queue.remove(handle)
                 self._emit(handle, [GeneratorEvent(done=True, done_reason="stop",
                                                    cancelled=True)])
-                return
             for active in self._active:
                 if active.handle is handle:
                     self._retire(active, active.finish("stop", cancelled=True))
-                    return
+                    break
+            flush_all(self._to_wake)
 
     @property
     def lock(self) -> threading.RLock:
@@ -222,6 +224,13 @@ class Generator(AheadSteps):
         back the next step is launched with them (when nothing else is due: no job to
         admit, none taking a prompt, room in every job's budget); the call that reads
         a step back is the step's report."""
+        with self._lock:
+            try:
+                return self._step()
+            finally:
+                flush_all(self._to_wake)  # one wake-up per consumer for the whole step
+
+    def _step(self) -> StepReport:
         with self._lock:
             if self._flight is not None:
                 return self._land(self._flight)
@@ -387,9 +396,12 @@ class Generator(AheadSteps):
         self._active.remove(active)
         self._emit(active.handle, events)
 
-    @staticmethod
-    def _emit(handle: JobHandle, events: list[GeneratorEvent]) -> None:
+    def _emit(self, handle: JobHandle, events: list[GeneratorEvent]) -> None:
         for event in events:
             if event.done:
                 handle.final = event
-            handle.events.put(event)
+            if handle.sink is None:
+                handle.events.put(event)
+        if handle.sink is not None:  # woken at the end of the step (wake.py)
+            handle.sink.add(handle, events)
+            self._to_wake.add(handle.sink)

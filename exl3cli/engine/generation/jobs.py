@@ -69,6 +69,9 @@ class GenerationJob:
     # A LoRA adapter loaded on the model (engine/adapters/lora.py) for this job's rows; None: the
     # base model.
     adapter: str | None = None
+    # Where the events go instead of the handle's queue: a wake.WakeBatcher (the daemon
+    # takes every job's events of a step at once); None: the handle's own queue.
+    sink: Any = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class JobHandle:
         self.prompt = prompt  # the prompt ids the job runs on (after any truncation)
         self.error: BaseException | None = None  # a failure of the generator itself
         self.events: queue.Queue[GeneratorEvent] = queue.Queue()
+        self.sink = job.sink  # set: events go there instead (wake.WakeBatcher)
         self.final: GeneratorEvent | None = None  # set when the job ends
         self.token_ids: list[int] = []  # generated tokens (EOS excluded)
 
