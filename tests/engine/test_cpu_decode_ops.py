@@ -265,3 +265,23 @@ def test_attend_decode_rejects_slots_outside_the_store() -> None:
     q, store = torch.randn(1, 2, 16), torch.randn(10, 1, 16)
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_kernels.attend_decode_cpu(q, store, store, torch.tensor([[0, 10]]))
+
+
+@pytest.mark.parametrize("span", [128, 256, 700])
+def test_attend_decode_split_positions_same_for_any_thread_count(span: int) -> None:
+    # One decode row over several 128-position chunks: the chunks run on the threads and
+    # merge in a fixed order, so 1 and 2 threads give the same bits, close to the reference.
+    g = _gen(span)
+    q = torch.randn(1, 9, 64, generator=g)
+    keys = torch.randn(1, 3, span, 64, generator=g) * 2
+    values = torch.randn(1, 3, span, 64, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.attend_decode_cpu(q, keys, values)
+        torch.set_num_threads(2)
+        two = cpu_kernels.attend_decode_cpu(q, keys, values)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    _close(one, cpu_kernels.attend_decode_reference(q, keys, values))

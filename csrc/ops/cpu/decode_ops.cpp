@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -237,42 +238,70 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
   // Keys and values are read position by position, all kv heads of a position together
   // (one contiguous row of a page), so the history streams through once in order.
   const int64_t kh = paged ? D : sh;  // offset between kv heads of one position
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(static_cast<size_t>(H * S));
-    std::vector<float> acc(static_cast<size_t>(H * D));
-    for (int64_t b = begin; b < end; ++b) {
+  // Split-K: each row's positions lo..len-1 go in chunks of kChunk, one task per (row,
+  // chunk), so one decode row fills the threads. A task keeps per-head max m, sum l of
+  // exp(score - m) and the unnormalized sum of exp * v; the merge rescales by exp(m - M).
+  constexpr int64_t kChunk = 128;
+  std::vector<int64_t> first(B + 1, 0);  // task index of row b's first chunk
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    first[b + 1] = first[b] + std::max<int64_t>(1, (lens[b] - lo + kChunk - 1) / kChunk);
+  }
+  const int64_t tasks = first[B];
+  std::vector<float> part_m(tasks * H), part_l(tasks * H), part_acc(tasks * H * D);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    float p[kChunk];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
       const int64_t len = lens[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t lo0 = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t c0 = lo0 + (t - first[b]) * kChunk;
+      const int64_t c1 = std::min<int64_t>(len, c0 + kChunk);
       auto base = [&](int64_t s) -> int64_t {  // offset of kv head 0 at position s
         return paged ? slp[b * S + s] * KV * D : b * sb + s * ss;
       };
       const float* qb = qp + b * H * D;
-      for (int64_t s = lo; s < len; ++s) {
-        const float* kr = kp + base(s);
-        for (int64_t hq = 0; hq < H; ++hq)
-          p[hq * S + s] = dot(qb + hq * D, kr + (hq / G) * kh, D) * scale;
-      }
+      float* acc = part_acc.data() + t * H * D;
+      std::fill(acc, acc + H * D, 0.f);
       for (int64_t hq = 0; hq < H; ++hq) {
-        float* ph = p.data() + hq * S + lo;
-        const int64_t count = len - lo;
-        const float mx = lane_max(ph, count);
-        for (int64_t i = 0; i < count; ++i) ph[i] = fast_exp(ph[i] - mx);
-        const float inv = count > 0 ? 1.f / lane_sum(ph, count) : 0.f;
-        for (int64_t i = 0; i < count; ++i) ph[i] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = lo; s < len; ++s) {
-        const float* vr = vp + base(s);
-        for (int64_t hq = 0; hq < H; ++hq) {
-          const float w = p[hq * S + s];
-          const float* v = vr + (hq / G) * kh;
-          float* a = acc.data() + hq * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+        const int64_t count = c1 - c0;
+        const int64_t off = (hq / G) * kh;
+        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        if (count > 0) {
+          for (int64_t s = c0; s < c1; ++s) p[s - c0] = dot(qb + hq * D, kp + base(s) + off, D) * scale;
+          mx = lane_max(p, count);
+          for (int64_t i = 0; i < count; ++i) p[i] = fast_exp(p[i] - mx);
+          sum = lane_sum(p, count);
+          float* a = acc + hq * D;
+          for (int64_t s = c0; s < c1; ++s) {
+            const float w = p[s - c0];
+            const float* vr = vp + base(s) + off;
+            for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+          }
         }
+        part_m[t * H + hq] = mx;
+        part_l[t * H + hq] = sum;
       }
-      std::memcpy(op + b * H * D, acc.data(), H * D * sizeof(float));
     }
   });
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t hq = 0; hq < H; ++hq) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) M = std::max(M, part_m[t * H + hq]);
+      float* o = op + (b * H + hq) * D;
+      std::fill(o, o + D, 0.f);
+      float L = 0.f;
+      for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+        if (part_l[t * H + hq] == 0.f) continue;
+        const float f = first[b + 1] - first[b] == 1 ? 1.f : fast_exp(part_m[t * H + hq] - M);
+        L += f * part_l[t * H + hq];
+        const float* a = part_acc.data() + (t * H + hq) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += f * a[d];
+      }
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
   return out;
 }
 
