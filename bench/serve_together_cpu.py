@@ -95,6 +95,7 @@ class Probe:
         self.runner = manager.runner
         self.loads: dict[str, int] = {}
         self.steps: dict[str, list[int]] = {}
+        self.captured: dict[str, set[int]] = {}  # batch buckets "captured" this phase
         load = self.runner._load
 
         def counted(key: str, name: str) -> Any:
@@ -103,13 +104,18 @@ class Probe:
 
         self.runner._load = counted
 
-    def watch(self, name: str, step_ms: float = 0.0) -> None:
+    def watch(self, name: str, step_ms: float = 0.0, capture_ms: float = 0.0) -> None:
         generator = self.runner.generator_for(name)
-        if step_ms > 0:  # a GPU-like step: the step lock held while waiting on the device
+        if step_ms > 0 or capture_ms > 0:  # GPU-like: the step lock held while waiting
             step = generator.step
+            buckets = self.captured.setdefault(name, set())
 
             def slow_step() -> Any:
                 with generator.lock:
+                    size = 1 << max(0, len(generator._active) - 1).bit_length()
+                    if capture_ms > 0 and size not in buckets:  # a new bucket's graph
+                        buckets.add(size)
+                        time.sleep(capture_ms / 1000)
                     time.sleep(step_ms / 1000)
                     return step()
 
@@ -126,6 +132,8 @@ class Probe:
 def phase(api: str, url: str, models: list[str], tokens: int, probe: Probe) -> dict:
     for steps in probe.steps.values():
         steps.clear()
+    for seen in probe.captured.values():
+        seen.clear()  # a fresh server per phase on the GPU: its graphs captured anew
     results, wall = fire(api, url, models, tokens)
     ttfts = sorted(r["ttft"] for r in results)
     total = sum(r["tokens"] for r in results)
@@ -146,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api", default="ollama", choices=("ollama", "openai"))
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="hold each step's lock this long first (a GPU-like step)")
+    parser.add_argument("--capture-ms", type=float, default=0.0,
+                        help="hold the lock this long the first time a phase reaches a "
+                             "batch bucket (a CUDA graph capture)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     os.environ.setdefault("EXL3_MAX_LOADED_MODELS", "2")
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         with Daemon(store, manager=manager) as daemon:
             for name in ("alpha", "beta"):
                 one_request(args.api, daemon.url, name, 4)  # load, build the generator
-                probe.watch(name, args.step_ms)
+                probe.watch(name, args.step_ms, args.capture_ms)
             runs: dict[str, list[dict]] = {"alpha": [], "beta": [], "together": []}
             for _ in range(args.repeat):
                 for name in ("alpha", "beta"):
