@@ -160,7 +160,7 @@ serve_phase() {  # name max_loaded extra-args...
   local name=$1 loaded=$2; shift 2
   local port=$((11500 + RANDOM % 400))
   EXL3_HOST=127.0.0.1:$port EXL3_MAX_LOADED_MODELS=$loaded EXL3_NUM_PARALLEL=$CLIENTS \
-    EXL3_MODELS=/tmp/exl3-real-store setsid $EXL3 serve >"$OUT/serve-$name.log" 2>&1 &
+    EXL3_LOG_LEVEL=debug EXL3_MODELS=/tmp/exl3-real-store setsid $EXL3 serve >"$OUT/serve-$name.log" 2>&1 &
   local pid=$!
   for _ in $(seq 60); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/api/version', timeout=2)" \
@@ -170,6 +170,14 @@ serve_phase() {  # name max_loaded extra-args...
     $SERVE_MODELS --clients "$CLIENTS" --tokens 64 "$@" --out "$OUT/clients-$name.json" \
     2>"$OUT/clients-$name.err" | tee "$OUT/clients-$name.txt" || echo "FAIL: clients $name"
   tail -3 "$OUT/clients-$name.err"
+  # Loads, evictions, per-model steps / jobs per step / step ms / graph captures and
+  # failures (runtime/diagnostics.py): what tells why two models together are slow.
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/api/stats', timeout=5).read().decode())" \
+    >"$OUT/stats-$name.json" 2>&1 || echo "FAIL: stats $name"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runner']; print('stats $name: loads', r['loads'], 'evictions', r['evictions']); [print(' ', {k: m[k] for k in ('name','steps','jobs_per_step','step_mean_ms','step_slowest_ms','decode_mode','graphs','captures','capture_s','capture_failures')}) for m in r['models']]" \
+    "$OUT/stats-$name.json" || true
+  grep -c "captured decode graph" "$OUT/serve-$name.log" | sed "s/^/graph captures logged ($name): /"
+  grep -m3 "capture failed" "$OUT/serve-$name.log" || true
   if [[ "$name" == turns* ]]; then
     local tag=${name#turns}
     for m in $SERVE_NAMES; do

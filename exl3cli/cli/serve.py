@@ -32,6 +32,7 @@ def _serve_help() -> str:
             ("EXL3_NUM_PARALLEL", "jobs one model runs at once (default 4)"),
             ("EXL3_MAX_QUEUE", "jobs that may wait per model weights (default 512; then 503)"),
             ("EXL3_MAX_LOADED_MODELS", "models loaded at once (default 1)"),
+            ("EXL3_LOG_LEVEL", "debug: also log loads, evictions and CUDA graph captures"),
             ("EXL3_KV_CACHE_TYPE", "fp16, q8, q6, q4 or e.g. k8v4 (default fp16)"),
             ("EXL3_DECODE_MODE", "graph (GPU default), static or off (CPU default)"),
             ("EXL3_FUSED_LAYER", "0: GPU decode without the fused layer kernels (A/B)"),
@@ -94,6 +95,9 @@ def serve(tensor_parallel: int | None, gpu_split: str | None, batch_invariant: b
     from exl3cli.server.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    level = os.environ.get("EXL3_LOG_LEVEL", "").strip().upper()
+    if level in ("DEBUG", "INFO", "WARNING", "ERROR"):  # the daemon's own lines only
+        logging.getLogger("exl3cli").setLevel(level)
     host = parse_host()
     # Streams get the grace period to finish; a second is left to send their last line.
     app = create_app(host=host, shutdown_grace=SHUTDOWN_SECONDS - 1)

@@ -31,7 +31,7 @@ class LoadedModel:
     generator: Any = None  # engine.generator.Generator, built by the first request
     generator_thread: Any = None  # its GeneratorThread
     rebuilds_waiting: int = 0  # requests waiting for the generator to go idle
-    submitting: int = 0  # requests handing a job to the generator (it must stay put)
+    submitting: int = 0  # requests being handed to the generator (not rebuilt meanwhile)
     digest: str = ""  # the manifest digest /api/tags shows for `name`
     # The adapter requests without one of their own run with (TabbyAPI's /v1/lora/load).
     default_adapter: str | None = None

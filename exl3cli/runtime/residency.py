@@ -57,6 +57,8 @@ class InferenceRunner:
         self.num_parallel = max(1, num_parallel or default_num_parallel())
         self.background = background
         self._loaded: OrderedDict[str, LoadedModel] = OrderedDict()
+        self.loads: dict[str, int] = {}  # loads by name, evictions: for GET /api/stats
+        self.evictions = 0
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
 
@@ -260,10 +262,10 @@ class InferenceRunner:
             generator = self._generator(loaded, num_ctx, cache_type)
             loaded.context_length = num_ctx
             generation.adapter = job_adapter(self.store, loaded, manifest, generator)
-            loaded.submitting += 1  # no rebuild meanwhile: the generator stays put
+            loaded.submitting += 1  # no rebuild of this generator until it is handed over
         try:
-            # Outside the runner's lock: submit waits for the step in progress (the
-            # generator's lock), and other requests must not queue behind that wait.
+            # Outside the runner's lock: submit waits for the generator's step (a whole
+            # pass, or a CUDA graph capture), which must not hold up other models.
             return generator.submit(generation)
         finally:
             with self._lock:
@@ -285,9 +287,8 @@ class InferenceRunner:
             current = loaded.generator
             if not unfit(current) and not loaded.rebuilds_waiting:
                 return current
-            if unfit(current) and (current is None or not (current.has_work
-                                                           or loaded.submitting)
-                                   or self._loaded.get(loaded.key) is not loaded):
+            busy = current is not None and (current.has_work or loaded.submitting)
+            if unfit(current) and (not busy or self._loaded.get(loaded.key) is not loaded):
                 break  # idle (or unloaded meanwhile): rebuild now
             waiting = unfit(current)  # a request that fits only lets a rebuild go first
             loaded.rebuilds_waiting += waiting
@@ -343,10 +344,15 @@ class InferenceRunner:
                 loaded = None
             if loaded is None:
                 loaded = self._load(key, name)
+                named = str(ModelName.parse(name))
+                self.loads[named] = self.loads.get(named, 0) + 1
+                log.debug("loaded %s (load %d)", named, self.loads[named])
                 while len(self._loaded) >= self.max_loaded:
                     victim = next((k for k, m in self._loaded.items() if m.in_use == 0), None)
                     if victim is None:
                         break
+                    log.debug("evicting %s for %s", self._loaded[victim].name, name)
+                    self.evictions += 1
                     self._drop(victim)
                 self._loaded[key] = loaded
             self._loaded.move_to_end(key)

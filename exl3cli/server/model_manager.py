@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exl3cli.errors import ServerBusy
+from exl3cli.runtime.diagnostics import runner_diagnostics
 from exl3cli.runtime.library import ModelLibrary
 from exl3cli.runtime.loaded_model import weights_key
 from exl3cli.runtime.options import default_num_parallel
@@ -363,4 +364,4 @@ class ModelManager:
         totals = {key: sum(m[key] for m in models.values())
                   for key in ("active", "queued", "completed", "cancelled", "failed")}
         return {"models": models, **totals, "num_parallel": self.num_parallel,
-                "max_queue": self.max_queue}
+                "max_queue": self.max_queue, "runner": runner_diagnostics(self.runner)}

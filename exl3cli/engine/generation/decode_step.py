@@ -40,8 +40,11 @@ on-device sampling takes instead of launching its own argmax.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +57,8 @@ from exl3cli.engine.kvcache.paged_attention import reference_paged_attention
 from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
 
 MODES = ("graph", "static", "off")
+log = logging.getLogger(__name__)
+
 MAX_ROWS = 64  # rows of a fixed-shape step that verifies drafts (jobs x (1 + k))
 
 
@@ -98,6 +103,8 @@ class DecodeRunner:
         self.max_rows = max(max_batch, MAX_ROWS)  # verification passes: rows, not jobs
         self.max_pages = pages_for(num_ctx, pool.page_size)
         self.captures = 0  # graphs captured so far (a step that captured is not timed)
+        self.capture_ns = 0  # time spent capturing (warm-ups included), for diagnostics
+        self.capture_failures = 0
         self.step_argmax = os.environ.get("EXL3_STEP_ARGMAX", "0").strip() == "1"
         self.greedy: torch.Tensor | None = None  # the last run's argmax rows, or None
         self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
@@ -240,6 +247,7 @@ class DecodeRunner:
         """Warm up on a side stream (kernels built, workspaces sized), then capture.
         The warm-up runs the real step: its cache writes are the ones the replay makes
         again, so running it twice changes nothing."""
+        began = time.perf_counter_ns()
         try:
             stream = torch.cuda.Stream(device=self.pool.device)
             stream.wait_stream(torch.cuda.current_stream())
@@ -254,11 +262,17 @@ class DecodeRunner:
                                   capture_error_mode="thread_local"):
                 logits = self._forward(step)
         except Exception as error:  # a capture can fail in many ways: keep generating
+            self.capture_failures += 1
+            self.capture_ns += time.perf_counter_ns() - began
             print(f"exl3: CUDA graph capture failed ({type(error).__name__}: {error}); "
                   "decoding without graphs", file=sys.stderr)
             return None
         self._graphs[key] = (graph, logits)
         self.captures += 1
+        took = time.perf_counter_ns() - began
+        self.capture_ns += took
+        log.debug("captured decode graph %s in %.1f ms on %s (%d held)", key, took / 1e6,
+                  threading.current_thread().name, len(self._graphs))
         return self._graphs[key]
 
 

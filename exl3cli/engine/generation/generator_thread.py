@@ -4,6 +4,7 @@ one): ``GeneratorThread(generator)``, a context manager or ``start()`` / ``stop(
 from __future__ import annotations
 
 import threading
+import time
 
 from exl3cli.engine.generation.generator import Generator
 
@@ -19,6 +20,12 @@ class GeneratorThread:
         self.generator = generator
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Cheap counters for GET /api/stats (runtime/diagnostics.py): steps taken, jobs
+        # fed over them, time inside step() and the slowest step.
+        self.steps = 0
+        self.jobs_fed = 0
+        self.busy_ns = 0
+        self.slowest_ns = 0
 
     def start(self) -> GeneratorThread:
         self.generator.background = True
@@ -43,10 +50,17 @@ class GeneratorThread:
                     generator._work.wait()
                 if self._stop:
                     return
+            began = time.perf_counter_ns()
             try:
-                generator.step()
+                report = generator.step()
             except Exception as error:  # a failed step must not leave consumers waiting
                 generator.fail_all(error)
+                continue
+            took = time.perf_counter_ns() - began
+            self.steps += 1
+            self.jobs_fed += report.jobs
+            self.busy_ns += took
+            self.slowest_ns = max(self.slowest_ns, took)
 
     def __enter__(self) -> GeneratorThread:
         return self.start()
