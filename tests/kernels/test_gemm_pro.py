@@ -11,6 +11,8 @@ inside a block; the generator gives the default's tokens with the fold on.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import gemm_pro, layer_fold, layer_kernels
+from tests.fixtures.bits import describe_mismatch
 from tests.fixtures.fused_shapes import write_fused_shapes
 
 cuda = pytest.mark.cuda
@@ -45,6 +48,19 @@ def _norm_case(rows, cols, width, nbs, k2, dtype, seed, unit_offset=False):
     weight = torch.rand(cols, generator=gen) + 0.5
     pres = [torch.randn(width, generator=gen).sign() for _ in nbs]
     return x, weight, pres, _trellises(gen, width // 16, nbs, k2)
+
+
+def test_prologue_rounds_every_product_that_meets_an_add():
+    # Run 40: ptxas fused kProGlu's act(gate) * up * suh into the Hadamard's first add (an
+    # FFMA: no rounding of the product) where glu_hadamard_kernel kept FMUL then FADD, so
+    # the two x differed in the last bit. PTX mul/add without .rn may be fused by ptxas,
+    # case by case; __fmul_rn / __fadd_rn never are. Every svh, bias and suh term of the
+    # element code must go through them.
+    text = (kernels.CUDA_DIR / "layer_prologue.cuh").read_text()
+    terms = re.findall(r"[^\n;]*\b(?:pre|post_gate|post_up|bias_gate|bias_up)\[c\][^\n;]*", text)
+    assert len(terms) >= 6
+    for term in terms:
+        assert "__fmul_rn(" in term or "__fadd_rn(" in term, term.strip()
 
 
 def test_fold_name_pro_is_off_in_all():
@@ -162,8 +178,8 @@ def _norm_on_cuda(x, weight, pres, trellises, k2, codebook, splits, unit_offset=
 
 def _assert_bits(got, want):
     for g, w in zip(got, want, strict=True):
-        assert not g.isnan().any()
-        assert torch.equal(g, w)
+        assert not g.isnan().any(), f"{int(g.isnan().sum())} partial elements never written"
+        assert torch.equal(g, w), describe_mismatch(g, w, "src")  # split, row, column
 
 
 @cuda

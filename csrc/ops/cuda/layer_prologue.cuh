@@ -7,6 +7,12 @@
 // The 1/rms itself: norm_sumsq_256 is the sum of squares in norm_hadamard_kernel's order
 // (256 threads, each a strided serial sum, a butterfly per warp, a butterfly over the 8
 // warp sums); norm_rs turns the 8 warp sums into 1/rms.
+// Every svh / bias / suh term is __fmul_rn / __fadd_rn: a plain PTX mul.f32 / add.f32 may
+// be fused into an FFMA by ptxas, case by case, and the GEMM that inlines this code
+// (gemm_pro.cuh) got act(gate) * up * suh fused into the Hadamard's first add where
+// glu_hadamard_kernel kept FMUL, FADD (run 40: every kProGlu case 1 bit off); the
+// explicitly rounded forms are never fused, so both kernels round at the same places. The
+// stand-alone kernels' SASS is unchanged by them (diffed).
 #pragma once
 
 #include "exl3_convert.cuh"
@@ -75,7 +81,7 @@ __device__ __forceinline__ void norm_block(const T* __restrict__ xr, int x_cols,
         f = unit_offset ? round_to<T>(f * rs * norm_w[c])
                         : round_to<T>(round_to<T>(f * rs) * norm_w[c]);
       if (normed_row != nullptr) normed_row[c] = from_f32<T>(f);
-      f *= pre[c];
+      f = __fmul_rn(f, pre[c]);  // rounded: never fused into the Hadamard's first add
     }
     v[e] = f;
   }
@@ -169,12 +175,12 @@ __device__ __forceinline__ void glu_block(const float (&g)[4], const float (&u)[
     const int c = base + e;
     float a = 0.0f;
     if (c < inter) {
-      float gv = g[e] * kHadamardScale;
-      float uv = u[e] * kHadamardScale;
-      if (post_gate != nullptr) gv *= post_gate[c];
-      if (post_up != nullptr) uv *= post_up[c];
-      if (bias_gate != nullptr) gv += bias_gate[c];
-      if (bias_up != nullptr) uv += bias_up[c];
+      float gv = __fmul_rn(g[e], kHadamardScale);
+      float uv = __fmul_rn(u[e], kHadamardScale);
+      if (post_gate != nullptr) gv = __fmul_rn(gv, post_gate[c]);
+      if (post_up != nullptr) uv = __fmul_rn(uv, post_up[c]);
+      if (bias_gate != nullptr) gv = __fadd_rn(gv, bias_gate[c]);
+      if (bias_up != nullptr) uv = __fadd_rn(uv, bias_up[c]);
       gv = round_to<T>(gv);
       uv = round_to<T>(uv);
       if (adapted) {
@@ -184,7 +190,7 @@ __device__ __forceinline__ void glu_block(const float (&g)[4], const float (&u)[
       a = round_to<T>(round_to<T>(activation(gv, act)) * uv);
       if (product_row != nullptr) product_row[c] = from_f32<T>(a);
     }
-    v[e] = a * pre[c];
+    v[e] = __fmul_rn(a, pre[c]);  // rounded: never fused into the Hadamard's first add
   }
 }
 
