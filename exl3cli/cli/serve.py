@@ -33,6 +33,8 @@ def _serve_help() -> str:
             ("EXL3_MAX_QUEUE", "jobs that may wait per model weights (default 512; then 503)"),
             ("EXL3_MAX_LOADED_MODELS", "models loaded at once (default 1)"),
             ("EXL3_LOG_LEVEL", "debug: also log loads, evictions and CUDA graph captures"),
+            ("EXL3_SERVE_RELAY", "thread: the older per-token relay instead of one "
+                                 "hand-off per generator step (A/B)"),
             ("EXL3_KV_CACHE_TYPE", "fp16, q8, q6, q4 or e.g. k8v4 (default fp16)"),
             ("EXL3_DECODE_MODE", "graph (GPU default), static or off (CPU default)"),
             ("EXL3_FUSED_LAYER", "0: GPU decode without the fused layer kernels (A/B)"),
