@@ -14,6 +14,8 @@ import ollama
 import pytest
 
 from tests.fixtures.daemon import Daemon
+from tests.fixtures.http_raw import server_stats as stats
+from tests.fixtures.http_raw import wait_for
 
 HELLO = [{"role": "user", "content": "hello"}]
 
@@ -25,22 +27,6 @@ def open_stream(url: str, body: dict) -> tuple[http.client.HTTPConnection, http.
     return connection, connection.getresponse()
 
 
-def stats(url: str) -> dict:
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
-    connection.request("GET", "/api/stats")
-    try:
-        return json.loads(connection.getresponse().read())
-    finally:
-        connection.close()
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def long_chat() -> dict:

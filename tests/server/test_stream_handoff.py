@@ -19,6 +19,8 @@ import pytest
 
 from exl3cli.engine.generation.wake import WakeBatcher
 from tests.fixtures.daemon import Daemon
+from tests.fixtures.http_raw import server_stats as stats
+from tests.fixtures.http_raw import wait_for
 
 CLIENTS = 24
 
@@ -48,22 +50,6 @@ def openai_chunks(url: str, index: int, tokens: int = 12) -> list[str]:
     return [c.choices[0].delta.content or "" for c in chunks if c.choices]
 
 
-def stats(url: str) -> dict:
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
-    connection.request("GET", "/api/stats")
-    try:
-        return json.loads(connection.getresponse().read())
-    finally:
-        connection.close()
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def test_a_batcher_wakes_once_for_many_jobs_until_taken():
