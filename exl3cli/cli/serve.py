@@ -33,6 +33,8 @@ def _serve_help() -> str:
             ("EXL3_MAX_QUEUE", "jobs that may wait per model weights (default 512; then 503)"),
             ("EXL3_MAX_LOADED_MODELS", "models loaded at once (default 1)"),
             ("EXL3_LOG_LEVEL", "debug: also log loads, evictions and CUDA graph captures"),
+            ("EXL3_GIL_SWITCH_MS", "Python's thread switch interval in ms (default 5): "
+                                   "smaller may help several models' generator threads"),
             ("EXL3_SERVE_RELAY", "thread: the older per-token relay instead of one "
                                  "hand-off per generator step (A/B)"),
             ("EXL3_KV_CACHE_TYPE", "fp16, q8, q6, q4 or e.g. k8v4 (default fp16)"),
@@ -53,6 +55,22 @@ def _serve_help() -> str:
     return ("Start the daemon (Ollama, OpenAI and TabbyAPI routes) on EXL3_HOST.\n\n"
             f"\b\nEnvironment:\n{lines}\n\nOn SIGTERM running streams get "
             f"{SHUTDOWN_SECONDS} s to finish.")
+
+
+def gil_switch_seconds(text: str) -> float | None:
+    """EXL3_GIL_SWITCH_MS as seconds for sys.setswitchinterval; None when unset.
+    Two models' generator threads each wait on the GPU and then on the GIL: a shorter
+    interval shortens the second wait (an A/B knob until measured: bench/NOTES-serve.md)."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not 0.01 <= ms <= 1000:
+        raise Exl3Error(f"EXL3_GIL_SWITCH_MS must be milliseconds from 0.01 to 1000, got {text!r}")
+    return ms / 1000
 
 
 @click.command("serve", help=_serve_help())
@@ -83,6 +101,12 @@ def serve(tensor_parallel: int | None, gpu_split: str | None, batch_invariant: b
         parse_flag(os.environ.get("EXL3_BATCH_INVARIANT", ""))
     except ValueError as error:
         raise Exl3Error(str(error)) from None
+
+    switch = gil_switch_seconds(os.environ.get("EXL3_GIL_SWITCH_MS", ""))
+    if switch is not None:
+        import sys
+
+        sys.setswitchinterval(switch)
 
     if tensor_parallel is not None:
         os.environ["EXL3_TENSOR_PARALLEL"] = str(tensor_parallel)

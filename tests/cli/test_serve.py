@@ -187,6 +187,20 @@ def test_serve_refuses_a_bad_batch_invariant_value_clearly(store):
     assert "Traceback" not in stderr
 
 
+def test_gil_switch_interval_is_parsed_or_refused_clearly(store):
+    from exl3cli.cli.serve import gil_switch_seconds
+
+    assert gil_switch_seconds("") is None
+    assert gil_switch_seconds(" 0.5 ") == 0.0005
+    env = {**os.environ, "EXL3_HOST": "127.0.0.1:1", "EXL3_MODELS": str(store.root),
+           "PYTHONPATH": str(ROOT), "EXL3_GIL_SWITCH_MS": "fast"}
+    result = subprocess.run(
+        [sys.executable, "-m", "exl3cli", "serve"], env=env, capture_output=True, timeout=60)
+    stderr = result.stderr.decode()
+    assert result.returncode != 0 and "EXL3_GIL_SWITCH_MS must be milliseconds" in stderr
+    assert "Traceback" not in stderr
+
+
 def test_serve_help_shows_the_batch_invariant_switch():
     from click.testing import CliRunner
 
