@@ -177,14 +177,20 @@ def test_serve_help_lists_every_environment_variable_the_daemon_reads():
     assert not missing, f"serve --help does not mention {missing}"
 
 
-def test_serve_refuses_a_bad_batch_invariant_value_clearly(store):
+def _refused_serve(store, **env: str) -> str:
+    """`exl3 serve` with `env` added: it must exit non-zero without a traceback; its stderr."""
     env = {**os.environ, "EXL3_HOST": "127.0.0.1:1", "EXL3_MODELS": str(store.root),
-           "PYTHONPATH": str(ROOT), "EXL3_BATCH_INVARIANT": "sometimes"}
+           "PYTHONPATH": str(ROOT), **env}
     result = subprocess.run(
         [sys.executable, "-m", "exl3cli", "serve"], env=env, capture_output=True, timeout=60)
     stderr = result.stderr.decode()
-    assert result.returncode != 0 and "EXL3_BATCH_INVARIANT must be 1 or 0" in stderr
-    assert "Traceback" not in stderr
+    assert result.returncode != 0 and "Traceback" not in stderr
+    return stderr
+
+
+def test_serve_refuses_a_bad_batch_invariant_value_clearly(store):
+    stderr = _refused_serve(store, EXL3_BATCH_INVARIANT="sometimes")
+    assert "EXL3_BATCH_INVARIANT must be 1 or 0" in stderr
 
 
 def test_gil_switch_interval_is_parsed_or_refused_clearly(store):
@@ -192,13 +198,8 @@ def test_gil_switch_interval_is_parsed_or_refused_clearly(store):
 
     assert gil_switch_seconds("") is None
     assert gil_switch_seconds(" 0.5 ") == 0.0005
-    env = {**os.environ, "EXL3_HOST": "127.0.0.1:1", "EXL3_MODELS": str(store.root),
-           "PYTHONPATH": str(ROOT), "EXL3_GIL_SWITCH_MS": "fast"}
-    result = subprocess.run(
-        [sys.executable, "-m", "exl3cli", "serve"], env=env, capture_output=True, timeout=60)
-    stderr = result.stderr.decode()
-    assert result.returncode != 0 and "EXL3_GIL_SWITCH_MS must be milliseconds" in stderr
-    assert "Traceback" not in stderr
+    stderr = _refused_serve(store, EXL3_GIL_SWITCH_MS="fast")
+    assert "EXL3_GIL_SWITCH_MS must be milliseconds" in stderr
 
 
 def test_serve_help_shows_the_batch_invariant_switch():
