@@ -17,12 +17,14 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "real_models"))
+
+import serve_clients  # noqa: E402  (bench/real_models)
 
 from exl3cli.server.model_manager import ModelManager  # noqa: E402
 from exl3cli.store.store import ModelStore  # noqa: E402
@@ -42,50 +44,16 @@ def make_store(root: Path) -> ModelStore:
 
 
 def one_request(api: str, url: str, model: str, tokens: int) -> dict[str, Any]:
+    """One streaming chat through the official client (bench/real_models/serve_clients.py)."""
     start = time.perf_counter()
-    first, count = None, 0
-    if api == "ollama":
-        import ollama
-
-        client = ollama.Client(host=url, timeout=600)
-        for chunk in client.chat(model=model, messages=[{"role": "user", "content": PROMPT}],
-                                 stream=True, options={"temperature": 0, "num_predict": tokens,
-                                                       "num_ctx": 256}):
-            if chunk["message"]["content"] and first is None:
-                first = time.perf_counter() - start
-            if chunk.get("done"):
-                count = int(chunk.get("eval_count") or 0)
-    else:
-        import openai
-
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=600,
-                               max_retries=0)
-        stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPT}], stream=True,
-            temperature=0, max_tokens=tokens, stream_options={"include_usage": True})
-        for chunk in stream:
-            if chunk.usage is not None:
-                count = int(chunk.usage.completion_tokens)
-            if chunk.choices and chunk.choices[0].delta.content and first is None:
-                first = time.perf_counter() - start
-    return {"model": model, "ttft": first or (time.perf_counter() - start), "tokens": count}
+    result = serve_clients.APIS[api](url, model, tokens, prompt=PROMPT, num_ctx=256)
+    first = result["ttft"]
+    return {"model": model, "ttft": first or (time.perf_counter() - start),
+            "tokens": result["tokens"]}
 
 
 def fire(api: str, url: str, models: list[str], tokens: int) -> tuple[list[dict], float]:
-    results: list[dict] = [{} for _ in models]
-    barrier = threading.Barrier(len(models))
-
-    def work(i: int) -> None:
-        barrier.wait()
-        results[i] = one_request(api, url, models[i], tokens)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(models))]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results, time.perf_counter() - start
+    return serve_clients.at_once([lambda m=m: one_request(api, url, m, tokens) for m in models])
 
 
 class Probe:

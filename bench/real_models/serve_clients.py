@@ -35,14 +35,18 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def ollama_request(host: str, model: str, tokens: int) -> dict[str, Any]:
+def ollama_request(host: str, model: str, tokens: int, prompt: str = PROMPT,
+                   num_ctx: int | None = None) -> dict[str, Any]:
     import ollama
 
     client = ollama.Client(host=host, timeout=600)
     start = time.perf_counter()
     first, parts, count = None, [], 0
-    for chunk in client.chat(model=model, messages=[{"role": "user", "content": PROMPT}],
-                             stream=True, options={"temperature": 0, "num_predict": tokens}):
+    options: dict[str, Any] = {"temperature": 0, "num_predict": tokens}
+    if num_ctx is not None:
+        options["num_ctx"] = num_ctx
+    for chunk in client.chat(model=model, messages=[{"role": "user", "content": prompt}],
+                             stream=True, options=options):
         text = chunk["message"]["content"]
         if text and first is None:
             first = time.perf_counter() - start
@@ -53,7 +57,9 @@ def ollama_request(host: str, model: str, tokens: int) -> dict[str, Any]:
             "latency": time.perf_counter() - start}
 
 
-def openai_request(host: str, model: str, tokens: int) -> dict[str, Any]:
+def openai_request(host: str, model: str, tokens: int, prompt: str = PROMPT,
+                   num_ctx: int | None = None) -> dict[str, Any]:
+    """`num_ctx` has no OpenAI field: the server's default context is used."""
     import openai
 
     client = openai.OpenAI(base_url=host.rstrip("/") + "/v1", api_key="none", timeout=600,
@@ -61,7 +67,7 @@ def openai_request(host: str, model: str, tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     first, parts, count = None, [], 0
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": PROMPT}], stream=True,
+        model=model, messages=[{"role": "user", "content": prompt}], stream=True,
         temperature=0, max_tokens=tokens, stream_options={"include_usage": True})
     for chunk in stream:
         if chunk.usage is not None:
@@ -76,30 +82,39 @@ def openai_request(host: str, model: str, tokens: int) -> dict[str, Any]:
             "latency": time.perf_counter() - start}
 
 
-APIS: dict[str, Callable[[str, str, int], dict[str, Any]]] = {
+APIS: dict[str, Callable[..., dict[str, Any]]] = {
     "ollama": ollama_request, "openai": openai_request}
 
 
-def _fire(calls: list[tuple[str, str]], host: str, tokens: int) -> tuple[list[dict], float]:
-    """Run (api, model) requests all at once on threads; (results in order, wall s)."""
+def at_once(calls: list[Callable[[], dict]]) -> tuple[list[dict], float]:
+    """Run each call on its own thread, all released together by one barrier;
+    (their results in order, wall seconds)."""
     results: list[dict] = [{} for _ in calls]
     barrier = threading.Barrier(len(calls))
 
-    def worker(i: int, api: str, model: str) -> None:
+    def worker(i: int) -> None:
         barrier.wait()
-        try:
-            results[i] = {"api": api, "model": model, **APIS[api](host, model, tokens)}
-        except Exception as error:  # every failure is counted, none stops the others
-            results[i] = {"api": api, "model": model, "error": f"{type(error).__name__}: {error}"}
+        results[i] = calls[i]()
 
-    threads = [threading.Thread(target=worker, args=(i, api, model))
-               for i, (api, model) in enumerate(calls)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(calls))]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     return results, time.perf_counter() - start
+
+
+def _fire(calls: list[tuple[str, str]], host: str, tokens: int) -> tuple[list[dict], float]:
+    """Run (api, model) requests all at once on threads; (results in order, wall s)."""
+
+    def one(api: str, model: str) -> dict:
+        try:
+            return {"api": api, "model": model, **APIS[api](host, model, tokens)}
+        except Exception as error:  # every failure is counted, none stops the others
+            return {"api": api, "model": model, "error": f"{type(error).__name__}: {error}"}
+
+    return at_once([lambda api=api, model=model: one(api, model) for api, model in calls])
 
 
 def _summary(results: list[dict], solo: dict[str, str], wall: float) -> list[dict]:
