@@ -83,6 +83,11 @@ for m in $MODELS; do
   src="$REAL/$m-hf"
   [ -f "$src/config.json" ] || python3 bench/real_models/source_folder.py "$REAL/$m.gguf" \
     "$src" >"$OUT/source-$m.log" 2>&1 || { echo "FAIL: source $m"; tail -5 "$OUT/source-$m.log"; }
+  # the tokenizer made with the references (make_artefacts.sh), not this image's rebuild
+  if [ -f "$STASH/tokenizer-$m.tar.xz" ] && [ -f "$src/config.json" ]; then
+    tar xJf "$STASH/tokenizer-$m.tar.xz" -C "$src" && echo "tokenizer of $m: shipped" \
+      >>"$OUT/source-$m.log"
+  fi
   if [ -n "$DRY" ]; then  # cut to a few layers: the CPU converts in minutes, not hours
     python3 bench/real_models/truncate_layers.py "$src" "$REAL/$m-dry" \
       --layers "${DRY_LAYERS:-2}" >/dev/null && rm -rf "$src" && mv "$REAL/$m-dry" "$src"

@@ -69,6 +69,13 @@ for model in $MODELS; do
     "$BUILD/$model-hf" --device cpu --dtype float32 $raw --out "$BUILD/refs/$model.json"
 done
 stamp "references: $(ls "$BUILD/refs")"
+# Gemma 3's tokenizer as made here: the device image's transformers builds another one from
+# the same GGUF (run 46: no BOS, words cut into pieces, "prompt tokens differ" and garbage
+# text), so the device's source folder takes this one (gpu_real_models.sh).
+if [[ " $MODELS " == *" gemma3 "* ]] && [ ! -f "$BUILD/tokenizer-gemma3.tar.xz" ]; then
+  tar cJf "$BUILD/tokenizer-gemma3.tar.xz" -C "$BUILD/gemma3-hf" tokenizer.json \
+    tokenizer_config.json
+fi
 
 # --- call folders --------------------------------------------------------------------
 # .real/s: SmolLM2 + the small files (2 calls: c1 stash, c2 the stages);
@@ -78,7 +85,7 @@ $PY bench/real_models/pack.py pack --out .real/s --cap "$CAP" --name=-s \
   --big "$BUILD/smollm2.gguf" --small "$BUILD/wheels" "$BUILD/refs" "$BUILD/text"
 if [[ " $MODELS " == *" gemma3 "* ]]; then
   $PY bench/real_models/pack.py pack --out .real/g --cap "$CAP" --name=-g \
-    --big "$BUILD/gemma3.gguf"
+    --big "$BUILD/gemma3.gguf" --small "$BUILD/tokenizer-gemma3.tar.xz"
 fi
 du -sh .real/*/c* | sed 's/^/size: /'
 echo "calls: stash $(ls -d .real/g/c* 2>/dev/null | tr '\n' ' ').real/s/c1, then .real/s/c2 runs the stages"

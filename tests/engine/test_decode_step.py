@@ -9,6 +9,8 @@ type; and for Gemma's sliding windows and soft-caps.
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -149,3 +151,38 @@ def test_steps_launched_ahead_stop_where_the_general_path_stops(text_model):
     while ahead._flight is not None:
         ahead.step()
     assert ahead.pool.pages_in_use == 0
+
+
+def test_graph_captures_of_two_runners_never_overlap(text_model, monkeypatch):
+    # Two models' generators in two threads (`exl3 serve` with two loaded): torch.cuda.graph
+    # synchronizes the device and empties the allocator's cache as a capture begins, which
+    # breaks a capture another thread has open, so captures take a process-wide lock.
+    # Here the capture itself is stood in for (no CUDA): each holds the lock, never two at once.
+    runners = [Generator(text_model.model, text_model.tokenizer, decode_mode="static",
+                         max_batch=2, num_ctx=256).decode for _ in range(2)]
+    open_now, most, started = [0], [0], threading.Barrier(2)
+    guard = threading.Lock()
+
+    def stand_in(self, step):
+        with guard:
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+        time.sleep(0.05)
+        with guard:
+            open_now[0] -= 1
+        return ("graph", step), torch.zeros(1)
+
+    monkeypatch.setattr(DecodeRunner, "_capture_alone", stand_in)
+
+    def capture(runner: DecodeRunner) -> None:
+        started.wait()
+        for key in range(4):
+            assert runner._capture((1, key), key) is not None
+
+    threads = [threading.Thread(target=capture, args=(r,)) for r in runners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert most[0] == 1
+    assert [r.captures for r in runners] == [4, 4] and [r.capture_failures for r in runners] == [0, 0]

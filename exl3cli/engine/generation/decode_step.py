@@ -59,6 +59,10 @@ from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
 MODES = ("graph", "static", "off")
 log = logging.getLogger(__name__)
 
+# One capture at a time in the process: torch.cuda.graph synchronizes the device and
+# empties the allocator's cache when it begins, which breaks another thread's capture in
+# progress (two models served together: "operation not permitted when stream is capturing").
+_CAPTURE_LOCK = threading.Lock()
 MAX_ROWS = 64  # rows of a fixed-shape step that verifies drafts (jobs x (1 + k))
 
 
@@ -249,18 +253,8 @@ class DecodeRunner:
         again, so running it twice changes nothing."""
         began = time.perf_counter_ns()
         try:
-            stream = torch.cuda.Stream(device=self.pool.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(step)
-            torch.cuda.current_stream().wait_stream(stream)
-            if self._pool_handle is None:
-                self._pool_handle = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool_handle,
-                                  capture_error_mode="thread_local"):
-                logits = self._forward(step)
+            with _CAPTURE_LOCK:
+                graph, logits = self._capture_alone(step)
         except Exception as error:  # a capture can fail in many ways: keep generating
             self.capture_failures += 1
             self.capture_ns += time.perf_counter_ns() - began
@@ -274,6 +268,23 @@ class DecodeRunner:
         log.debug("captured decode graph %s in %.1f ms on %s (%d held)", key, took / 1e6,
                   threading.current_thread().name, len(self._graphs))
         return self._graphs[key]
+
+    def _capture_alone(self, step: FixedDecodeStep) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm-up and capture, on a stream of this capture's own (not torch.cuda.graph's
+        one class-wide default stream). The caller holds _CAPTURE_LOCK."""
+        stream = torch.cuda.Stream(device=self.pool.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(step)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool_handle is None:
+            self._pool_handle = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool_handle, stream=stream,
+                              capture_error_mode="thread_local"):
+            logits = self._forward(step)
+        return graph, logits
 
 
 __all__ = ["MAX_ROWS", "MODES", "DecodeRunner", "FixedDecodeStep", "bucket", "default_mode",
