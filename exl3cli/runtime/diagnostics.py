@@ -2,8 +2,9 @@
 evictions, and per model its generator thread's steps (jobs fed, time stepping, the
 slowest step) and its decode step's mode, CUDA graphs and captures. Enough to tell,
 from one served run, whether models were reloaded, whether a generator stepped rarely
-or slowly, and whether graphs were captured again and again or failed (decode mode
-"static" on CUDA means a capture failed and decoding went on without graphs).
+or slowly, and whether graphs were captured again and again or failed (each failed
+capture leaves its step shape without a graph; decode mode "static" on CUDA means
+captures failed MAX_CAPTURE_FAILURES times and decoding went on without graphs).
 
 Read without the runner's lock (a snapshot of counters), so the event loop never waits.
 """

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from exl3cli.engine.generation.decode_step import DecodeRunner, bucket
+from exl3cli.engine.generation.decode_step import MAX_CAPTURE_FAILURES, DecodeRunner, bucket
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.generation.textmodel import TextModel
@@ -186,3 +186,41 @@ def test_graph_captures_of_two_runners_never_overlap(text_model, monkeypatch):
         thread.join(30)
     assert most[0] == 1
     assert [r.captures for r in runners] == [4, 4] and [r.capture_failures for r in runners] == [0, 0]
+
+
+def test_a_failed_capture_leaves_only_its_bucket_without_a_graph(text_model, monkeypatch):
+    # Captures stood in for (no CUDA): the bucket whose capture failed runs eagerly from
+    # then on and is not captured again; other buckets keep their graphs; after
+    # MAX_CAPTURE_FAILURES failures the runner stops capturing ("static").
+    runner = Generator(text_model.model, text_model.tokenizer, decode_mode="static",
+                       max_batch=8, num_ctx=256).decode
+    runner.mode, runner._rope_version = "graph", runner._version()
+    attempts: list[tuple[int, int]] = []
+    replays, eager = [0], [0]
+
+    class Graph:
+        def replay(self) -> None:
+            replays[0] += 1
+
+    def stand_in(self, key):
+        attempts.append(key)
+        if key[0] != 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return Graph(), torch.ones(1)
+
+    def forward(key):
+        eager[0] += 1
+        return torch.zeros(1)
+
+    monkeypatch.setattr(DecodeRunner, "_capture_alone", stand_in)
+    monkeypatch.setattr(runner, "_forward", forward)
+    assert runner._replay((1, 1), (1, 1)).item() == 0  # failed: this step eagerly
+    assert runner._replay((1, 1), (1, 1)).item() == 0  # not captured again
+    assert runner._replay((2, 1), (2, 1)).item() == 1  # another bucket: its graph
+    assert runner._replay((2, 1), (2, 1)).item() == 1
+    assert (attempts, replays[0], eager[0]) == ([(1, 1), (2, 1)], 2, 2)
+    assert runner.mode == "graph" and runner.capture_failures == 1
+    runner._replay((4, 1), (4, 1))
+    assert runner.mode == "graph"
+    runner._replay((8, 1), (8, 1))
+    assert runner.capture_failures == MAX_CAPTURE_FAILURES == 3 and runner.mode == "static"

@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 # empties the allocator's cache when it begins, which breaks another thread's capture in
 # progress (two models served together: "operation not permitted when stream is capturing").
 _CAPTURE_LOCK = threading.Lock()
+# A capture that fails leaves its (B, P) bucket to eager steps; after this many failures
+# the runner stops capturing ("static"), so one transient failure (memory pressure while
+# another model loads) does not cost the model its graphs for the rest of its life.
+MAX_CAPTURE_FAILURES = 3
 MAX_ROWS = 64  # rows of a fixed-shape step that verifies drafts (jobs x (1 + k))
 
 
@@ -114,6 +118,7 @@ class DecodeRunner:
         self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle: Any = None
+        self._uncaptured: set[tuple[int, int]] = set()  # buckets whose capture failed
         self._rope_version = self._version() if mode == "graph" else None
         # Each page table's rotary offset (module docstring), kept while the table lives.
         self._offsets: weakref.WeakKeyDictionary[PageTable, int] = weakref.WeakKeyDictionary()
@@ -172,7 +177,7 @@ class DecodeRunner:
                 step = self._steps[key] = FixedDecodeStep(self.pool, *key)
             step.load_padding()
             if self._capture(key, step) is None:
-                self.mode = "static"
+                self._capture_failed(key)
         return len(self._graphs)
 
     def run(self, rows: Sequence[tuple[PageTable, int | None]],
@@ -235,13 +240,16 @@ class DecodeRunner:
         version = self._version()
         if version != self._rope_version:  # tables rebuilt: captured pointers are stale
             self._graphs.clear()
+            self._uncaptured.clear()
             self._pool_handle = None
             self._rope_version = version
         graph = self._graphs.get(key)
         if graph is None:
+            if key in self._uncaptured:
+                return self._forward(step)
             graph = self._capture(key, step)
             if graph is None:
-                self.mode = "static"
+                self._capture_failed(key)
                 return self._forward(step)
         graph[0].replay()
         return graph[1]
@@ -258,8 +266,11 @@ class DecodeRunner:
         except Exception as error:  # a capture can fail in many ways: keep generating
             self.capture_failures += 1
             self.capture_ns += time.perf_counter_ns() - began
+            last = self.capture_failures >= MAX_CAPTURE_FAILURES
             print(f"exl3: CUDA graph capture failed ({type(error).__name__}: {error}); "
-                  "decoding without graphs", file=sys.stderr)
+                  + ("decoding without graphs" if last else
+                     f"steps of {key[0]} rows over {key[1]} pages run without a graph"),
+                  file=sys.stderr)
             return None
         self._graphs[key] = (graph, logits)
         self.captures += 1
@@ -268,6 +279,12 @@ class DecodeRunner:
         log.debug("captured decode graph %s in %.1f ms on %s (%d held)", key, took / 1e6,
                   threading.current_thread().name, len(self._graphs))
         return self._graphs[key]
+
+    def _capture_failed(self, key: tuple[int, int]) -> None:
+        """The bucket's steps run eagerly from now on; enough failures end capturing."""
+        self._uncaptured.add(key)
+        if self.capture_failures >= MAX_CAPTURE_FAILURES:
+            self.mode = "static"
 
     def _capture_alone(self, step: FixedDecodeStep) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm-up and capture, on a stream of this capture's own (not torch.cuda.graph's
@@ -287,5 +304,5 @@ class DecodeRunner:
         return graph, logits
 
 
-__all__ = ["MAX_ROWS", "MODES", "DecodeRunner", "FixedDecodeStep", "bucket", "default_mode",
+__all__ = ["MAX_CAPTURE_FAILURES", "MAX_ROWS", "MODES", "DecodeRunner", "FixedDecodeStep", "bucket", "default_mode",
            "reference_paged_attention"]
