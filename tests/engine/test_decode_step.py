@@ -185,7 +185,8 @@ def test_graph_captures_of_two_runners_never_overlap(text_model, monkeypatch):
     for thread in threads:
         thread.join(30)
     assert most[0] == 1
-    assert [r.captures for r in runners] == [4, 4] and [r.capture_failures for r in runners] == [0, 0]
+    assert [r.captures for r in runners] == [4, 4]
+    assert [r.capture_failures for r in runners] == [0, 0]
 
 
 def test_a_failed_capture_leaves_only_its_bucket_without_a_graph(text_model, monkeypatch):

@@ -304,5 +304,5 @@ class DecodeRunner:
         return graph, logits
 
 
-__all__ = ["MAX_CAPTURE_FAILURES", "MAX_ROWS", "MODES", "DecodeRunner", "FixedDecodeStep", "bucket", "default_mode",
-           "reference_paged_attention"]
+__all__ = ["MAX_CAPTURE_FAILURES", "MAX_ROWS", "MODES", "DecodeRunner", "FixedDecodeStep",
+           "bucket", "default_mode", "reference_paged_attention"]
