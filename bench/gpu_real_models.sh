@@ -16,7 +16,8 @@
 #   tests    item 5: the cuda tests of the Gemma paths (tests/engine/test_gemma_cuda.py)
 #   serve    item 2: `exl3 serve`, 64 streaming clients through ollama and openai, models
 #            in turns then together (EXL3_MAX_LOADED_MODELS=2), plus `exl3 bench --server`;
-#            SERVE_INVARIANT="0 1" runs them without and with EXL3_BATCH_INVARIANT=1
+#            SERVE_INVARIANT="0 1" runs them without and with EXL3_BATCH_INVARIANT=1;
+#            SERVE_APIS="openai ollama" swaps the order the APIs take in each phase
 #   spec     item 4: ngram and SmolLM2 2.0 bpw drafting for SmolLM2 fp16, 1 and 16 jobs
 # ONLY="smollm2" restricts the run to the models named (default: all that assembled).
 # Dry run on a CPU (same stages, models cut to DRY_LAYERS layers, head unquantized,
@@ -172,7 +173,7 @@ serve_phase() {  # name max_loaded extra-args...
       2>/dev/null && break; sleep 1
   done
   timeout 300 python3 bench/real_models/serve_clients.py --host "http://127.0.0.1:$port" \
-    $SERVE_MODELS --clients "$CLIENTS" --tokens 64 "$@" --out "$OUT/clients-$name.json" \
+    $SERVE_MODELS $API_ARGS --clients "$CLIENTS" --tokens 64 "$@" --out "$OUT/clients-$name.json" \
     2>"$OUT/clients-$name.err" | tee "$OUT/clients-$name.txt" || echo "FAIL: clients $name"
   tail -3 "$OUT/clients-$name.err"
   # Loads, evictions, per-model steps / jobs per step / step ms / graph captures and
@@ -196,7 +197,9 @@ serve_phase() {  # name max_loaded extra-args...
 }
 if has serve; then
   export EXL3_MODELS=/tmp/exl3-real-store
-  SERVE_MODELS="" SERVE_NAMES=""
+  SERVE_MODELS="" SERVE_NAMES="" API_ARGS=""
+  # SERVE_APIS: the clients' APIs in the order each phase runs them (default ollama, openai)
+  for api in ${SERVE_APIS:-ollama openai}; do API_ARGS="$API_ARGS --api $api"; done
   for m in $MODELS; do  # the EXL3 4.0 folders (the fp16 source when a conversion failed)
     folder="$REAL/$m-4.0"; [ -f "$folder/config.json" ] || folder="$REAL/$m-hf"
     printf 'FROM %s\n' "$folder" >"/tmp/Modelfile.$m"
