@@ -176,8 +176,7 @@ class DecodeRunner:
             if step is None:
                 step = self._steps[key] = FixedDecodeStep(self.pool, *key)
             step.load_padding()
-            if self._capture(key, step) is None:
-                self._capture_failed(key)
+            self._capture(key, step)
         return len(self._graphs)
 
     def run(self, rows: Sequence[tuple[PageTable, int | None]],
@@ -249,7 +248,6 @@ class DecodeRunner:
                 return self._forward(step)
             graph = self._capture(key, step)
             if graph is None:
-                self._capture_failed(key)
                 return self._forward(step)
         graph[0].replay()
         return graph[1]
@@ -271,6 +269,7 @@ class DecodeRunner:
                   + ("decoding without graphs" if last else
                      f"steps of {key[0]} rows over {key[1]} pages run without a graph"),
                   file=sys.stderr)
+            self._capture_failed(key)
             return None
         self._graphs[key] = (graph, logits)
         self.captures += 1
