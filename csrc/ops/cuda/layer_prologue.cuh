@@ -18,8 +18,17 @@
 #include "exl3_convert.cuh"
 #include "exl3_lora.cuh"
 
+// Split-K partial sums loaded per batch ahead of their adds (load_split_sum); an A/B knob
+// (EXL3_NVCC_FLAGS=-DEXL3_SPLIT_BATCH=8), the sums' bits the same at every value.
+#ifndef EXL3_SPLIT_BATCH
+#define EXL3_SPLIT_BATCH 4
+#endif
+
 namespace exl3 {
 namespace prologue {
+
+constexpr int kSplitBatch = EXL3_SPLIT_BATCH;
+static_assert(kSplitBatch >= 1 && kSplitBatch <= 32, "EXL3_SPLIT_BATCH: 1 to 32");
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -94,13 +103,23 @@ __device__ __forceinline__ void load_split_sum(const float* __restrict__ partial
   const size_t slice = (size_t)rows * width;
   const float* p = partial + (size_t)row * width + col;
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int sl = 0; sl < splits; sl++) {
-    const float4 t = __ldg(reinterpret_cast<const float4*>(p + sl * slice));
-    s.x += t.x;
-    s.y += t.y;
-    s.z += t.z;
-    s.w += t.w;
+  // kSplitBatch loads in flight ahead of their adds (the adds in split order: the same
+  // bits at every batch size).
+#pragma unroll 1
+  for (int s0 = 0; s0 < splits; s0 += kSplitBatch) {
+    float4 t[kSplitBatch];
+#pragma unroll
+    for (int k = 0; k < kSplitBatch; k++)
+      if (s0 + k < splits) t[k] = __ldg(reinterpret_cast<const float4*>(p + (s0 + k) * slice));
+#pragma unroll
+    for (int k = 0; k < kSplitBatch; k++) {
+      if (s0 + k < splits) {
+        s.x += t[k].x;
+        s.y += t[k].y;
+        s.z += t[k].z;
+        s.w += t[k].w;
+      }
+    }
   }
   v[0] = s.x;
   v[1] = s.y;
