@@ -99,10 +99,25 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
             now = fused.get((kv, jobs))
             print(f"{model} {jobs} jobs, {kv}, EXL3_FUSED_LAYER=0 (unfused layer): "
                   f"{value:.1f} tok/s; fused {now or 0:.1f} ({ratio(now, value).strip()})")
+    _ab_gen_rows(folder)
     for jobs, kv in [(j, kv) for j in (1, 16, 64) for kv in ("", "-q4", "-lora", "-q4-lora")]:
         prof = _json(folder / f"profile-{jobs}{kv}.json")
         if prof:
             _print_profile(f"8b {jobs} jobs{kv}", prof, 12 if "lora" in kv else 8)
+
+
+def _ab_gen_rows(folder: Path) -> None:
+    """gpu_generator.sh's AB_BENCH=gen: the 8B generator per kernel build, against v0."""
+    runs = {int(p.stem.removeprefix("ab-gen-")): p for p in folder.glob("ab-gen-*.json")
+            if p.stem.removeprefix("ab-gen-").isdigit()}
+    base = {}
+    for i in sorted(runs):
+        report = _json(runs[i]) or {}
+        values = {(r["kv"], r["jobs"]): r["tokens_per_s"] for r in report.get("rows", [])}
+        base = base or values
+        print(f"8b ab variant {i}: " + ", ".join(
+            f"{kv}/{jobs} {v:.1f} tok/s ({ratio(v, base.get((kv, jobs))).strip()} of v0)"
+            for (kv, jobs), v in sorted(values.items())))
 
 
 def _variant_rows(folder: Path, model: str, plain: dict, tag: str, label: str) -> None:
