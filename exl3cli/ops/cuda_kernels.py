@@ -40,7 +40,7 @@ _SOURCES = ("bindings.cpp", "layer_bindings.cpp", "fold_bindings.cpp", "moe_bind
             "decode.cu", "gemm_mul1.cu", "gemm_mcg.cu", "gemm_3inst.cu", "paged_attention.cu", "hadamard.cu",
             "layer_fused.cu", "qk_norm_rope.cu", "moe_decode.cu", "moe_gemm_mul1.cu", "moe_gemm_mcg.cu",
             "moe_gemm_3inst.cu", "moe_norm_route.cu", "lora_low.cu", "layer_fold.cu",
-            "gemm_pro_mul1.cu", "gemm_pro_mcg.cu", "gemm_pro_3inst.cu", "l2_prefetch.cu")
+            "gemm_pro_mul1.cu", "gemm_pro_mcg.cu", "gemm_pro_3inst.cu")
 # csrc/ mirrors the package: ops/cuda (these kernels), ops/cpu, codec (the format's
 # decode and Hadamard, included by the kernels).
 CUDA_DIR = CSRC / "ops" / "cuda"

@@ -45,10 +45,6 @@ Public API (``x``: activations in the model dtype; ``partials``: float32
   pre)`` with ``g``/``u`` the gate/up outputs as ``hadamard_out`` makes them (``lora``
   covers [gate | up]; act "silu" or "gelu_tanh"); ``product`` (rows, inter) in
   ``dtype`` receives ``act(g) * u`` (the down projection's LoRA input).
-- ``l2_prefetch(tensors, bytes)``: asks the first ``bytes[i]`` bytes of each CUDA tensor
-  into L2 (one launch, csrc/ops/cuda/l2_prefetch.cu; a hint that changes no value, a
-  no-op elsewhere); ``prefetch_plan(first, rest, budget)`` picks those byte counts for a
-  budget: all of ``first`` (in order), then equal shares of ``rest``.
 - ``qk_norm_rope(qk[rows, heads, head_dim], weight[heads, head_dim], eps, cos=None,
   sin=None) -> qk``: per-head RMSNorm (``engine/layers/norm.py``'s rounding for a 2-D
   weight) then rotate-half rotary with ``cos``/``sin`` (rows, head_dim); in place on
@@ -345,51 +341,3 @@ def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, eps: float,
     if cos is None or sin is None:
         return normed
     return apply_rotary(normed, cos.view(rows, 1, dim), sin.view(rows, 1, dim))
-
-
-def prefetch_budget() -> int:
-    """Bytes of the next projections a decode layer asks into L2 while its attention runs
-    (``EXL3_L2_PREFETCH_MB``, default 0: none)."""
-    raw = os.environ.get("EXL3_L2_PREFETCH_MB", "").strip()
-    if not raw:
-        return 0
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"EXL3_L2_PREFETCH_MB must be a number of MiB, not {raw!r}") from None
-    if mb < 0:
-        raise ValueError(f"EXL3_L2_PREFETCH_MB must be 0 or more, not {raw!r}")
-    return int(mb * (1 << 20))
-
-
-def prefetch_plan(first: Sequence[torch.Tensor], rest: Sequence[torch.Tensor],
-                  budget: int) -> tuple[list[torch.Tensor], list[int]]:
-    """See the module docstring."""
-    tensors: list[torch.Tensor] = []
-    counts: list[int] = []
-    for t in first:
-        if budget <= 0:
-            break
-        n = min(budget, t.numel() * t.element_size())
-        tensors.append(t)
-        counts.append(n)
-        budget -= n
-    if budget > 0 and rest:
-        share = budget // len(rest)
-        for t in rest:
-            n = min(share, t.numel() * t.element_size())
-            if n > 0:
-                tensors.append(t)
-                counts.append(n)
-    return tensors, counts
-
-
-def l2_prefetch(tensors: Sequence[torch.Tensor], counts: Sequence[int]) -> None:
-    """See the module docstring."""
-    if not tensors:
-        return
-    if len(tensors) != len(counts):
-        raise ValueError("l2_prefetch: one byte count per tensor")
-    ext = _ext(tensors[0])
-    if ext is not None and hasattr(ext, "l2_prefetch"):
-        ext.l2_prefetch(list(tensors), [int(c) for c in counts])

@@ -161,37 +161,3 @@ def test_qk_norm_rope_in_place_matches_its_twin(dtype, dim, rope, rows):
     assert got.data_ptr() == device.data_ptr()  # in place
     _close(device[:, : heads + kv], want, 1e-2 if dtype == torch.bfloat16 else 2e-3)
     assert torch.equal(device[:, heads + kv :].cpu(), qkv[:, heads + kv :])
-
-
-def test_l2_prefetch_changes_no_value_and_refuses_bad_regions():
-    assert kernels.available()
-    a = torch.arange(1 << 16, dtype=torch.int32, device="cuda")  # 256 KiB
-    b = torch.randn(3000, device="cuda")  # 11.7 KiB: less than one chunk, nothing asked
-    before = (a.clone(), b.clone())
-    layer_kernels.l2_prefetch([a, b], [a.numel() * 4, b.numel() * 4])
-    layer_kernels.l2_prefetch([a], [100_000])  # not a whole number of chunks
-    torch.cuda.synchronize()
-    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
-    ext = layer_kernels._ext(a)
-    with pytest.raises(RuntimeError, match="byte count outside the tensor"):
-        ext.l2_prefetch([a], [a.numel() * 4 + 1])
-    with pytest.raises(RuntimeError, match="at most 8 tensors"):
-        ext.l2_prefetch([a] * 9, [1024] * 9)
-    with pytest.raises(RuntimeError, match="contiguous CUDA tensors"):
-        ext.l2_prefetch([a.cpu()], [1024])
-    with pytest.raises(RuntimeError, match="one byte count per tensor"):
-        ext.l2_prefetch([a, b], [1024])
-
-
-def test_the_l2_prefetch_leaves_every_logit_bit_alone(folder, monkeypatch):
-    """A decode step with the next projections asked into L2 gives the same bits."""
-    assert kernels.available()
-    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 7, 8]])
-    logits = {}
-    for mb in ("0", "32"):
-        monkeypatch.setenv("EXL3_L2_PREFETCH_MB", mb)
-        model = load_causal_lm(folder, device="cuda", dtype=torch.float16)
-        logits[mb] = model(ids).float().cpu()
-        plans = [layer._fused.prefetch for layer in model.layers]
-        assert all(bool(p[0]) == (mb != "0") for p in plans)
-    assert torch.equal(logits["0"], logits["32"])

@@ -259,15 +259,6 @@ bool launch_qk_norm_rope(int dtype, void* x, int64_t row_stride, int heads, int 
                          int rows, const float* weight, float eps, const void* cos,
                          const void* sin, cudaStream_t stream);
 
-// l2_prefetch (l2_prefetch.cu): asks the first bytes[p] bytes (rounded down to whole
-// kPrefetchChunk chunks) of up to kMaxPrefetchRegions regions (16-byte aligned) into L2;
-// a hint that changes no value. Under EXL3_PDL the launch completes after the kernel
-// before it, like every kernel of a decode step.
-constexpr int kMaxPrefetchRegions = 8;
-constexpr int kPrefetchChunk = 16384;
-bool launch_l2_prefetch(int count, const void* const* ptrs, const int64_t* bytes,
-                        cudaStream_t stream);
-
 // Mixture-of-experts decode (moe_decode.cu, moe_gemm_*.cu): the chosen experts of up to
 // 64 rows without any host synchronisation (fixed shapes; the top-k ids never leave the
 // device), reading only the chosen experts' weights. P = rows * top_k (token, expert)

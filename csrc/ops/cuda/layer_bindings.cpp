@@ -298,32 +298,9 @@ void qk_norm_rope(at::Tensor& x, int64_t heads, int64_t head_dim, const at::Tens
                "exl3 qk norm rope");
 }
 
-// Asks the first bytes[p] bytes of each tensor into L2 (exl3_ops.h launch_l2_prefetch).
-void l2_prefetch(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& bytes) {
-  EXL3_CHECK(tensors.size() == bytes.size(), "exl3 l2_prefetch: one byte count per tensor");
-  EXL3_CHECK((int)tensors.size() <= exl3::kMaxPrefetchRegions, "exl3 l2_prefetch: at most ",
-              exl3::kMaxPrefetchRegions, " tensors");
-  if (tensors.empty()) return;
-  std::vector<const void*> ptrs;
-  for (size_t p = 0; p < tensors.size(); p++) {
-    const at::Tensor& t = tensors[p];
-    EXL3_CHECK(t.is_cuda() && t.is_contiguous() && t.device() == tensors[0].device(),
-                "exl3 l2_prefetch: contiguous CUDA tensors on one device");
-    EXL3_CHECK(bytes[p] >= 0 && bytes[p] <= (int64_t)(t.numel() * t.element_size()),
-                "exl3 l2_prefetch: byte count outside the tensor");
-    ptrs.push_back(t.data_ptr());
-  }
-  const c10::cuda::CUDAGuard guard(tensors[0].device());
-  auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_launch(exl3::launch_l2_prefetch((int)ptrs.size(), ptrs.data(), bytes.data(), stream),
-               "exl3 l2 prefetch");
-}
-
 }  // namespace
 
 void define_layer_ops(pybind11::module_& m) {
-  m.def("l2_prefetch", &l2_prefetch, "asks the first bytes of each tensor into L2 (a hint)",
-        py::arg("tensors"), py::arg("bytes"));
   m.def("lora_low", &lora_low, "low = x @ a^T for a decode step's rows (False: not taken)",
         py::arg("x"), py::arg("a"), py::arg("low"), py::arg("partial"), py::arg("ticket"));
   m.def("qk_norm_rope", &qk_norm_rope, "per-head RMSNorm of q and k, then rotary, in place",

@@ -151,10 +151,6 @@ class FusedDecodeLayer:
         self.pro_rows = gemm_pro.pro_rows() if self.fold_pro else 0
         # The next layer's plan, linked at run time (forward: the "norm" fold across layers).
         self.successor: FusedDecodeLayer | None = None
-        # EXL3_L2_PREFETCH_MB: the o and gate/up trellises asked into L2 during attention.
-        self.prefetch = layer_kernels.prefetch_plan(
-            o.trellises, gate_up.trellises if gate_up is not None else [],
-            layer_kernels.prefetch_budget() if self.device.type == "cuda" else 0)
         self.qk_weight = None  # per-head RMSNorm weights [heads + kv heads, head_dim]
         if (type(norm) is RMSNorm and not norm.unit_offset
                 and tuple(norm.weight.shape) == (heads + kv_heads, dim)):
@@ -365,7 +361,6 @@ class FusedDecodeLayer:
             layer_kernels.hadamard_out(partials, self.qkv.posts_for(partials), self.qkv.biases, outs,
                                        rope_cols, cos=cos, sin=sin,
                                        head_dim=dim if cos is not None else 0, lora=lora)
-        layer_kernels.l2_prefetch(*self.prefetch)  # while attention runs (a hint)
         qkv4 = qkv.view(batch, steps, heads + 2 * kv_heads, dim)
         if (target is not None or self.fold_combine) and hasattr(cache, "attend_parts"):
             return self._attend_folded(qkv, target is not None, step)
