@@ -25,6 +25,12 @@ namespace exl3 {
 namespace {
 
 constexpr int kWarps = 8;
+// glu_hadamard: gate's and up's split-K loads issued together (load_split_sums2), the
+// same sums as two load_split_sum calls; -DEXL3_GLU_PAIRED=0 for the A/B.
+#ifndef EXL3_GLU_PAIRED
+#define EXL3_GLU_PAIRED 1
+#endif
+constexpr bool kGluPaired = EXL3_GLU_PAIRED != 0;
 
 
 using prologue::load_split_sum;
@@ -186,8 +192,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   LoraFetch<T, 2> lf;
   if (LORA) lora_fetch<T, 2>(lora, row, lora_offset, base, inter, lane, lf);
   float g[4], u[4];
-  load_sum(gate, half, splits, rows, width, row, base, g);
-  load_sum(up, half, splits, rows, width, row, base, u);
+  if (kGluPaired && !half) {  // gate's and up's split loads in flight together
+    prologue::load_split_sums2<prologue::kSplitBatch>(static_cast<const float*>(gate),
+                                                       static_cast<const float*>(up), splits,
+                                                       rows, width, row, base, g, u);
+  } else {
+    load_sum(gate, half, splits, rows, width, row, base, g);
+    load_sum(up, half, splits, rows, width, row, base, u);
+  }
   hadamard128_warp(g, lane);
   hadamard128_warp(u, lane);
   float d[2][4];

@@ -19,9 +19,10 @@
 #include "exl3_lora.cuh"
 
 // Split-K partial sums loaded per batch ahead of their adds (load_split_sum); an A/B knob
-// (EXL3_NVCC_FLAGS=-DEXL3_SPLIT_BATCH=8), the sums' bits the same at every value.
+// (EXL3_NVCC_FLAGS=-DEXL3_SPLIT_BATCH=4), the sums' bits the same at every value. 8: run
+// 48 (4 / 8 / 16: 243.4 / 245.5 / 244.5 tok/s, 8B one job; bench/NOTES-gpu.md).
 #ifndef EXL3_SPLIT_BATCH
-#define EXL3_SPLIT_BATCH 4
+#define EXL3_SPLIT_BATCH 8
 #endif
 
 namespace exl3 {
