@@ -101,10 +101,11 @@ def test_hadamard_out_adds_the_residual(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 33])
-def test_glu_hadamard(dtype, act, rows):
-    gen = _gen(rows)
+@pytest.mark.parametrize("splits", [6, 19])  # under one batch of loads in flight; several
+def test_glu_hadamard(dtype, act, rows, splits):
+    gen = _gen(rows + splits)
     inter, width = 320, 384
-    gate, up = (torch.randn(6, rows, width, generator=gen) for _ in range(2))
+    gate, up = (torch.randn(splits, rows, width, generator=gen) for _ in range(2))
     post_g, post_u, pre = (torch.randn(width, generator=gen) * 0.3 for _ in range(3))
     bias_g = torch.randn(inter, generator=gen)
     args = (post_g, post_u, bias_g, None)
