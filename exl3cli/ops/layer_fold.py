@@ -20,8 +20,9 @@
   (1..8 rows, K 2..6, no adapter on the projection; else the two launches).
 
 ``EXL3_LAYER_FOLD`` picks them: "kv", "combine", "norm", "pro", a list "kv,combine", or
-"all" (kv, combine and norm: "pro" stays off until a device run has measured it); unset,
-"" or "0": none (the path of runs 10-28). Any other name: ValueError where a layer is built.
+"all" (kv, combine and norm; "pro" measured slower, run 44); unset or "": ``DEFAULT``
+("kv,combine": 1.05x at one 8B job, 1.04x at 16, run 49); "0", "none" or "off": none
+(the path of runs 10-48). Any other name: ValueError where a layer is built.
 
 Public API:
 - ``active_folds()`` (the names on; ``FOLDS`` overrides the environment), ``fold_names(text)
@@ -57,6 +58,7 @@ from exl3cli.ops.layer_kernels import LowRank
 
 NAMES = ("kv", "combine", "norm", "pro")
 ALL = ("kv", "combine", "norm")  # what "all" turns on
+DEFAULT = frozenset(("kv", "combine"))  # EXL3_LAYER_FOLD unset (bench/NOTES-gpu.md run 49)
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -80,8 +82,12 @@ FOLDS: frozenset[str] | None = None  # set (tests, benchmarks) to override EXL3_
 
 def active_folds() -> frozenset[str]:
     """The folds on: ``FOLDS`` when set, else ``EXL3_LAYER_FOLD`` read now (a bad value is
-    a ValueError where a layer is built, not when this module is imported)."""
-    return FOLDS if FOLDS is not None else fold_names(os.environ.get("EXL3_LAYER_FOLD", ""))
+    a ValueError where a layer is built, not when this module is imported), else
+    ``DEFAULT``."""
+    if FOLDS is not None:
+        return FOLDS
+    text = os.environ.get("EXL3_LAYER_FOLD", "")
+    return fold_names(text) if text.strip() else DEFAULT
 
 
 class KvStore(NamedTuple):

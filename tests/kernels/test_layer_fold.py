@@ -32,6 +32,17 @@ def test_fold_names():
         layer_fold.fold_names("kv,rope")
 
 
+def test_kv_and_combine_are_on_unless_turned_off(monkeypatch):
+    monkeypatch.setattr(layer_fold, "FOLDS", None)
+    monkeypatch.delenv("EXL3_LAYER_FOLD", raising=False)
+    assert layer_fold.active_folds() == {"kv", "combine"}
+    for off in ("0", "none", "off"):
+        monkeypatch.setenv("EXL3_LAYER_FOLD", off)
+        assert layer_fold.active_folds() == frozenset()
+    monkeypatch.setenv("EXL3_LAYER_FOLD", "all")
+    assert layer_fold.active_folds() == {"kv", "combine", "norm"}
+
+
 def test_kv_ranges_over_split_and_fused_parts():
     heads, kv_heads, dim = 4, 2, 8
     assert layer_fold.kv_ranges([32, 16, 16], heads, kv_heads, dim) == [

@@ -200,6 +200,7 @@ def test_the_generator_replays_graphs_of_moe_models(tmp_path, shape, monkeypatch
     again, generator = _generate(folder, "graph")
     assert generator.decode.mode == "static"
     assert [len(a) for a in again] == [len(w) for w in want]
+    torch.randn(4, device="cuda")  # failed captures leave the default generator usable
 
 
 @pytest.mark.parametrize("shape", ["tiny-qwen3-moe", "tiny-mixtral"])

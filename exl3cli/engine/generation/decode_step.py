@@ -70,6 +70,36 @@ MAX_CAPTURE_FAILURES = 3
 MAX_ROWS = 64  # rows of a fixed-shape step that verifies drafts (jobs x (1 + k))
 
 
+def recover_from_failed_capture(device: torch.device, pool: tuple[int, int] | None) -> None:
+    """Undo what a capture that raised leaves behind. torch's CUDAGraph.capture_end throws
+    at cudaStreamEndCapture, before its bookkeeping: the device's default random generator
+    stays marked as capturing (every later CUDA random op outside a capture, sampling
+    included, then fails with "Offset increment outside graph capture encountered
+    unexpectedly"), and the allocator keeps routing the capture's pool (a capture-status
+    query on every allocation). An empty capture that succeeds runs the generator's
+    epilogue on the same state object, so graphs captured earlier keep sharing it."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if pool is not None:
+        try:  # absent when the failure came before the capture began: nothing to end
+            torch._C._cuda_endAllocateToPool(index, pool)
+        except (AttributeError, RuntimeError):
+            pass
+    try:
+        with torch.cuda.device(index):
+            scratch = torch.zeros(1, device=device)
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                scratch.add_(1)
+            torch.cuda.current_stream().wait_stream(stream)
+            del graph
+    except RuntimeError as error:  # leave the generator as it is; report why
+        log.warning("could not reset CUDA state after a failed graph capture: %s", error)
+
+
 def default_mode(device: torch.device) -> str:
     mode = os.environ.get("EXL3_DECODE_MODE", "").strip().lower()
     if mode:
@@ -262,6 +292,8 @@ class DecodeRunner:
             with _CAPTURE_LOCK:
                 graph, logits = self._capture_alone(step)
         except Exception as error:  # a capture can fail in many ways: keep generating
+            with _CAPTURE_LOCK:
+                recover_from_failed_capture(self.pool.device, self._pool_handle)
             self.capture_failures += 1
             self.capture_ns += time.perf_counter_ns() - began
             last = self.capture_failures >= MAX_CAPTURE_FAILURES
@@ -304,4 +336,4 @@ class DecodeRunner:
 
 
 __all__ = ["MAX_CAPTURE_FAILURES", "MAX_ROWS", "MODES", "DecodeRunner", "FixedDecodeStep",
-           "bucket", "default_mode", "reference_paged_attention"]
+           "bucket", "default_mode", "recover_from_failed_capture", "reference_paged_attention"]
