@@ -84,8 +84,8 @@ def recover_from_failed_capture(device: torch.device, pool: tuple[int, int] | No
     if pool is not None:
         try:  # absent when the failure came before the capture began: nothing to end
             torch._C._cuda_endAllocateToPool(index, pool)
-        except (AttributeError, RuntimeError):
-            pass
+        except (AttributeError, RuntimeError, TypeError) as error:
+            log.debug("no capture pool to end after a failed capture: %s", error)
     try:
         with torch.cuda.device(index):
             scratch = torch.zeros(1, device=device)
@@ -294,6 +294,9 @@ class DecodeRunner:
         except Exception as error:  # a capture can fail in many ways: keep generating
             with _CAPTURE_LOCK:
                 recover_from_failed_capture(self.pool.device, self._pool_handle)
+            # The failed capture's pool may still be marked as recording ("beginAllocateToPool:
+            # already recording to mempool_id" at the next capture into it): a fresh one.
+            self._pool_handle = None
             self.capture_failures += 1
             self.capture_ns += time.perf_counter_ns() - began
             last = self.capture_failures >= MAX_CAPTURE_FAILURES
@@ -320,6 +323,16 @@ class DecodeRunner:
     def _capture_alone(self, step: FixedDecodeStep) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm-up and capture, on a stream of this capture's own (not torch.cuda.graph's
         one class-wide default stream). The caller holds _CAPTURE_LOCK."""
+        prior = torch.cuda.current_stream(self.pool.device)
+        try:
+            return self._capture_on_side_stream(step)
+        except BaseException:
+            # torch.cuda.graph leaves its stream current when capture_end raises.
+            torch.cuda.set_stream(prior)
+            raise
+
+    def _capture_on_side_stream(self, step: FixedDecodeStep
+                                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream(device=self.pool.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
