@@ -83,7 +83,7 @@ def main(folder: Path, models: tuple[str, ...] = ("8b", "1b")) -> None:
             for (kv, jobs), value in sorted(ours(folder, f"{model}-fold-{variant}").items()):
                 base = plain.get((kv, jobs))
                 print(f"{model} {jobs} jobs, {kv}, EXL3_LAYER_FOLD={variant}: {value:.1f} "
-                      f"tok/s; no fold {base or 0:.1f} (fold / none {ratio(value, base).strip()})")
+                      f"tok/s; default {base or 0:.1f} (variant / default {ratio(value, base).strip()})")
         _variant_rows(folder, model, plain, "async", "async variant")  # ASYNC_VARIANTS
         for path in sorted(folder.glob(f"profile-{model}-async-*.json")):
             _print_profile(f"{model} 1 job, async {path.stem.removeprefix(f'profile-{model}-async-')}",

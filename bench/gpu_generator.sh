@@ -115,7 +115,8 @@ if [[ " $STAGES " == *" fold "* ]]; then
   # The decode layer's folds (exl3cli/ops/layer_fold.py; NOTES-gpu "Launches per layer
   # (issue 10, session 8)"): FOLD_VARIANTS="NAME:ENV=VALUE[,ENV=VALUE] ..." (default
   # "all:EXL3_LAYER_FOLD=all"), each the 8B generator at FOLD_JOBS (default JOBS) with the
-  # FOLD_KV caches (default fp16); "ours" in the same call is the no-fold baseline.
+  # FOLD_KV caches (default fp16); "ours" in the same call is the baseline (the default
+  # folds, kv,combine since run 52; "off:EXL3_LAYER_FOLD=0" measures none).
   # FOLD_PROFILE="NAME ...": those variants' one-job profile too (default: all of them).
   for variant in ${FOLD_VARIANTS:-"all:EXL3_LAYER_FOLD=all"}; do
     name=${variant%%:*} envs=${variant#*:}

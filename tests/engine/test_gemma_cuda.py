@@ -139,3 +139,25 @@ def test_softcapped_attention_on_the_gpu(block):
     got = softcapped_attention(query.cuda(), key.cuda(), value.cuda(),
                                allowed[None, None].cuda(), 0.3, 2.0, block=block)
     assert (got.cpu() - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefix_cache_hits_in_graph_mode_give_the_first_runs_tokens(folders, case):
+    """A prompt decoded once, then six copies at once that reuse its cached pages (what
+    `exl3 serve` does when clients repeat a prompt): graphs replayed over shared pages,
+    past the sliding window, must give the first run's tokens (float32)."""
+    model = load_causal_lm(folders[case], device="cuda", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder(folders[case])
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 400) for _ in range(300)]
+    generator = Generator(model, tokenizer, max_batch=8, num_ctx=1024, decode_mode="graph")
+
+    def job() -> GenerationJob:
+        return GenerationJob(list(prompt), {"temperature": 0}, num_predict=40, ignore_eos=True)
+
+    first = generator.submit(job())
+    generator.run_until_done()
+    again = [generator.submit(job()) for _ in range(6)]
+    generator.run_until_done()
+    assert generator.decode.mode == "graph" and generator.decode.captures >= 2
+    assert [list(h.token_ids) for h in again] == [list(first.token_ids)] * 6
