@@ -223,6 +223,10 @@ fi
 # --- item 4: speculative decoding ----------------------------------------------------
 if has spec && [[ " $MODELS " == *" smollm2 "* ]]; then
   draft=(); [ -f "$REAL/smollm2-2.0/config.json" ] && draft=(--draft-model "$REAL/smollm2-2.0")
+  # The CPU references (cpu_reference, 2 x REF_THREADS cores) must be done first: the
+  # generator is host-bound at these sizes, and in run 53 the spec rows ran beside them
+  # (plain and drafted runs measured under different loads). SPEC_QUIET=0: don't wait.
+  [ "${SPEC_QUIET:-1}" = 1 ] && { wait; stamp "CPU references done (spec on a quiet host)"; }
   timeout 300 python3 bench/real_models/speculative_bench.py "$REAL/smollm2-hf" "${draft[@]}" \
     --jobs "${SPEC_JOBS:-1,16}" --tokens "${SPEC_TOKENS:-64}" --device "$DEVICE" \
     --dtype "$GPU_DTYPE" --out "$OUT/spec.json" 2>"$OUT/spec.err" | tee "$OUT/spec.txt" \

@@ -133,7 +133,24 @@ def _summary(results: list[dict], solo: dict[str, str], wall: float) -> list[dic
             "latency_p50_ms": round(1000 * statistics.median(r["latency"] for r in ok), 1)
             if ok else None,
             "errors": sorted({r["error"] for r in mine if "error" in r})[:3],
+            "other_texts": _other_texts([r["text"] for r in ok], solo[key[1]]),
         })
+    return rows
+
+
+def _other_texts(texts: list[str], solo: str, keep: int = 3) -> list[dict]:
+    """The texts unlike the solo one, most common first: how many clients got each, the
+    character where it leaves the solo text, and the text from a little before there
+    (a near tie continues sanely; a broken step does not)."""
+    counts: dict[str, int] = {}
+    for text in texts:
+        if text != solo:
+            counts[text] = counts.get(text, 0) + 1
+    rows = []
+    for text, count in sorted(counts.items(), key=lambda kv: -kv[1])[:keep]:
+        at = next((i for i, (a, b) in enumerate(zip(text, solo, strict=False)) if a != b),
+                  min(len(text), len(solo)))
+        rows.append({"clients": count, "differs_at_char": at, "text": text[max(0, at - 40):]})
     return rows
 
 

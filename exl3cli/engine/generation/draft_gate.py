@@ -30,6 +30,9 @@ generator that drafts with it, so a verdict outlives the request that paid for i
   path) for `interval` tokens, at least long enough that the probe's loss stays under
   PROBE_OVERHEAD of the paused time, doubled per probe that confirms it (up to
   MAX_PROBE_INTERVAL); a probe that finds the forward cheap enough ends the back-off.
+  The pause is the size class's, in time (its tokens at the plain step's rate): a job
+  that asks during it (another request) is paused for the rest of it without a probe
+  of its own; the first to ask after it probes.
 
 Where drafting may pay (f below the bound) the per-job and batch rules of draft_policy
 judge the whole pass (draft forwards included) as before.
@@ -57,7 +60,9 @@ class DraftForwardCost:
     def __init__(self) -> None:
         self._ns: dict[int, float] = {}
         self._interval: dict[int, int] = {}  # size class -> the last pause (tokens)
-        self._probe_due: set[int] = set()  # size classes whose next drafting step probes
+        # Size class -> when its pause ends (perf_counter ns): process-wide, so a request
+        # that arrives during another's pause waits out the rest of it instead of probing.
+        self._resume_ns: dict[int, int] = {}
         self.pauses = 0  # pauses for a certain loss, and probes after them (benchmarks)
         self.probes = 0
         self.catch_up_ns = 0  # time of the long-feed forwards since `take_catch_up`
@@ -97,8 +102,12 @@ class DraftForwardCost:
         if drafting <= 0 or plain_ns is None or plain_ns <= 0:
             return None, 0
         key = size_class(drafting)
-        if key in self._probe_due:  # a pause ended: time the forward again
-            self._probe_due.discard(key)
+        now = time.perf_counter_ns()
+        resume = self._resume_ns.get(key)
+        if resume is not None:
+            if now < resume:  # paused (for another job, maybe): the rest of that pause
+                return 0, max(1, math.ceil((resume - now) / plain_ns))
+            del self._resume_ns[key]  # the pause ended: time the forward again
             self.probes += 1
             return TIME_FIRST, 0
         bound = plain_ns * drafting / max(batch, drafting)
@@ -120,7 +129,7 @@ class DraftForwardCost:
         else:
             interval = min(MAX_PROBE_INTERVAL, 2 * interval)
         self._interval[key] = interval
-        self._probe_due.add(key)
+        self._resume_ns[key] = now + math.ceil(interval * plain_ns)
         self.pauses += 1
         return 0, interval
 
