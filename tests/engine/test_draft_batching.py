@@ -15,6 +15,7 @@ from exl3cli.engine.models.loader import load_causal_lm
 from tests.fixtures.tiny_model import write_tiny_model
 
 GREEDY = {"temperature": 0}
+MS = 1_000_000
 
 
 class CountingModel:
@@ -25,7 +26,12 @@ class CountingModel:
         self.config, self.layers = model.config, model.layers
         self.dtype, self.device = model.dtype, model.device
 
+    def __getattr__(self, name):  # what fixed-shape draft steps use (decode_step.py)
+        return getattr(self.inner, name)
+
     def forward(self, ids, cache=None, **kwargs):
+        if not hasattr(cache, "tables"):  # a fixed-shape step's forward: not counted
+            return self.inner.forward(ids, cache, **kwargs)
         self.calls += 1
         self.rows.append(len(cache.tables))
         return self.inner.forward(ids, cache, **kwargs)
@@ -145,3 +151,77 @@ def test_backed_off_jobs_run_ahead_on_the_fixed_shape_path(text_model, draft_mod
     assert [h.token_ids for h in handles] == [h.token_ids for h in plain]
     assert in_flight > 0
     assert sum(h.final.draft_count for h in handles) > 0  # it did draft, then paused
+
+
+def test_draft_steps_propose_what_the_general_path_proposes(text_model, tmp_path, monkeypatch):
+    """One-token draft forwards as the draft model's own fixed-shape steps (static mode
+    on the CPU: what a CUDA graph replays) against the general path (EXL3_DRAFT_STEPS=0),
+    several jobs drafting together over many positions, accepting part of each draft;
+    and the generator's text with them is plain greedy's."""
+    folder = write_tiny_model(tmp_path / "draft", "llama", vocab_size=400,
+                              max_position_embeddings=1280)
+    monkeypatch.setenv("EXL3_DECODE_MODE", "static")
+    stepped_model = load_causal_lm(folder, device="cpu")
+    stepped = [ModelDrafter(stepped_model) for _ in range(3)]
+    monkeypatch.setenv("EXL3_DRAFT_STEPS", "0")
+    plain_model = load_causal_lm(folder, device="cpu")
+    plain = [ModelDrafter(plain_model) for _ in range(3)]
+    monkeypatch.delenv("EXL3_DRAFT_STEPS")
+    histories = _prompts(3, seed=5)
+    rng = random.Random(5)
+    for _ in range(6):
+        counts = [rng.randrange(1, 5) for _ in histories]
+        want = plain[0].propose_batch(plain, histories, counts)
+        got = stepped[0].propose_batch(stepped, histories, counts)
+        assert got == want
+        # keep part of each draft, then a token of "the target's" own
+        histories = [h + d[: rng.randrange(len(d) + 1)] + [rng.randrange(3, 400)]
+                     for h, d in zip(histories, got, strict=True)]
+    runner = stepped[0].cache.runner
+    assert runner is not None and runner.mode == "static" and runner._steps
+    assert plain[0].cache.runner is None
+
+    prompts = _prompts(4, seed=6)
+    want, _ = _run(text_model, prompts, [24] * 4)
+    counting = CountingModel(stepped_model)
+    got, _ = _run(text_model, prompts, [24] * 4, counting, k=3)
+    assert [h.token_ids for h in got] == [h.token_ids for h in want]
+    assert sum(h.final.draft_accepted for h in got) > 0
+    drafter = got[0].job.drafter
+    assert drafter.cache.runner is not None and drafter.cache.runner._steps
+    assert counting.calls < sum(h.final.draft_count for h in got)  # most ran as steps
+
+
+def test_a_draft_step_that_captured_a_graph_is_not_timed(tmp_path, monkeypatch):
+    """The first replay of a bucket captures its graph (decode_step.py): that forward's
+    time is not a draft forward's cost; a scratch timing (time_forward) runs again and
+    times the replay. Captures stood in for on the CPU (static steps)."""
+    import types
+
+    from exl3cli.engine.generation import draft_gate
+
+    folder = write_tiny_model(tmp_path / "draft", "llama", vocab_size=400,
+                              max_position_embeddings=1280)
+    monkeypatch.setenv("EXL3_DECODE_MODE", "static")
+    drafter = ModelDrafter(load_causal_lm(folder, device="cpu"))
+    drafter.time_forward(2)  # makes the draft model's step runner
+    runner = drafter.cache.runner
+    assert runner is not None and runner.mode == "static"
+    clock = types.SimpleNamespace(now=0)
+    monkeypatch.setattr(draft_gate, "time", types.SimpleNamespace(perf_counter_ns=lambda: clock.now))
+    real, calls = runner.run, []
+
+    def run(rows, *args):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            runner.captures += 1  # as a capture would
+            clock.now += 50 * MS
+        else:
+            clock.now += MS
+        return real(rows, *args)
+
+    monkeypatch.setattr(runner, "run", run)
+    cost = drafter.cache.forward_cost = draft_gate.DraftForwardCost()
+    drafter.time_forward(1)
+    assert calls == [1, 1] and cost.forward_ns(1) == MS
+    assert cost.take_catch_up() == 51 * MS  # both scratch: left out of the step's charge

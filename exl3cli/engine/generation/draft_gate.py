@@ -54,6 +54,17 @@ FIRST_INTERVAL = 16  # tokens paused before the first probe, at least
 MAX_PROBE_INTERVAL = 4096
 
 
+class Timed:
+    """What `DraftForwardCost.timing` yields: `discard()` when the forward was not a
+    steady-state one (it captured a CUDA graph)."""
+
+    def __init__(self) -> None:
+        self.discarded = False
+
+    def discard(self) -> None:
+        self.discarded = True
+
+
 class DraftForwardCost:
     """One draft model's forward time per batch size class, and its skip schedule."""
 
@@ -68,17 +79,20 @@ class DraftForwardCost:
         self.catch_up_ns = 0  # time of the long-feed forwards since `take_catch_up`
 
     @contextmanager
-    def timing(self, jobs: int, short: bool, scratch: bool = False) -> Iterator[None]:
+    def timing(self, jobs: int, short: bool, scratch: bool = False) -> Iterator[Timed]:
         """Around one draft forward over `jobs` jobs (and its read-back); recorded when
         every feed was `short` (at most SHORT_FEED tokens), else counted as catch-up.
         A `scratch` forward (the drafter's `time_forward`: rows of no job) is both
-        recorded and left out of the step's charge, like catch-up."""
+        recorded and left out of the step's charge, like catch-up. One that calls
+        `.discard()` on what this yields (it captured a CUDA graph) is not recorded, and
+        left out of the charge."""
+        timed = Timed()
         start = time.perf_counter_ns()
-        yield
+        yield timed
         elapsed = time.perf_counter_ns() - start
-        if short:
+        if short and not timed.discarded:
             self.observe(jobs, elapsed)
-        if scratch or not short:
+        if scratch or not short or timed.discarded:
             self.catch_up_ns += elapsed
 
     def take_catch_up(self) -> int:
