@@ -227,7 +227,9 @@ if has spec && [[ " $MODELS " == *" smollm2 "* ]]; then
   # generator is host-bound at these sizes, and in run 53 the spec rows ran beside them
   # (plain and drafted runs measured under different loads). SPEC_QUIET=0: don't wait.
   [ "${SPEC_QUIET:-1}" = 1 ] && { wait; stamp "CPU references done (spec on a quiet host)"; }
-  timeout 300 python3 bench/real_models/speculative_bench.py "$REAL/smollm2-hf" "${draft[@]}" \
+  # DRAFT_STEPS=1 (default): the draft model's one-token forwards as graphed steps
+  # (plugins/drafters.py, opt-in in the product until measured); 0: run 53's eager path.
+  EXL3_DRAFT_STEPS=${DRAFT_STEPS:-1} timeout 300 python3 bench/real_models/speculative_bench.py "$REAL/smollm2-hf" "${draft[@]}" \
     --jobs "${SPEC_JOBS:-1,16}" --tokens "${SPEC_TOKENS:-64}" --device "$DEVICE" \
     --dtype "$GPU_DTYPE" --out "$OUT/spec.json" 2>"$OUT/spec.err" | tee "$OUT/spec.txt" \
     || { echo "NOTE: speculative bench: a text differed or it failed"; tail -3 "$OUT/spec.err"; }

@@ -9,10 +9,11 @@ drafted for free: no second model, no extra memory.
 name or a model folder), which drafts greedily. It is loaded once per process and
 shared, with one paged cache in which each job keeps its own text (only the tokens
 after the last verified one are fed again); the jobs of a step are drafted together.
-Its one-token forwards run as fixed-shape decode steps of its own (decode_step.py:
-CUDA graphs on a GPU, as the target's steps; EXL3_DECODE_MODE applies, and
-EXL3_DRAFT_STEPS=0 keeps every draft forward on the general path): run 53 timed the
-2.0 bpw SmolLM2's eager forward at 58 ms on the H200, ~25x a graphed plain step.
+With EXL3_DRAFT_STEPS=1 (opt-in until a device run has measured it) its one-token
+forwards run as fixed-shape decode steps of its own (decode_step.py: CUDA graphs on a
+GPU, as the target's steps; EXL3_DECODE_MODE applies); else every draft forward takes
+the general path: run 53 timed the 2.0 bpw SmolLM2's eager forward at 58 ms on the
+H200, ~25x a graphed plain step.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class _SharedDraftCache:
         # Its forwards' time, which the generator's gate weighs against a plain step.
         self.forward_cost = DraftForwardCost()
         self.runner: DecodeRunner | None = None  # fixed-shape steps over `pool`
-        self.steps = os.environ.get("EXL3_DRAFT_STEPS", "1").strip() != "0"
+        self.steps = os.environ.get("EXL3_DRAFT_STEPS", "0").strip() == "1"
 
     def _new_pool(self, pages: int) -> None:
         config = self.model.config

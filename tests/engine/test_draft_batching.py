@@ -155,18 +155,18 @@ def test_backed_off_jobs_run_ahead_on_the_fixed_shape_path(text_model, draft_mod
 
 def test_draft_steps_propose_what_the_general_path_proposes(text_model, tmp_path, monkeypatch):
     """One-token draft forwards as the draft model's own fixed-shape steps (static mode
-    on the CPU: what a CUDA graph replays) against the general path (EXL3_DRAFT_STEPS=0),
+    on the CPU: what a CUDA graph replays) against the general path (EXL3_DRAFT_STEPS unset),
     several jobs drafting together over many positions, accepting part of each draft;
     and the generator's text with them is plain greedy's."""
     folder = write_tiny_model(tmp_path / "draft", "llama", vocab_size=400,
                               max_position_embeddings=1280)
     monkeypatch.setenv("EXL3_DECODE_MODE", "static")
+    monkeypatch.setenv("EXL3_DRAFT_STEPS", "1")
     stepped_model = load_causal_lm(folder, device="cpu")
     stepped = [ModelDrafter(stepped_model) for _ in range(3)]
-    monkeypatch.setenv("EXL3_DRAFT_STEPS", "0")
+    monkeypatch.delenv("EXL3_DRAFT_STEPS")
     plain_model = load_causal_lm(folder, device="cpu")
     plain = [ModelDrafter(plain_model) for _ in range(3)]
-    monkeypatch.delenv("EXL3_DRAFT_STEPS")
     histories = _prompts(3, seed=5)
     rng = random.Random(5)
     for _ in range(6):
@@ -183,6 +183,7 @@ def test_draft_steps_propose_what_the_general_path_proposes(text_model, tmp_path
 
     prompts = _prompts(4, seed=6)
     want, _ = _run(text_model, prompts, [24] * 4)
+    monkeypatch.setenv("EXL3_DRAFT_STEPS", "1")
     counting = CountingModel(stepped_model)
     got, _ = _run(text_model, prompts, [24] * 4, counting, k=3)
     assert [h.token_ids for h in got] == [h.token_ids for h in want]
@@ -203,6 +204,7 @@ def test_a_draft_step_that_captured_a_graph_is_not_timed(tmp_path, monkeypatch):
     folder = write_tiny_model(tmp_path / "draft", "llama", vocab_size=400,
                               max_position_embeddings=1280)
     monkeypatch.setenv("EXL3_DECODE_MODE", "static")
+    monkeypatch.setenv("EXL3_DRAFT_STEPS", "1")
     drafter = ModelDrafter(load_causal_lm(folder, device="cpu"))
     drafter.time_forward(2)  # makes the draft model's step runner
     runner = drafter.cache.runner

@@ -1,6 +1,6 @@
 """The draft model's one-token forwards as its own fixed-shape steps replayed from CUDA
 graphs (plugins/drafters.py `_SharedDraftCache.forward`, `-m cuda`): the drafts equal
-the general path's (EXL3_DRAFT_STEPS=0) in float32, and speculative text stays the
+the general path's (EXL3_DRAFT_STEPS unset) in float32, and speculative text stays the
 target's greedy text."""
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_graphed_draft_steps_propose_what_the_general_path_proposes(folder, monkeypatch):
+    monkeypatch.setenv("EXL3_DRAFT_STEPS", "1")
     stepped_model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
     stepped = [ModelDrafter(stepped_model) for _ in range(3)]
-    monkeypatch.setenv("EXL3_DRAFT_STEPS", "0")
+    monkeypatch.delenv("EXL3_DRAFT_STEPS")
     plain_model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
     plain = [ModelDrafter(plain_model) for _ in range(3)]
-    monkeypatch.delenv("EXL3_DRAFT_STEPS")
     vocab = stepped_model.config.vocab_size
     rng = random.Random(4)
     histories = [[rng.randrange(10, vocab // 2) for _ in range(rng.randrange(5, 40))]
