@@ -75,9 +75,12 @@ def recover_from_failed_capture(device: torch.device, pool: tuple[int, int] | No
     at cudaStreamEndCapture, before its bookkeeping: the device's default random generator
     stays marked as capturing (every later CUDA random op outside a capture, sampling
     included, then fails with "Offset increment outside graph capture encountered
-    unexpectedly"), and the allocator keeps routing the capture's pool (a capture-status
-    query on every allocation). An empty capture that succeeds runs the generator's
-    epilogue on the same state object, so graphs captured earlier keep sharing it."""
+    unexpectedly"), and the allocator keeps the capture's pool entry (a capture-status
+    query on every allocation), which this ends where torch still lists it. Even so,
+    torch 2.11 refuses the next capture into that pool ("already recording", run 52's
+    bench/diag/failed_capture.py): the caller takes a fresh pool handle. An empty
+    capture that succeeds runs the generator's epilogue on the same state object, so
+    graphs captured earlier keep sharing it."""
     if device.type != "cuda":
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
