@@ -9,11 +9,11 @@ drafted for free: no second model, no extra memory.
 name or a model folder), which drafts greedily. It is loaded once per process and
 shared, with one paged cache in which each job keeps its own text (only the tokens
 after the last verified one are fed again); the jobs of a step are drafted together.
-With EXL3_DRAFT_STEPS=1 (opt-in until a device run has measured it) its one-token
-forwards run as fixed-shape decode steps of its own (decode_step.py: CUDA graphs on a
-GPU, as the target's steps; EXL3_DECODE_MODE applies); else every draft forward takes
-the general path: run 53 timed the 2.0 bpw SmolLM2's eager forward at 58 ms on the
-H200, ~25x a graphed plain step.
+Its one-token forwards run as fixed-shape decode steps of its own (decode_step.py: CUDA
+graphs on a GPU, as the target's steps; EXL3_DECODE_MODE applies; EXL3_DRAFT_STEPS=0
+turns them off): the 2.0 bpw SmolLM2's forward took 58 ms on the H200's general path
+(run 53), 3.7 ms as a graphed step (run 56). Longer feeds (a job's catch-up) take the
+general path.
 """
 
 from __future__ import annotations
@@ -39,27 +39,62 @@ class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the text's last n tokens
     (n from `max_ngram` down to `min_ngram`) and propose what followed it. One-token
     matches are off by default: on SmolLM2 they were mostly rejected and made free
-    answers 12% slower on CPU (bench/NOTES-speculative.md)."""
+    answers 12% slower on CPU (bench/NOTES-speculative.md).
+
+    One per job, so it keeps an index of its job's text (for each n, every n-gram that
+    has a token after it -> its latest start), extended by the tokens added since the
+    last call: a lookup is a few dict reads, not a scan of the text (which cost ~0.1-0.2
+    ms a job at a few hundred tokens: 16 jobs' scans were as long as the GPU's step).
+    The same index answers the generator's `peek` (ahead_step.py: whether a step may run
+    ahead without this job's draft), on longer matches only."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise InvalidOption(f"ngram drafter: need 1 <= min <= max, got {min_ngram}, "
                                 f"{max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._index: dict[int, dict[tuple[int, ...], int]] = {}
+        self._text: list[int] = []  # the text indexed so far (a copy)
 
-    def propose(self, history: list[int], count: int) -> list[int]:
-        size = len(history)
+    def _extend(self, history: list[int]) -> None:
+        """Index `history`: from where the indexed text left off when it extends it,
+        else anew."""
+        seen = len(self._text)
+        if seen > len(history) or history[:seen] != self._text:
+            self._index, self._text, seen = {}, [], 0
+        for end in range(seen, len(history)):
+            token = history[end]
+            self._text.append(token)
+            # the n-grams ending just before `token` now have a token after them
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                start = end - n
+                if start >= 0:
+                    key = tuple(self._text[start:end])
+                    self._index.setdefault(n, {})[key] = start
+
+    def _lookup(self, history: list[int], count: int, least: int) -> list[int]:
+        """What followed the latest earlier match of the text's last n tokens, n from
+        max_ngram down to `least` (recent text predicts best)."""
         if count <= 0:
             return []
-        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
-            tail = history[size - n:]
-            # Latest match first: recent text predicts what comes next best.
-            for start in range(size - n - 1, -1, -1):
-                if history[start:start + n] == tail:
-                    follow = history[start + n:start + n + count]
-                    if follow:
-                        return follow
+        self._extend(history)
+        size = len(history)
+        for n in range(min(self.max_ngram, size - 1), least - 1, -1):
+            start = self._index.get(n, {}).get(tuple(history[size - n:]))
+            if start is not None:
+                return history[start + n:start + n + count]
         return []
+
+    def propose(self, history: list[int], count: int) -> list[int]:
+        return self._lookup(history, count, self.min_ngram)
+
+    def peek(self, history: list[int], count: int) -> list[int]:
+        """The generator's guess ahead (ahead_step._peeks_dry): `propose` on matches of
+        at least min_ngram + 1 tokens (up to max_ngram). A two-token match that a peek
+        finds in free text rarely leads to a draft at the next token, but costs a step
+        that waits for the host (run 58: free text at 16 jobs, 6 such breaks in 59
+        passes, 0.96x); text being copied matches three tokens as readily."""
+        return self._lookup(history, count, min(self.max_ngram, self.min_ngram + 1))
 
 
 def _ngram_factory(spec: str) -> Drafter:
@@ -120,7 +155,8 @@ class _SharedDraftCache:
         # Its forwards' time, which the generator's gate weighs against a plain step.
         self.forward_cost = DraftForwardCost()
         self.runner: DecodeRunner | None = None  # fixed-shape steps over `pool`
-        self.steps = os.environ.get("EXL3_DRAFT_STEPS", "0").strip() == "1"
+        self.steps = os.environ.get("EXL3_DRAFT_STEPS", "1").strip() != "0"
+        self.captures = 0  # CUDA graphs its steps captured, all runners (benchmarks)
 
     def _new_pool(self, pages: int) -> None:
         config = self.model.config
@@ -158,6 +194,7 @@ class _SharedDraftCache:
                 picks = torch.argmax(logits, dim=-1).tolist()  # the sync
                 if runner.captures != captures:
                     timed.discard()  # a graph captured: not a draft forward's cost
+                    self.captures += runner.captures - captures
             else:
                 ids = torch.tensor([[t for feed in feeds for t in feed]], dtype=torch.long,
                                    device=self.model.device)

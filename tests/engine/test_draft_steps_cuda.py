@@ -1,6 +1,6 @@
 """The draft model's one-token forwards as its own fixed-shape steps replayed from CUDA
 graphs (plugins/drafters.py `_SharedDraftCache.forward`, `-m cuda`): the drafts equal
-the general path's (EXL3_DRAFT_STEPS unset) in float32, and speculative text stays the
+the general path's (EXL3_DRAFT_STEPS=0) in float32, and speculative text stays the
 target's greedy text."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_graphed_draft_steps_propose_what_the_general_path_proposes(folder, monk
     monkeypatch.setenv("EXL3_DRAFT_STEPS", "1")
     stepped_model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
     stepped = [ModelDrafter(stepped_model) for _ in range(3)]
-    monkeypatch.delenv("EXL3_DRAFT_STEPS")
+    monkeypatch.setenv("EXL3_DRAFT_STEPS", "0")
     plain_model = load_causal_lm(folder, device="cuda", dtype=torch.float32)
     plain = [ModelDrafter(plain_model) for _ in range(3)]
     vocab = stepped_model.config.vocab_size

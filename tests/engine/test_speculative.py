@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -62,6 +64,35 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     # Single-token matches are not used by default (too often wrong: a wasted pass).
     assert drafter.propose([4, 9, 4], 2) == []
     assert drafter.propose([1, 2, 1], 0) == []
+
+
+def _scan(history: list[int], count: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
+    """The lookup by a scan of the whole text (what the indexed drafter must equal)."""
+    size = len(history)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        tail = history[size - n:]
+        for start in range(size - n - 1, -1, -1):
+            if history[start:start + n] == tail:
+                return history[start + n:start + n + count]
+    return []
+
+
+def test_ngram_index_gives_the_scan_as_the_text_grows_and_when_it_changes():
+    rng = random.Random(5)
+    drafter = make_drafter("ngram")
+    for _ in range(20):
+        text = [rng.randrange(6) for _ in range(rng.randrange(1, 8))]
+        for _ in range(60):  # one job's text growing a token (or a few) at a time
+            count = rng.randrange(0, 5)
+            assert drafter.propose(text, count) == _scan(text, count), (text, count)
+            # the peek: the same lookup on matches of three tokens or more
+            assert drafter.peek(text, count) == _scan(text, count, min_ngram=3)
+            text = text + [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
+        text[rng.randrange(len(text))] = 7  # not an extension: indexed anew
+        assert drafter.propose(text, 3) == _scan(text, 3)
+    wide = make_drafter("ngram:4")
+    text = [rng.randrange(4) for _ in range(300)]
+    assert wide.propose(text, 4) == _scan(text, 4, max_ngram=4)
 
 
 def test_drafter_names_and_counts_are_checked():

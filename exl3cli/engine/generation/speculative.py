@@ -54,7 +54,11 @@ MAX_DRAFT_TOKENS = 16
 
 class Drafter(Protocol):
     """One per job. It may also have `release()`: the generator calls it when the job
-    ends, to free per-job state (a draft model's cache) while the handle lives on."""
+    ends, to free per-job state (a draft model's cache) while the handle lives on; and
+    `peek(history, count)`: a cheap guess (a host-side lookup, not a model; no side
+    effects) at what `propose` would return, empty for "nothing": with it a job whose
+    drafter has nothing keeps the generator's run-ahead decode steps
+    (ahead_step._peeks_dry). A wrong guess costs speed, never text."""
 
     def propose(self, history: list[int], count: int) -> list[int]:
         """Up to `count` tokens that may follow `history` (may be fewer, or none)."""
