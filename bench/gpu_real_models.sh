@@ -12,7 +12,9 @@
 #   convert  source folders from the GGUFs; EXL3 4.0 bpw of each model, 2.0 bpw SmolLM2
 #   greedy   item 1: `exl3 run`-path greedy 64 tokens, fp16 and EXL3 4.0, vs CPU refs
 #            (fp16: shipped refs computed on the dev CPU; EXL3: refs computed on this
-#            machine's CPU from the same folder, while the GPU works)
+#            machine's CPU from the same folder, while the GPU works); the fp16 weights
+#            also in GREEDY_DTYPES on the GPU (default float32); GREEDY_EXL3=0 leaves the
+#            EXL3 4.0 rows (and their conversions) out
 #   tests    item 5: the cuda tests of the Gemma paths (tests/engine/test_gemma_cuda.py)
 #   serve    item 2: `exl3 serve`, 64 streaming clients through ollama and openai, models
 #            in turns then together (EXL3_MAX_LOADED_MODELS=2), plus `exl3 bench --server`;
@@ -114,12 +116,13 @@ convert() {  # model bits
 }
 raw_of() { [ "$1" = gemma3 ] && echo --raw || true; }
 cpu_reference() {  # the CPU reference of an EXL3 folder, on this machine's CPU, meanwhile
-  has greedy || return 0
+  { has greedy && [ "$GREEDY_EXL3" != 0 ]; } || return 0
   CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=${REF_THREADS:-6} timeout 500 python3 \
     bench/real_models/greedy_check.py reference "$REAL/$1-4.0" --device cpu --dtype float32 \
     $(raw_of "$1") --out "$OUT/ref-$1-4.0.json" >"$OUT/ref-$1-4.0.log" 2>&1 &
 }
-if has greedy || has serve; then  # the 4.0 folders serve items 1 and 2 only
+GREEDY_EXL3=${GREEDY_EXL3:-1}
+if { has greedy && [ "$GREEDY_EXL3" != 0 ]; } || has serve; then  # 4.0: items 1 and 2 only
   for m in $MODELS; do convert "$m" 4.0 && cpu_reference "$m"; done
 fi
 [[ " $MODELS " == *" smollm2 "* ]] && has spec && convert smollm2 2.0
@@ -136,6 +139,14 @@ if has greedy; then
     timeout 200 python3 bench/real_models/greedy_check.py check "$REAL/$m-hf" --ref "$ref" \
       --device "$DEVICE" --dtype "$GPU_DTYPE" --out "$OUT/greedy-$m-fp16.json" 2>"$OUT/greedy-$m-fp16.err" \
       || { echo "NOTE: greedy $m fp16 not identical (or failed)"; tail -2 "$OUT/greedy-$m-fp16.err"; }
+    # The same weights in other dtypes on the GPU (GREEDY_DTYPES, default float32): where
+    # float16 diverges, does the GPU path itself agree with the CPU reference?
+    for dt in ${GREEDY_DTYPES-float32}; do
+      [ -n "$DRY" ] && break
+      timeout 200 python3 bench/real_models/greedy_check.py check "$REAL/$m-hf" --ref "$ref" \
+        --device "$DEVICE" --dtype "$dt" --out "$OUT/greedy-$m-$dt.json" 2>"$OUT/greedy-$m-$dt.err" \
+        || { echo "NOTE: greedy $m $dt not identical (or failed)"; tail -2 "$OUT/greedy-$m-$dt.err"; }
+    done
   done
   # What a user types: `exl3 run` on the SmolLM2 folder, greedy, 64 tokens.
   export EXL3_MODELS=/tmp/exl3-real-store
@@ -227,16 +238,18 @@ if has spec && [[ " $MODELS " == *" smollm2 "* ]]; then
   # generator is host-bound at these sizes, and in run 53 the spec rows ran beside them
   # (plain and drafted runs measured under different loads). SPEC_QUIET=0: don't wait.
   [ "${SPEC_QUIET:-1}" = 1 ] && { wait; stamp "CPU references done (spec on a quiet host)"; }
-  # DRAFT_STEPS=1 (default): the draft model's one-token forwards as graphed steps
-  # (plugins/drafters.py, opt-in in the product until measured); 0: run 53's eager path.
+  # DRAFT_STEPS=1 (default, as in the product): the draft model's one-token forwards as
+  # graphed steps (plugins/drafters.py); 0: run 53's eager path. SPEC_REPEATS rounds of
+  # plain and drafted runs, the median kept (run 58: single runs swing +-5-9% here).
   EXL3_DRAFT_STEPS=${DRAFT_STEPS:-1} timeout 300 python3 bench/real_models/speculative_bench.py "$REAL/smollm2-hf" "${draft[@]}" \
     --jobs "${SPEC_JOBS:-1,16}" --tokens "${SPEC_TOKENS:-64}" --device "$DEVICE" \
+    --repeats "${SPEC_REPEATS:-3}" \
     --dtype "$GPU_DTYPE" --out "$OUT/spec.json" 2>"$OUT/spec.err" | tee "$OUT/spec.txt" \
     || { echo "NOTE: speculative bench: a text differed or it failed"; tail -3 "$OUT/spec.err"; }
   stamp "spec done"
 fi
 
-if has greedy; then  # item 1, EXL3 4.0: against the CPU references started after convert
+if has greedy && [ "$GREEDY_EXL3" != 0 ]; then  # item 1, EXL3 4.0: vs the CPU refs started after convert
   wait
   for m in $MODELS; do
     [ -f "$OUT/ref-$m-4.0.json" ] || { echo "FAIL: CPU reference $m 4.0"; tail -3 "$OUT/ref-$m-4.0.log"; continue; }

@@ -7,7 +7,9 @@ the decode steps only (steps that take no prompt tokens): tokens/s (all jobs), d
 passes, draft tokens kept per pass, the cost of a pass against a plain step, the
 speed-up over no drafting, and whether every text equals the undrafted one. Steps that
 captured a CUDA graph (once per row-count bucket and generator) are left out of the
-times, counted in `capture_steps`. EXL3_DRAFT_COST=0 turns the cost back-off off (the
+times, counted in `capture_steps` (the draft model's own step graphs too). Each row
+also keeps its slowest passes, the median pass and how many passes ran ahead of their
+read-back (drafted and plain run). EXL3_DRAFT_COST=0 turns the cost back-off off (the
 raw pass cost); by default drafting pauses where its passes do not pay, and a draft
 model whose own forward costs more than drafting can save is not drafted with
 (engine/generation/draft_gate.py; `gate` in each row: its pauses, probes and the
@@ -20,6 +22,7 @@ draft forward's ms per batch size).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -57,26 +60,40 @@ SETS = {
 
 def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: str | None,
          k: int, device: str) -> dict[str, Any]:
+    # The previous run's generator (its graphs and pools) is freed here, not by a
+    # collection in the middle of this run's timed steps.
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
     generator = Generator(text_model.model, text_model.tokenizer, max_batch=len(prompts),
                           num_ctx=1024)
     handles = [generator.submit(GenerationJob(
         p, {"temperature": 0}, num_predict=tokens, ignore_eos=True,
         drafter=make_drafter(drafter) if drafter else None,
         draft_tokens=k if drafter else 0)) for p in prompts]
+    cache = getattr(handles[0].job.drafter, "cache", None)  # a draft model's shared cache
+
+    def captured() -> int:  # graphs of the target's steps and of the draft model's
+        return generator.decode.captures + getattr(cache, "captures", 0)
+
     decode_s, passes, drafted_passes, capture_steps = 0.0, 0, 0, 0
+    steps: list[tuple[float, int, int, int, int]] = []  # per decode pass (below)
     while generator.has_work:
-        captures = generator.decode.captures
+        captures = captured()
+        ahead = generator.launched_ahead
         start = time.perf_counter()
         report = generator.step()
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        if generator.decode.captures != captures:
+        if captured() != captures:
             capture_steps += 1  # a CUDA graph captured (once per bucket): not steady state
         elif report.decode_tokens and not report.prefill_tokens:
             decode_s += seconds
             passes += 1
             drafted_passes += report.draft_tokens > 0
+            steps.append((round(seconds * 1e3, 3), len(steps), report.jobs,
+                          report.draft_tokens, generator.launched_ahead - ahead))
     produced = sum(len(h.token_ids) for h in handles)
     cost = getattr(handles[0].job.drafter, "forward_cost", None)  # a draft model's gate
     return {
@@ -84,11 +101,24 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
             "pauses": cost.pauses, "probes": cost.probes,
             "forward_ms": {jobs: round(cost.forward_ns(jobs) / 1e6, 3)
                            for jobs in (1, 2, 4, 8, 16) if cost.forward_ns(jobs)}},
+        # where the time went: the slowest passes (ms, pass, jobs, drafts, launched
+        # ahead), the median pass, and how many passes ran ahead of their read-back
+        "slowest": sorted(steps, reverse=True)[:4],
+        "median_ms": sorted(s[0] for s in steps)[len(steps) // 2] if steps else None,
+        "ahead_passes": sum(1 for s in steps if s[4]),
         "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
         "passes": passes, "drafted_passes": drafted_passes, "capture_steps": capture_steps,
         "drafted": sum(h.final.draft_count for h in handles),
         "kept": sum(h.final.draft_accepted for h in handles),
     }
+
+
+def _rate(run: dict[str, Any]) -> float:
+    return round(run["tokens"] / run["decode_s"], 1) if run["decode_s"] else 0.0
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return sorted(runs, key=_rate)[len(runs) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", default="1,16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of plain and drafted runs; each row keeps the median")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--sets", default=",".join(SETS))
@@ -117,10 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         asks = [text_model.chat_prompt([{"role": "user", "content": a}]) for a in SETS[set_name]]
         for jobs in (int(j) for j in args.jobs.split(",")):
             prompts = [asks[i % len(asks)] for i in range(jobs)]
-            plain = _run(text_model, prompts, args.tokens, None, args.k, args.device)
+            # --repeats rounds, plain and each drafter in turn (so a slow spell of the
+            # host falls on all of them); each keeps its median-rate run
+            runs: dict[str | None, list[dict[str, Any]]] = {d: [] for d in [None, *drafters]}
+            for _ in range(args.repeats):
+                for drafter in runs:
+                    runs[drafter].append(_run(text_model, prompts, args.tokens, drafter,
+                                              args.k, args.device))
+            plain = _median_run(runs[None])
             plain_step = plain["decode_s"] / max(1, plain["passes"])
             for drafter in drafters:
-                got = _run(text_model, prompts, args.tokens, drafter, args.k, args.device)
+                got = _median_run(runs[drafter])
                 rate = got["tokens"] / got["decode_s"] if got["decode_s"] else None
                 plain_rate = plain["tokens"] / plain["decode_s"] if plain["decode_s"] else None
                 rows.append({
@@ -136,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                     "capture_steps": got["capture_steps"],
                     "pass_cost_vs_plain": round((got["decode_s"] / max(1, got["passes"]))
                                                 / plain_step, 3) if plain_step else None,
-                    "same_text": got["ids"] == plain["ids"],
+                    "same_text": all(r["ids"] == plain["ids"]
+                                     for r in runs[None] + runs[drafter]),
+                    "rates": [_rate(r) for r in runs[drafter]],
+                    "plain_rates": [_rate(r) for r in runs[None]],
+                    "slowest": got["slowest"], "median_ms": got["median_ms"],
+                    "plain_median_ms": plain["median_ms"], "ahead_passes": got["ahead_passes"],
+                    "plain_ahead_passes": plain["ahead_passes"],
                     "gate": got["gate"],  # draft_gate: pauses, probes, forward ms by size
                 })
                 row = rows[-1]

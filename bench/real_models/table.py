@@ -27,13 +27,18 @@ def greedy(out: Path) -> list[str]:
             continue
         detail = []
         for row in report["results"]:
+            noise = (f" [noise p50 {row['noise_p50']:.4f} max {row['noise_max']:.4f}]"
+                     if "noise_max" in row else "")
             if row.get("same_tokens"):
-                detail.append("same")
+                detail.append("same" + noise)
             elif "status" in row:
                 detail.append(row["status"])
             else:
+                gap = row.get("ref_gap")
                 detail.append(f"diverges at {row.get('first_divergence')} (ref gap "
-                              f"{row.get('ref_gap')}, own gap {row.get('own_gap')})")
+                              f"{gap if gap is None else round(gap, 5)}, own gap "
+                              f"{row.get('own_gap')}"
+                              f"{', within noise' if row.get('within_noise') else ''}){noise}")
         lines.append(f"{path.stem.removeprefix('greedy-'):<16} {report['dtype']:<15} "
                      f"ref {report['reference']['dtype']:<14} {report['same']}/"
                      f"{report['prompts']} same, {report['explained']} explained: "
