@@ -125,7 +125,8 @@ GREEDY_EXL3=${GREEDY_EXL3:-1}
 if { has greedy && [ "$GREEDY_EXL3" != 0 ]; } || has serve; then  # 4.0: items 1 and 2 only
   for m in $MODELS; do convert "$m" 4.0 && cpu_reference "$m"; done
 fi
-[[ " $MODELS " == *" smollm2 "* ]] && has spec && convert smollm2 2.0
+# SPEC_DRAFT=0: the spec stage without the draft model (n-gram rows only, no 2.0 convert)
+[[ " $MODELS " == *" smollm2 "* ]] && has spec && [ "${SPEC_DRAFT:-1}" != 0 ] && convert smollm2 2.0
 
 # --- item 1: greedy text, GPU vs CPU (fp16 here; EXL3 last, once its CPU refs are in) --
 if has greedy; then
@@ -233,7 +234,8 @@ fi
 
 # --- item 4: speculative decoding ----------------------------------------------------
 if has spec && [[ " $MODELS " == *" smollm2 "* ]]; then
-  draft=(); [ -f "$REAL/smollm2-2.0/config.json" ] && draft=(--draft-model "$REAL/smollm2-2.0")
+  draft=(); [ -f "$REAL/smollm2-2.0/config.json" ] && [ "${SPEC_DRAFT:-1}" != 0 ] \
+    && draft=(--draft-model "$REAL/smollm2-2.0")
   # The CPU references (cpu_reference, 2 x REF_THREADS cores) must be done first: the
   # generator is host-bound at these sizes, and in run 53 the spec rows ran beside them
   # (plain and drafted runs measured under different loads). SPEC_QUIET=0: don't wait.
