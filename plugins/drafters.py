@@ -53,24 +53,32 @@ class NgramDrafter:
             raise InvalidOption(f"ngram drafter: need 1 <= min <= max, got {min_ngram}, "
                                 f"{max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._index: dict[int, dict[tuple[int, ...], int]] = {}
-        self._text: list[int] = []  # the text indexed so far (a copy)
+        self._index: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_ngram, max_ngram + 1)}
+        self._seen = 0  # tokens of the text indexed so far
+        self._first: int | None = None  # its first and last token (the cheap check below)
+        self._last: int | None = None
 
     def _extend(self, history: list[int]) -> None:
-        """Index `history`: from where the indexed text left off when it extends it,
-        else anew."""
-        seen = len(self._text)
-        if seen > len(history) or history[:seen] != self._text:
-            self._index, self._text, seen = {}, [], 0
-        for end in range(seen, len(history)):
-            token = history[end]
-            self._text.append(token)
-            # the n-grams ending just before `token` now have a token after them
-            for n in range(self.min_ngram, self.max_ngram + 1):
+        """Index `history` from where the indexed text left off. A job's text only grows,
+        so a text that is not longer, or whose first or last indexed token changed, is
+        another text: indexed anew. (A text changed only in between would keep a stale
+        index: worse drafts, never other output, as every draft is verified.)"""
+        seen = self._seen
+        if seen and (len(history) < seen or history[0] != self._first
+                     or history[seen - 1] != self._last):
+            for table in self._index.values():
+                table.clear()
+            seen = 0
+        if seen == len(history):
+            return
+        for end in range(max(seen, 1), len(history)):
+            # the n-grams ending just before `end` now have a token after them
+            for n, table in self._index.items():
                 start = end - n
                 if start >= 0:
-                    key = tuple(self._text[start:end])
-                    self._index.setdefault(n, {})[key] = start
+                    table[tuple(history[start:end])] = start
+        self._seen, self._first, self._last = len(history), history[0], history[-1]
 
     def propose(self, history: list[int], count: int) -> list[int]:
         if count <= 0:
@@ -78,7 +86,7 @@ class NgramDrafter:
         self._extend(history)
         size = len(history)
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
-            start = self._index.get(n, {}).get(tuple(history[size - n:]))
+            start = self._index[n].get(tuple(history[size - n:]))
             if start is not None:  # the latest earlier match: recent text predicts best
                 return history[start + n:start + n + count]
         return []

@@ -87,7 +87,9 @@ def test_ngram_index_gives_the_scan_as_the_text_grows_and_when_it_changes():
             assert drafter.propose(text, count) == _scan(text, count), (text, count)
             assert drafter.peek(text, count) == _scan(text, count)
             text = text + [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
-        text[rng.randrange(len(text))] = 7  # not an extension: indexed anew
+        text[rng.choice([0, -1])] = 7  # another text (its first or last token differs)
+        assert drafter.propose(text, 3) == _scan(text, 3)
+        text = text[: rng.randrange(1, len(text))]  # a shorter one
         assert drafter.propose(text, 3) == _scan(text, 3)
     wide = make_drafter("ngram:4")
     text = [rng.randrange(4) for _ in range(300)]
