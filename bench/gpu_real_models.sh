@@ -244,7 +244,7 @@ if has spec && [[ " $MODELS " == *" smollm2 "* ]]; then
   # graphed steps (plugins/drafters.py); 0: run 53's eager path. SPEC_REPEATS rounds of
   # plain and drafted runs, the median kept (run 58: single runs swing +-5-9% here).
   EXL3_DRAFT_STEPS=${DRAFT_STEPS:-1} timeout 300 python3 bench/real_models/speculative_bench.py "$REAL/smollm2-hf" "${draft[@]}" \
-    --jobs "${SPEC_JOBS:-1,16}" --tokens "${SPEC_TOKENS:-64}" --device "$DEVICE" \
+    --jobs "${SPEC_JOBS:-1,16,16x48}" --tokens "${SPEC_TOKENS:-64}" --device "$DEVICE" \
     --repeats "${SPEC_REPEATS:-3}" \
     --dtype "$GPU_DTYPE" --out "$OUT/spec.json" 2>"$OUT/spec.err" | tee "$OUT/spec.txt" \
     || { echo "NOTE: speculative bench: a text differed or it failed"; tail -3 "$OUT/spec.err"; }

@@ -59,14 +59,14 @@ SETS = {
 
 
 def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: str | None,
-         k: int, device: str) -> dict[str, Any]:
+         k: int, device: str, slots: int | None = None) -> dict[str, Any]:
     # The previous run's generator (its graphs and pools) is freed here, not by a
     # collection in the middle of this run's timed steps.
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
-    generator = Generator(text_model.model, text_model.tokenizer, max_batch=len(prompts),
-                          num_ctx=1024)
+    generator = Generator(text_model.model, text_model.tokenizer,
+                          max_batch=slots or len(prompts), num_ctx=1024)
     handles = [generator.submit(GenerationJob(
         p, {"temperature": 0}, num_predict=tokens, ignore_eos=True,
         drafter=make_drafter(drafter) if drafter else None,
@@ -76,7 +76,7 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
     def captured() -> int:  # graphs of the target's steps and of the draft model's
         return generator.decode.captures + getattr(cache, "captures", 0)
 
-    decode_s, passes, drafted_passes, capture_steps = 0.0, 0, 0, 0
+    decode_s, wall_s, passes, drafted_passes, capture_steps = 0.0, 0.0, 0, 0, 0
     steps: list[tuple[float, int, int, int, int]] = []  # per decode pass (below)
     while generator.has_work:
         captures = captured()
@@ -88,7 +88,9 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
         seconds = time.perf_counter() - start
         if captured() != captures:
             capture_steps += 1  # a CUDA graph captured (once per bucket): not steady state
-        elif report.decode_tokens and not report.prefill_tokens:
+            continue
+        wall_s += seconds  # every step, prompts too (what a queue's rows are timed by)
+        if report.decode_tokens and not report.prefill_tokens:
             decode_s += seconds
             passes += 1
             drafted_passes += report.draft_tokens > 0
@@ -107,6 +109,7 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
         "median_ms": sorted(s[0] for s in steps)[len(steps) // 2] if steps else None,
         "ahead_passes": sum(1 for s in steps if s[4]),
         "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
+        "wall_s": wall_s,
         "passes": passes, "drafted_passes": drafted_passes, "capture_steps": capture_steps,
         "drafted": sum(h.final.draft_count for h in handles),
         "kept": sum(h.final.draft_accepted for h in handles),
@@ -125,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--draft-model", default=None)
-    parser.add_argument("--jobs", default="1,16")
+    parser.add_argument("--jobs", default="1,16",
+                        help="job counts; SxN: N jobs through S slots (a refilling queue, "
+                             "timed by every step, prompts included)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1,
@@ -147,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         _run(text_model, warm * 2, 8, drafter, args.k, args.device)
     for set_name in args.sets.split(","):
         asks = [text_model.chat_prompt([{"role": "user", "content": a}]) for a in SETS[set_name]]
-        for jobs in (int(j) for j in args.jobs.split(",")):
+        for spec in args.jobs.split(","):
+            slots, _, queued = spec.partition("x")  # "16x48": 48 jobs through 16 slots
+            jobs = int(queued or slots)
+            queue = int(slots) if queued else None
             prompts = [asks[i % len(asks)] for i in range(jobs)]
             # --repeats rounds, plain and each drafter in turn (so a slow spell of the
             # host falls on all of them); each keeps its median-rate run
@@ -155,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for drafter in runs:
                     runs[drafter].append(_run(text_model, prompts, args.tokens, drafter,
-                                              args.k, args.device))
+                                              args.k, args.device, queue))
+            if queue:  # jobs come and go: timed by every step, prompts included
+                for run in (r for rs in runs.values() for r in rs):
+                    run["decode_s"] = run["wall_s"]
             plain = _median_run(runs[None])
             plain_step = plain["decode_s"] / max(1, plain["passes"])
             for drafter in drafters:
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 rate = got["tokens"] / got["decode_s"] if got["decode_s"] else None
                 plain_rate = plain["tokens"] / plain["decode_s"] if plain["decode_s"] else None
                 rows.append({
-                    "set": set_name, "jobs": jobs,
+                    "set": set_name, "jobs": spec,
                     "drafter": "ngram" if drafter == "ngram" else "model:" + Path(drafter).name,
                     "plain_tok_s": round(plain_rate, 1) if plain_rate else None,
                     "tok_s": round(rate, 1) if rate else None,
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gate": got["gate"],  # draft_gate: pauses, probes, forward ms by size
                 })
                 row = rows[-1]
-                print(f"{set_name:<9}{jobs:>3} jobs {row['drafter']:<22} "
+                print(f"{set_name:<9}{spec:>5} jobs {row['drafter']:<22} "
                       f"{row['plain_tok_s']} -> {row['tok_s']} tok/s  x{row['speedup']}  "
                       f"kept/pass {row['kept_per_pass']}  pass cost x{row['pass_cost_vs_plain']}"
                       f"  same {row['same_text']}", flush=True)

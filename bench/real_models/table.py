@@ -83,10 +83,10 @@ def spec(out: Path) -> list[str]:
     report = _load(out / "spec.json")
     if report is None:
         return lines + ["no spec.json"]
-    lines.append(f"{'set':<9}{'jobs':>4} {'drafter':<20}{'plain':>9}{'drafted':>9}{'x':>7}"
+    lines.append(f"{'set':<9}{'jobs':>6} {'drafter':<20}{'plain':>9}{'drafted':>9}{'x':>7}"
                  f"{'kept/pass':>10}{'pass cost':>10}  same")
     for row in report["rows"]:
-        lines.append(f"{row['set']:<9}{row['jobs']:>4} {row['drafter']:<20}"
+        lines.append(f"{row['set']:<9}{str(row['jobs']):>6} {row['drafter']:<20}"
                      f"{row['plain_tok_s']!s:>9}{row['tok_s']!s:>9}{row['speedup']!s:>7}"
                      f"{row['kept_per_pass']:>10}{row['pass_cost_vs_plain']!s:>10}  "
                      f"{row['same_text']}")
