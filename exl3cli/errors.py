@@ -52,6 +52,11 @@ class InvalidOption(Exl3Error):
     """A generation option with a wrong type or value."""
 
 
+class InvalidSetting(Exl3Error, ValueError):
+    """An EXL3_* environment variable with a value exl3 does not know (also a
+    ValueError, what these checks raised before they had a class)."""
+
+
 class ContextOverflow(Exl3Error):
     """A prompt that does not fit into the model's context window."""
 

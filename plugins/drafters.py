@@ -19,7 +19,6 @@ general path.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from exl3cli.engine.generation.draft_gate import SHORT_FEED, DraftForwardCost
 from exl3cli.engine.generation.speculative import Drafter
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
+from exl3cli.envvars import switch
 from exl3cli.errors import InvalidOption
 from exl3cli.hookspecs import hookimpl
 
@@ -156,7 +156,7 @@ class _SharedDraftCache:
         # Its forwards' time, which the generator's gate weighs against a plain step.
         self.forward_cost = DraftForwardCost()
         self.runner: DecodeRunner | None = None  # fixed-shape steps over `pool`
-        self.steps = os.environ.get("EXL3_DRAFT_STEPS", "1").strip() != "0"
+        self.steps = switch("EXL3_DRAFT_STEPS", True)
         self.captures = 0  # CUDA graphs its steps captured, all runners (benchmarks)
 
     def _new_pool(self, pages: int) -> None:

@@ -30,6 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from exl3cli.errors import InvalidSetting
+
 ROW_BLOCK = 64  # rows of every cuBLAS product and fused-GEMM block in the mode
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("", "0", "false", "off", "no")
@@ -43,7 +45,7 @@ def parse_flag(text: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"EXL3_BATCH_INVARIANT must be 1 or 0, got {text!r}")
+    raise InvalidSetting(f"EXL3_BATCH_INVARIANT must be 1 or 0, got {text!r}")
 
 
 def batch_invariant() -> bool:

@@ -28,6 +28,7 @@ import torch
 from exl3cli.codec.bitstream import unpack_states
 from exl3cli.codec.codebooks import MARKER_VALUES
 from exl3cli.codec.tiles import position_to_step
+from exl3cli.errors import InvalidSetting
 from exl3cli.ops import cpu_kernels
 
 EXL3_GEMV_MODES = ("exact", "fast")
@@ -37,7 +38,7 @@ def set_exl3_gemv_mode(mode: str | None = None) -> str:
     """See the module docstring."""
     chosen = (os.environ.get("EXL3_CPU_GEMV", "") if mode is None else mode) or "exact"
     if chosen not in EXL3_GEMV_MODES:
-        raise ValueError(f"EXL3_CPU_GEMV must be one of {', '.join(EXL3_GEMV_MODES)}, "
+        raise InvalidSetting(f"EXL3_CPU_GEMV must be one of {', '.join(EXL3_GEMV_MODES)}, "
                          f"got {chosen!r}")
     return cpu_kernels._ops().exl3_set_gemv_mode(chosen)
 

@@ -32,6 +32,7 @@ from types import ModuleType
 import torch
 
 from exl3cli.codec import block_hadamard, decode_tiles
+from exl3cli.errors import InvalidSetting
 from exl3cli.ops import reference
 from exl3cli.ops.batch_invariant import ROW_BLOCK, batch_invariant
 from exl3cli.ops.build import CSRC, LazyExtension, build_extension
@@ -336,7 +337,7 @@ def prefill_mode() -> str:
     scale: max|svh| folded into Ŵ by the decode kernel itself), half the sums' traffic."""
     mode = os.environ.get("EXL3_PREFILL", "") or "fused"
     if mode not in PREFILL_MODES:
-        raise ValueError(f"EXL3_PREFILL must be one of {', '.join(PREFILL_MODES)}, got {mode!r}")
+        raise InvalidSetting(f"EXL3_PREFILL must be one of {', '.join(PREFILL_MODES)}, got {mode!r}")
     return mode
 
 

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from exl3cli.errors import InvalidSetting
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_kernels
 
@@ -46,7 +47,7 @@ def pro_rows() -> int:
     """See the module docstring."""
     text = os.environ.get("EXL3_PRO_ROWS", "").strip() or str(PRO_MAX_ROWS)
     if not text.isdigit() or not 1 <= int(text) <= PRO_MAX_ROWS:
-        raise ValueError(f"EXL3_PRO_ROWS must be a whole number 1..{PRO_MAX_ROWS}, got {text!r}")
+        raise InvalidSetting(f"EXL3_PRO_ROWS must be a whole number 1..{PRO_MAX_ROWS}, got {text!r}")
     return int(text)
 
 

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from exl3cli.codec import block_hadamard
+from exl3cli.errors import InvalidSetting
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops import layer_kernels
 from exl3cli.ops.layer_kernels import LowRank
@@ -72,7 +73,7 @@ def fold_names(text: str) -> frozenset[str]:
     names = frozenset(n.strip() for n in text.split(",") if n.strip())
     unknown = sorted(names - set(NAMES))
     if unknown:
-        raise ValueError(f"EXL3_LAYER_FOLD: unknown fold(s) {unknown}; choose from {NAMES}, "
+        raise InvalidSetting(f"EXL3_LAYER_FOLD: unknown fold(s) {unknown}; choose from {NAMES}, "
                          "'all' or '0'")
     return names
 

@@ -227,3 +227,17 @@ def test_done_when_smollm2_answers_paris_and_rome(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env)
     assert rome.returncode == 0, rome.stderr
     assert "Rome" in rome.stdout
+
+
+@pytest.mark.parametrize("name, value", [("EXL3_ASYNC_STEP", "maybe"),
+                                         ("EXL3_DECODE_MODE", "fast"),
+                                         ("EXL3_DRAFT_COST", "sometimes")])
+def test_a_bad_setting_is_a_one_line_error(env, monkeypatch, name, value):
+    """An EXL3_* switch with a value exl3 does not know is refused with one line naming
+    it (not a traceback, not silently read as on or off)."""
+    monkeypatch.setenv(name, value)
+    result = exl3("run", "tiny0", "Hi")
+    assert result.exit_code == 1, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and name in last and repr(value) in last, last
+    assert "Traceback" not in result.stderr and result.stdout == ""

@@ -34,7 +34,6 @@ same tokens up to float rounding), and unseeded sampling draws over one more row
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exl3cli.engine.generation.batch_sampling import sample_on_device, to_device
+from exl3cli.envvars import switch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -68,12 +68,7 @@ class StepReport:
 
 def async_step_default() -> bool:
     """EXL3_ASYNC_STEP: "1" (the default) launches decode steps ahead, "0" does not."""
-    value = os.environ.get(ASYNC_ENV, "1").strip().lower()
-    if value in ("", "1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"{ASYNC_ENV} must be 1 or 0, got {value!r}")
+    return switch(ASYNC_ENV, True)
 
 
 def _peeks_dry(job: ActiveJob) -> bool:

@@ -55,6 +55,8 @@ from exl3cli.engine.generation.batch_sampling import argmax_rows
 from exl3cli.engine.generation.fixed_step import FixedDecodeStep
 from exl3cli.engine.kvcache.paged_attention import reference_paged_attention
 from exl3cli.engine.kvcache.paged_cache import PagePool, PageTable, pages_for
+from exl3cli.envvars import switch
+from exl3cli.errors import InvalidSetting
 
 MODES = ("graph", "static", "off")
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ def default_mode(device: torch.device) -> str:
     mode = os.environ.get("EXL3_DECODE_MODE", "").strip().lower()
     if mode:
         if mode not in MODES:
-            raise ValueError(f"EXL3_DECODE_MODE must be one of {MODES}, got {mode!r}")
+            raise InvalidSetting(f"EXL3_DECODE_MODE must be one of {MODES}, got {mode!r}")
         if mode == "graph" and device.type != "cuda":
             return "static"
         return mode
@@ -146,7 +148,7 @@ class DecodeRunner:
         self.captures = 0  # graphs captured so far (a step that captured is not timed)
         self.capture_ns = 0  # time spent capturing (warm-ups included), for diagnostics
         self.capture_failures = 0
-        self.step_argmax = os.environ.get("EXL3_STEP_ARGMAX", "0").strip() == "1"
+        self.step_argmax = switch("EXL3_STEP_ARGMAX", False)
         self.greedy: torch.Tensor | None = None  # the last run's argmax rows, or None
         self._steps: dict[tuple[int, int], FixedDecodeStep] = {}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

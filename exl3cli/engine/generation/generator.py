@@ -14,7 +14,6 @@ generator themselves), or from a `GeneratorThread`.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import deque
@@ -42,6 +41,7 @@ from exl3cli.engine.kvcache.kv_quant import KVCacheType, resolve_kv_cache_type
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, ROOT_HASH, PagePool, PageTable, pages_for
 from exl3cli.engine.text.token_ids import check_token_ids
 from exl3cli.engine.text.tokenizer import Tokenizer
+from exl3cli.envvars import switch
 from exl3cli.errors import ContextOverflow, GeneratorBusy, InvalidOption
 
 DEFAULT_MAX_PREFILL_TOKENS = 512
@@ -118,7 +118,7 @@ class Generator(AheadSteps):
         # and whether the next step is a plain one to time it.
         # `draft_cost` False (or EXL3_DRAFT_COST=0): drafting backs off on acceptance only.
         if draft_cost is None:
-            draft_cost = os.environ.get("EXL3_DRAFT_COST", "1").strip() != "0"
+            draft_cost = switch("EXL3_DRAFT_COST", True)
         self.draft_cost = draft_cost
         self.plain_clock = PlainStepClock()
         self._time_plain = False

@@ -51,7 +51,7 @@ from exl3cli.engine.layers.moe_decode import (
 from exl3cli.engine.layers.parallel import AbsentLinear
 from exl3cli.engine.spec.architecture import MoESpec
 from exl3cli.engine.spec.config import ModelConfig
-from exl3cli.errors import ModelLoadError, UnsupportedArchitecture
+from exl3cli.errors import InvalidSetting, ModelLoadError, UnsupportedArchitecture
 from exl3cli.ops import moe_block, moe_kernels
 from exl3cli.ops.cuda_kernels import FUSED_MAX_ROWS
 
@@ -273,7 +273,7 @@ def _grouped_prefill() -> bool:
     """EXL3_MOE_PREFILL: "kernels" (default) or "grouped" for calls past 64 rows."""
     choice = os.environ.get("EXL3_MOE_PREFILL", "kernels") or "kernels"
     if choice not in ("kernels", "grouped"):
-        raise ValueError(f"EXL3_MOE_PREFILL={choice!r}: use 'kernels' or 'grouped'")
+        raise InvalidSetting(f"EXL3_MOE_PREFILL={choice!r}: use 'kernels' or 'grouped'")
     return choice == "grouped"
 
 
@@ -287,7 +287,7 @@ def _decode_variant() -> str:
     the H200 and it was the fastest at one job (bench/NOTES-gpu.md runs 35-36)."""
     choice = os.environ.get("EXL3_MOE_DECODE", "new") or "new"
     if choice not in MOE_DECODE_VARIANTS:
-        raise ValueError(f"EXL3_MOE_DECODE={choice!r}: use 'new', 'combine' or 'old'")
+        raise InvalidSetting(f"EXL3_MOE_DECODE={choice!r}: use 'new', 'combine' or 'old'")
     return choice
 
 
