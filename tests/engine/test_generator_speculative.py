@@ -96,6 +96,37 @@ def test_cancelled_drafting_jobs_return_their_pages(text_model):
     assert generator.pool.pages_in_use == 0 and generator.pool.available == before
 
 
+def test_ngram_jobs_on_the_run_ahead_path_keep_text_and_pages_through_cancels(text_model):
+    """n-gram jobs now run ahead between lookups (ahead_step._peeks_dry): with steps in
+    flight, some jobs drafting, some cancelled mid-way and new ones admitted, the jobs
+    that finish say what plain greedy says and every page comes back."""
+    prompts = _prompts(8, 6)
+    lengths = [70] * 6
+    plain, _ = _run(text_model, _jobs(prompts, lengths, False), max_batch=4)
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=4, num_ctx=1024,
+                          decode_mode="static", draft_cost=False)
+    before = generator.pool.available
+    handles = [generator.submit(job) for job in _jobs(prompts, lengths, True)]
+    steps = in_flight = 0
+    cancelled: set[int] = set()
+    while generator.has_work or generator._flight is not None:
+        generator.step()
+        steps += 1
+        in_flight += generator._flight is not None
+        if steps in (9, 23) and not handles[steps % 6].done:
+            handles[steps % 6].cancel()  # jobs 3 and 5, whether in flight or not
+            cancelled.add(steps % 6)
+    assert cancelled
+    for i, (got, want) in enumerate(zip(handles, plain, strict=True)):
+        if i in cancelled:
+            assert got.final.cancelled
+            assert got.token_ids == want.token_ids[: len(got.token_ids)]
+        else:
+            assert got.token_ids == want.token_ids
+    assert sum(h.final.draft_accepted for h in handles) > 0 and in_flight > 0
+    assert generator.pool.pages_in_use == 0 and generator.pool.available == before
+
+
 @pytest.mark.slow
 def test_smollm2_ngram_drafts_keep_the_text_and_save_passes(tmp_path):
     from exl3cli.store.pull import pull_model
