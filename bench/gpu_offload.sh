@@ -13,7 +13,9 @@
 # Dry run on a CPU: DRY=1 CUDA_VISIBLE_DEVICES= bash bench/gpu_offload.sh (tiny shape,
 # 4 layers, a forced budget so the planner splits on the CPU device too).
 # STAGES="tests bench ps" picks stages ("ps": `exl3 serve`, a model with PARAMETER num_gpu
-# HALF loaded by one request, then `exl3 ps`: its PROCESSOR column shows the split); PLACEMENTS="full half cpu stream-half stream-all budget".
+# HALF loaded by one request, then `exl3 ps`: its PROCESSOR column shows the split;
+# "threads": the CPU kernels at THREADS=1,2,4,8,16 on this host); PLACEMENTS="full half
+# cpu stream-half stream-all budget".
 set -u -o pipefail
 OUT=${OUT:-/tmp/exl3-offload-out}
 mkdir -p "$OUT"
@@ -98,6 +100,18 @@ if [[ " $STAGES " == *" bench "* ]]; then
         --label "auto, EXL3_GPU_MEMORY 3/8 of layers" ;;
     esac
   done
+fi
+
+# "threads": the CPU kernels' scaling on this host (bench/cpu_threads.py, one 8B layer's
+# projections x 4 layers, M=1 and 128): run 57's all-CPU row (5.5 tok/s, 16 threads) and
+# half row (10.9) imply ~2.8 G weights/s a thread, under half of one thread on the dev
+# VM (6-10): thread scaling, memory bandwidth, or SMT siblings counted as cores?
+if [[ " $STAGES " == *" threads "* ]]; then
+  lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA node\(s\)|L3)" >"$OUT/lscpu.txt" 2>&1
+  cat "$OUT/lscpu.txt"
+  timeout 240 python3 bench/cpu_threads.py --threads "${THREADS:-1,2,4,8,16}" --rows 1,128 \
+    --layers 4 --rounds 3 2>&1 | tee "$OUT/cpu-threads.txt" | tail -12
+  stamp "threads done"
 fi
 
 if [[ " $STAGES " == *" ps "* ]]; then
