@@ -30,22 +30,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from exl3cli.errors import InvalidSetting
+from exl3cli.envvars import parse_switch
 
 ROW_BLOCK = 64  # rows of every cuBLAS product and fused-GEMM block in the mode
-_TRUE = ("1", "true", "on", "yes")
-_FALSE = ("", "0", "false", "off", "no")
 _forced: bool | None = None  # set_batch_invariant's override of the environment
 
 
 def parse_flag(text: str) -> bool:
-    """``EXL3_BATCH_INVARIANT``'s value as a bool (ValueError for anything else)."""
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise InvalidSetting(f"EXL3_BATCH_INVARIANT must be 1 or 0, got {text!r}")
+    """``EXL3_BATCH_INVARIANT``'s value as a bool (empty: off; InvalidSetting, a
+    ValueError, for anything but envvars' on and off words)."""
+    return bool(text.strip()) and parse_switch("EXL3_BATCH_INVARIANT", text)
 
 
 def batch_invariant() -> bool:
