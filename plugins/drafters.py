@@ -31,7 +31,7 @@ from exl3cli.engine.generation.speculative import Drafter
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, PagePool, PageTable, pages_for
 from exl3cli.envvars import switch
-from exl3cli.errors import InvalidOption
+from exl3cli.errors import InvalidOption, InvalidSetting
 from exl3cli.hookspecs import hookimpl
 
 
@@ -174,6 +174,8 @@ class _SharedDraftCache:
             context = min(int(self.model.config.max_position_embeddings), DRAFT_STEP_CONTEXT)
             try:
                 self.runner = DecodeRunner(self.model, self.pool, DRAFT_STEP_ROWS, context)
+            except InvalidSetting:
+                raise  # a bad EXL3_DECODE_MODE is the user's to hear of, not a fallback
             except (ValueError, AttributeError, TypeError) as error:
                 log.debug("draft model: no fixed-shape steps (%s)", error)
                 self.steps = False
@@ -192,16 +194,15 @@ class _SharedDraftCache:
             if runner is not None:
                 captures = runner.captures
                 logits = runner.run(rows)
-                picks = torch.argmax(logits, dim=-1).tolist()  # the sync
-                if runner.captures != captures:
-                    timed.discard()  # a graph captured: not a draft forward's cost
-                    self.captures += runner.captures - captures
             else:
                 ids = torch.tensor([[t for feed in feeds for t in feed]], dtype=torch.long,
                                    device=self.model.device)
                 batch = PagedBatch(self.pool, tables, feeds)
                 logits = self.model.forward(ids, batch, last_logits_only=True)[0]
-                picks = torch.argmax(logits, dim=-1).tolist()  # the sync
+            picks = torch.argmax(logits, dim=-1).tolist()  # the sync
+            if runner is not None and runner.captures != captures:
+                timed.discard()  # a graph captured: not a draft forward's cost
+                self.captures += runner.captures - captures
         if runner is not None:
             for table, feed in zip(tables, feeds, strict=True):
                 table.commit(feed)  # the general path's PagedBatch commits by itself

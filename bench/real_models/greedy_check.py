@@ -106,13 +106,12 @@ def _gap_in_reference(row: dict, position: int, token: int) -> float | None:
     return values[0] - values[ids.index(token)]
 
 
-def _noise(llm: Any, ids: list[int], row: dict) -> dict[str, float]:
+def _noise(forced: torch.Tensor, row: dict) -> dict[str, float]:
     """This run's logit error against the reference, on the reference's own text: at
-    every generated position, |own logit - reference logit| over the reference's top-5
-    tokens (one teacher-forced pass). Its median and maximum say how far apart two
-    candidates must be for this dtype and device to keep the reference's order."""
-    want = row["ids"]
-    forced = _forced_logits(llm, ids + want)[len(ids) - 1 : len(ids) - 1 + len(want)]
+    every generated position (`forced`: this run's teacher-forced logits there),
+    |own logit - reference logit| over the reference's top-5 tokens. Its median and
+    maximum say how far apart two candidates must be for this dtype and device to keep
+    the reference's order."""
     top = torch.tensor(row["top_ids"])
     diff = (forced.gather(1, top) - torch.tensor(row["top_logits"])).abs().flatten()
     return {"noise_p50": round(float(diff.median()), 5), "noise_max": round(float(diff.max()), 5)}
@@ -133,12 +132,15 @@ def check(args: argparse.Namespace) -> dict:
                      None)
         if first is None and len(out) != len(want):
             first = min(len(out), len(want))
+        # one teacher-forced pass over the reference's text: the noise, and the logits
+        # at a divergence (each position sees only the reference's tokens before it)
+        forced_all = _forced_logits(llm, ids + want)[len(ids) - 1 : len(ids) - 1 + len(want)]
         entry: dict[str, Any] = {"prompt": row["prompt"], "text": llm.tokenizer.decode(out),
                                  "same_tokens": first is None, "first_divergence": first,
-                                 "tokens": len(out), **_noise(llm, ids, row)}
+                                 "tokens": len(out), **_noise(forced_all, row)}
         if first is not None and first < min(len(out), len(want)):
             mine, theirs = out[first], want[first]
-            forced = _forced_logits(llm, ids + want[:first])[-1]
+            forced = forced_all[first]
             entry.update({
                 "ref_token": theirs, "own_token": mine,
                 "ref_gap": _gap_in_reference(row, first, mine),

@@ -83,7 +83,7 @@ def _peeks_dry(job: ActiveJob) -> bool:
     peek = getattr(job.drafter, "peek", None)
     if peek is None:
         return False
-    count = min(job.draft_tokens, job.budget - job.produced - 2)
+    count = job.draft_room(ahead=1)  # the step to launch is the one after the flight's
     return count <= 0 or not peek(job.history, count)
 
 
@@ -158,9 +158,8 @@ class AheadSteps:
         for job in jobs:
             # A drafting job may run ahead only while its drafting is paused (backed off),
             # or when its drafter can say at once that it has nothing (`_peeks_dry`).
-            drafts = job.drafter is not None and job.produced + 2 > job.backoff.paused_until
-            if drafts and _peeks_dry(job):
-                drafts = False
+            drafts = (job.drafter is not None and job.produced + 2 > job.backoff.paused_until
+                      and not _peeks_dry(job))
             if job.prefilling or drafts or job.handle.job.constraint is not None:
                 return []
             if not job.batched:

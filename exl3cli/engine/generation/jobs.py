@@ -233,11 +233,16 @@ class ActiveJob:
     def draft_budget(self) -> int:
         """How many tokens to draft at this step (0: none; drafting backed off, or no
         room). Call once per step: a backed-off step is counted."""
-        # Every emitted token but the last must fit the reservation: k <= budget left - 1.
-        count = min(self.draft_tokens, self.budget - self.produced - 1)
+        count = self.draft_room()
         if self.drafter is None or count <= 0 or not self.backoff.may_draft(self.produced):
             return 0
         return count
+
+    def draft_room(self, ahead: int = 0) -> int:
+        """How many tokens a draft may have at the step `ahead` steps from now (no
+        back-off counted): every emitted token but the last must fit the reservation,
+        k <= budget left - 1."""
+        return min(self.draft_tokens, self.budget - self.produced - ahead - 1)
 
     def _propose(self) -> list[int]:
         prepared, self.prepared_draft = self.prepared_draft, None
