@@ -55,6 +55,8 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._index: dict[int, dict[tuple[int, ...], int]] = {
             n: {} for n in range(min_ngram, max_ngram + 1)}
+        self._items = list(self._index.items())
+        self._sizes = range(max_ngram, min_ngram - 1, -1)  # longest match first
         self._seen = 0  # tokens of the text indexed so far
         self._first: int | None = None  # its first and last token (the cheap check below)
         self._last: int | None = None
@@ -64,31 +66,34 @@ class NgramDrafter:
         so a text that is not longer, or whose first or last indexed token changed, is
         another text: indexed anew. (A text changed only in between would keep a stale
         index: worse drafts, never other output, as every draft is verified.)"""
-        seen = self._seen
-        if seen and (len(history) < seen or history[0] != self._first
+        seen, size = self._seen, len(history)
+        if seen and (size < seen or history[0] != self._first
                      or history[seen - 1] != self._last):
             for table in self._index.values():
                 table.clear()
             seen = 0
-        if seen == len(history):
+        if seen == size:
             return
-        for end in range(max(seen, 1), len(history)):
+        items = self._items
+        for end in range(max(seen, 1), size):
             # the n-grams ending just before `end` now have a token after them
-            for n, table in self._index.items():
+            for n, table in items:
                 start = end - n
                 if start >= 0:
                     table[tuple(history[start:end])] = start
-        self._seen, self._first, self._last = len(history), history[0], history[-1]
+        self._seen, self._first, self._last = size, history[0], history[-1]
 
     def propose(self, history: list[int], count: int) -> list[int]:
         if count <= 0:
             return []
         self._extend(history)
         size = len(history)
-        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
-            start = self._index[n].get(tuple(history[size - n:]))
-            if start is not None:  # the latest earlier match: recent text predicts best
-                return history[start + n:start + n + count]
+        index = self._index
+        for n in self._sizes:
+            if n < size:
+                start = index[n].get(tuple(history[size - n:]))
+                if start is not None:  # the latest earlier match: recent text predicts best
+                    return history[start + n:start + n + count]
         return []
 
     # The generator's guess ahead (ahead_step._peeks_dry) is the lookup itself, on the

@@ -77,10 +77,10 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
         return generator.decode.captures + getattr(cache, "captures", 0)
 
     decode_s, wall_s, passes, drafted_passes, capture_steps = 0.0, 0.0, 0, 0, 0
-    steps: list[tuple[float, int, int, int, int]] = []  # per decode pass (below)
+    steps: list[tuple[float, int, int, int, int, int]] = []  # per decode pass (below)
     while generator.has_work:
         captures = captured()
-        ahead = generator.launched_ahead
+        ahead, late = generator.launched_ahead, generator.launched_late
         start = time.perf_counter()
         report = generator.step()
         if device == "cuda":
@@ -95,7 +95,8 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
             passes += 1
             drafted_passes += report.draft_tokens > 0
             steps.append((round(seconds * 1e3, 3), len(steps), report.jobs,
-                          report.draft_tokens, generator.launched_ahead - ahead))
+                          report.draft_tokens, generator.launched_ahead - ahead,
+                          generator.launched_late - late))
     produced = sum(len(h.token_ids) for h in handles)
     cost = getattr(handles[0].job.drafter, "forward_cost", None)  # a draft model's gate
     return {
@@ -104,10 +105,13 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
             "forward_ms": {jobs: round(cost.forward_ns(jobs) / 1e6, 3)
                            for jobs in (1, 2, 4, 8, 16) if cost.forward_ns(jobs)}},
         # where the time went: the slowest passes (ms, pass, jobs, drafts, launched
-        # ahead), the median pass, and how many passes ran ahead of their read-back
+        # ahead, launched late), the median pass, how many passes ran ahead of their
+        # read-back, and how many of those after waiting for a token to look again
+        # (ahead_step._peeks_after)
         "slowest": sorted(steps, reverse=True)[:4],
         "median_ms": sorted(s[0] for s in steps)[len(steps) // 2] if steps else None,
         "ahead_passes": sum(1 for s in steps if s[4]),
+        "late_passes": sum(1 for s in steps if s[5]),
         "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
         "wall_s": wall_s,
         "passes": passes, "drafted_passes": drafted_passes, "capture_steps": capture_steps,
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     "slowest": got["slowest"], "median_ms": got["median_ms"],
                     "plain_median_ms": plain["median_ms"], "ahead_passes": got["ahead_passes"],
                     "plain_ahead_passes": plain["ahead_passes"],
+                    "late_passes": got["late_passes"],
                     "gate": got["gate"],  # draft_gate: pauses, probes, forward ms by size
                 })
                 row = rows[-1]

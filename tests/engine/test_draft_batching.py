@@ -174,9 +174,11 @@ class PeekingDrafter:
         return self._lookup(history, count)
 
 
-def _run_static(text_model, prompts, drafters, tokens):
+def _run_static(text_model, prompts, drafters, tokens, generators=None):
     generator = Generator(text_model.model, text_model.tokenizer, max_batch=4, num_ctx=512,
                           decode_mode="static", draft_cost=False)
+    if generators is not None:
+        generators.append(generator)
     handles = [generator.submit(GenerationJob(p, GREEDY, num_predict=tokens, drafter=d,
                                               draft_tokens=4 if d else 0, ignore_eos=True))
                for p, d in zip(prompts, drafters, strict=True)]
@@ -211,6 +213,38 @@ def test_a_drafter_that_peeks_nothing_lets_its_job_run_ahead(text_model):
     kept = [h.final.draft_accepted for h in handles]
     assert all(k >= 16 for k in kept), kept
     assert steps < 80 - 10 and in_flight >= 40
+
+
+class FalseAlarmDrafter(PeekingDrafter):
+    """Its peek finds something on every text of an even length and nothing on an odd
+    one (n-gram on free text: the last two tokens were seen before, yet the token in
+    flight does not go on as they did); its proposals are always empty."""
+
+    def _lookup(self, history, count):
+        return []
+
+    def peek(self, history, count):
+        self.peeks += 1
+        return [self.answer[0]] if len(history) % 2 == 0 else []
+
+
+def test_a_peek_that_the_token_in_flight_refutes_still_runs_ahead(text_model):
+    """A peek that finds something made the next step synchronous; when the drafter
+    then found nothing with the token in flight (run 58: 6 of 59 passes at 16 jobs on
+    free text, each a host round trip for every job), that pass was lost. Now the step
+    waits for the token in flight only, asks the drafter again with it and launches
+    when it finds nothing: every step still runs in flight, the text is plain greedy's."""
+    prompts = _prompts(2, seed=9)
+    plain, _, _ = _run_static(text_model, prompts, [None, None], 80)
+    answers = [h.token_ids for h in plain]
+    alarms = [FalseAlarmDrafter(p, a) for p, a in zip(prompts, answers, strict=True)]
+    generator_steps = []
+    handles, steps, in_flight = _run_static(text_model, prompts, alarms, 80,
+                                            generators=generator_steps)
+    assert [h.token_ids for h in handles] == answers
+    assert in_flight >= steps - 3  # before: 1 of 80 (each waited for the host)
+    assert generator_steps[0].launched_late >= 30
+    assert all(d.proposals <= 3 for d in alarms)
 
 
 def test_draft_steps_propose_what_the_general_path_proposes(text_model, tmp_path, monkeypatch):

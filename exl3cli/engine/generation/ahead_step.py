@@ -14,7 +14,9 @@ Exact semantics: a step is launched ahead only when its outcome cannot depend on
 the host has not read yet (`_ahead_jobs`): the same jobs as the step in flight (every
 active one), nobody queued who could join, no prompt to take in, no drafts (a drafting
 job only while its drafting is backed off, or while its drafter's `peek` finds
-nothing: `_peeks_dry`), no constraint, no host-side sampler
+nothing: `_peeks_dry`; when it finds something, the step waits for the token in
+flight and asks again with it, `_peeks_after`, and still launches at once if that
+finds nothing), no constraint, no host-side sampler
 (penalties, seeds, plugins: batch_sampling.batchable). A job whose budget ends with
 the token in flight is not in the next step (as without launching ahead); when a queued
 job would take the slot it frees, that step is synchronous instead. A job that stops on the token read back (EOS, a stop string, a cancel) is retired at once;
@@ -72,19 +74,27 @@ def async_step_default() -> bool:
 
 
 def _peeks_dry(job: ActiveJob) -> bool:
-    """Whether a drafting job's drafter, asked ahead (`peek(history, count)`: a cheap
-    guess at what `propose` would say, without side effects; the `ngram` drafter has
-    it), finds nothing on the text known now. Its lookup at the step to launch then
-    happens one step late, on this text: when that finds a draft, the step after is
-    synchronous and drafts on the whole text; when not, the lookup at the token in
-    flight is skipped. So on text that does not repeat the job runs ahead like plain
-    decoding (run 56: a synchronous step per lookup made n-gram drafting 0.95x at 16
-    jobs on free text), and a repetition is found a token or two late."""
-    peek = getattr(job.drafter, "peek", None)
-    if peek is None:
-        return False
+    """Whether a drafting job's drafter (one with `peek(history, count)`: a cheap guess
+    at what `propose` would say, without side effects; the `ngram` drafter has it) finds
+    nothing on the text known now. Its lookup at the step to launch then happens one
+    step late, on this text: when that finds a draft, the step after drafts on the whole
+    text; when not, the lookup at the token in flight is skipped. So on text that does
+    not repeat the job runs ahead like plain decoding (run 56: a synchronous step per
+    lookup made n-gram drafting 0.95x at 16 jobs on free text), and a repetition is
+    found a token or two late."""
     count = job.draft_room(ahead=1)  # the step to launch is the one after the flight's
-    return count <= 0 or not peek(job.history, count)
+    return count <= 0 or not job.drafter.peek(job.history, count)
+
+
+def _peeks_after(job: ActiveJob, token: int) -> bool:
+    """Whether `job`'s drafter, whose peek on the known text found something, still
+    finds a draft once the token in flight (`token`, just read back) is added: what the
+    synchronous step's `propose` would see. When not (free text: a repeated pair of
+    tokens that the token in flight does not continue; 6 of run 58's 59 passes at 16
+    jobs), the next step is launched right away without drafts, as it would have run."""
+    if token in job.eos_ids:
+        return False  # the job ends with it: no next step to draft for
+    return bool(job.drafter.peek([*job.history, token], job.draft_room(ahead=1)))
 
 
 class Flight:
@@ -117,6 +127,7 @@ class AheadSteps:
     if TYPE_CHECKING:
         async_step: bool
         launched_ahead: int
+        launched_late: int
         max_batch: int
         decode: DecodeRunner
         draft_cost: bool
@@ -144,31 +155,37 @@ class AheadSteps:
             return None
         return Flight(jobs, tokens, start, report)
 
-    def _ahead_jobs(self, jobs: list[ActiveJob]) -> list[ActiveJob]:
+    def _ahead_jobs(self, jobs: list[ActiveJob]) -> tuple[list[ActiveJob], list[ActiveJob]]:
         """The jobs of the step after `jobs`' current one, when it may start before
         their tokens are known ([] when not): pipelining on, the same jobs (every active
-        one), nobody to admit or prefill, no drafts or host-side samplers. A job whose
-        budget ends with its current token is left out (it has no next step), unless a
-        queued job would take its place at once."""
+        one), nobody to admit or prefill, no constraints or host-side samplers, no
+        drafts. A job whose budget ends with its current token is left out (it has no
+        next step), unless a queued job would take its place at once.
+        Also the drafting jobs whose peek found something on the text known now: when
+        there are any, the step may start only once their tokens in flight are read and
+        their drafters find nothing with them either (`_peeks_after`)."""
         if not self.async_step or not jobs:
-            return []
+            return [], []
         if {id(job) for job in jobs} != {id(job) for job in self._active}:
-            return []
-        going = []
+            return [], []
+        going, peeked = [], []
         for job in jobs:
-            # A drafting job may run ahead only while its drafting is paused (backed off),
-            # or when its drafter can say at once that it has nothing (`_peeks_dry`).
-            drafts = (job.drafter is not None and job.produced + 2 > job.backoff.paused_until
-                      and not _peeks_dry(job))
-            if job.prefilling or drafts or job.handle.job.constraint is not None:
-                return []
-            if not job.batched:
-                return []
+            if job.prefilling or job.handle.job.constraint is not None or not job.batched:
+                return [], []
+            # A drafting job may run ahead while its drafting is paused (backed off), or
+            # when its drafter can say at once that it has nothing (`_peeks_dry`).
+            if job.drafter is not None and job.produced + 2 > job.backoff.paused_until:
+                if getattr(job.drafter, "peek", None) is None:
+                    return [], []
+                if not _peeks_dry(job):
+                    peeked.append(job)
             if job.produced + 2 <= job.budget:
                 going.append(job)
         if self._queue and len(going) < self.max_batch:
-            return []  # a queued job joins the next step (a slot is free or frees now)
-        return going if self.decode.fits([(job.table, 0) for job in going]) else []
+            return [], []  # a queued job joins the next step (a slot is free or frees now)
+        if not self.decode.fits([(job.table, 0) for job in going]):
+            return [], []
+        return going, peeked
 
     def _land(self, flight: Flight) -> StepReport:
         """Read back `flight`'s tokens (after launching the step that follows it, when
@@ -178,7 +195,15 @@ class AheadSteps:
         jobs = [flight.jobs[i] for i in live]
         following = None
         timed = flight.timed
-        going = self._ahead_jobs(jobs)
+        going, peeked = self._ahead_jobs(jobs)
+        tokens: list[int] | None = None
+        late = False
+        if going and peeked:  # wait for their tokens, then look again with them
+            tokens = flight.read()
+            row = {id(job): i for i, job in enumerate(flight.jobs)}
+            if any(_peeks_after(job, tokens[row[id(job)]]) for job in peeked):
+                going = []  # a draft: the next step is synchronous and drafts
+            late = True
         if going:
             start = time.perf_counter_ns()
             captures = self.decode.captures
@@ -195,7 +220,9 @@ class AheadSteps:
             if following is not None:
                 following.timed = self.decode.captures == captures
                 self.launched_ahead += 1
-        tokens = flight.read()
+                self.launched_late += late
+        if tokens is None:
+            tokens = flight.read()
         now = time.perf_counter_ns()
         # Steps in flight overlap: each job is charged from the later of its launch and
         # the previous read-back, so its eval_duration is the wall time it took.

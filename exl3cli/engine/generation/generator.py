@@ -113,6 +113,9 @@ class Generator(AheadSteps):
         # `async_step` False (or EXL3_ASYNC_STEP=0): every step read back first.
         self.async_step = async_step_default() if async_step is None else bool(async_step)
         self.launched_ahead = 0  # steps launched so far before their inputs were read
+        # ... of which launched once a drafting job's token in flight was read and its
+        # drafter found nothing with it (ahead_step._peeks_after)
+        self.launched_late = 0
         self._landed_ns = 0
         # Plain decode steps' wall time, which drafting passes must beat (draft_policy.py),
         # and whether the next step is a plain one to time it.
