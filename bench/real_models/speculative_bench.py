@@ -16,7 +16,11 @@ model whose own forward costs more than drafting can save is not drafted with
 draft forward's ms per batch size).
 
     python bench/real_models/speculative_bench.py TARGET --draft-model DRAFT_FOLDER \
-        --jobs 1,16 --tokens 64 --k 4 --device cuda --out spec.json
+        --jobs 1,16,16x48 --tokens 64 --k 4 --device cuda --out spec.json
+
+SxN rows: N jobs through S slots (a refilling queue: what a daemon sees), lengths 3/4,
+1 and 5/4 of --tokens in turn, timed by every step (prompts too); `prompt_steps` and
+`prompt_s` say what the admissions took, `differs_at` where a text left the plain one.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ SETS = {
 }
 
 
-def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: str | None,
+def _run(text_model: TextModel, prompts: list[list[int]], tokens: list[int], drafter: str | None,
          k: int, device: str, slots: int | None = None) -> dict[str, Any]:
     # The previous run's generator (its graphs and pools) is freed here, not by a
     # collection in the middle of this run's timed steps.
@@ -68,15 +72,16 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
     generator = Generator(text_model.model, text_model.tokenizer,
                           max_batch=slots or len(prompts), num_ctx=1024)
     handles = [generator.submit(GenerationJob(
-        p, {"temperature": 0}, num_predict=tokens, ignore_eos=True,
+        p, {"temperature": 0}, num_predict=n, ignore_eos=True,
         drafter=make_drafter(drafter) if drafter else None,
-        draft_tokens=k if drafter else 0)) for p in prompts]
+        draft_tokens=k if drafter else 0)) for p, n in zip(prompts, tokens, strict=True)]
     cache = getattr(handles[0].job.drafter, "cache", None)  # a draft model's shared cache
 
     def captured() -> int:  # graphs of the target's steps and of the draft model's
         return generator.decode.captures + getattr(cache, "captures", 0)
 
     decode_s, wall_s, passes, drafted_passes, capture_steps = 0.0, 0.0, 0, 0, 0
+    prompt_steps, prompt_s = 0, 0.0  # steps that took prompt tokens (a queue's admissions)
     steps: list[tuple[float, int, int, int, int, int]] = []  # per decode pass (below)
     while generator.has_work:
         captures = captured()
@@ -90,6 +95,9 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
             capture_steps += 1  # a CUDA graph captured (once per bucket): not steady state
             continue
         wall_s += seconds  # every step, prompts too (what a queue's rows are timed by)
+        if report.prefill_tokens:
+            prompt_steps += 1
+            prompt_s += seconds
         if report.decode_tokens and not report.prefill_tokens:
             decode_s += seconds
             passes += 1
@@ -113,7 +121,7 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
         "ahead_passes": sum(1 for s in steps if s[4]),
         "late_passes": sum(1 for s in steps if s[5]),
         "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
-        "wall_s": wall_s,
+        "wall_s": wall_s, "prompt_steps": prompt_steps, "prompt_s": prompt_s,
         "passes": passes, "drafted_passes": drafted_passes, "capture_steps": capture_steps,
         "drafted": sum(h.final.draft_count for h in handles),
         "kept": sum(h.final.draft_accepted for h in handles),
@@ -122,6 +130,20 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: int, drafter: 
 
 def _rate(run: dict[str, Any]) -> float:
     return round(run["tokens"] / run["decode_s"], 1) if run["decode_s"] else 0.0
+
+
+def _differences(want: list[list[int]], runs: list[dict[str, Any]]) -> list[list[int]]:
+    """[job, first token that differs] for each job of any run whose text is not
+    `want`'s, earliest first (a near tie decided otherwise by another float order
+    shows as one position, then another text)."""
+    found: dict[int, int] = {}
+    for run in runs:
+        for job, (got, ref) in enumerate(zip(run["ids"], want, strict=True)):
+            if got != ref:
+                at = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b),
+                          min(len(got), len(ref)))
+                found[job] = min(at, found.get(job, at))
+    return sorted(([job, at] for job, at in found.items()), key=lambda item: item[1])
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -153,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     # process, as in a daemon: its first request pays one short draft).
     warm = [text_model.chat_prompt([{"role": "user", "content": SETS["free"][0]}])]
     for drafter in [None, *drafters]:
-        _run(text_model, warm * 2, 8, drafter, args.k, args.device)
+        _run(text_model, warm * 2, [8, 8], drafter, args.k, args.device)
     for set_name in args.sets.split(","):
         asks = [text_model.chat_prompt([{"role": "user", "content": a}]) for a in SETS[set_name]]
         for spec in args.jobs.split(","):
@@ -161,12 +183,16 @@ def main(argv: list[str] | None = None) -> int:
             jobs = int(queued or slots)
             queue = int(slots) if queued else None
             prompts = [asks[i % len(asks)] for i in range(jobs)]
+            # A queue's jobs ask for 3/4, 1 and 5/4 of --tokens in turn (a daemon's
+            # requests end at different steps; equal lengths would admit in three waves)
+            lengths = ([args.tokens * (3 + i % 3) // 4 for i in range(jobs)] if queued
+                       else [args.tokens] * jobs)
             # --repeats rounds, plain and each drafter in turn (so a slow spell of the
             # host falls on all of them); each keeps its median-rate run
             runs: dict[str | None, list[dict[str, Any]]] = {d: [] for d in [None, *drafters]}
             for _ in range(args.repeats):
                 for drafter in runs:
-                    runs[drafter].append(_run(text_model, prompts, args.tokens, drafter,
+                    runs[drafter].append(_run(text_model, prompts, lengths, drafter,
                                               args.k, args.device, queue))
             if queue:  # jobs come and go: timed by every step, prompts included
                 for run in (r for rs in runs.values() for r in rs):
@@ -198,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                     "plain_median_ms": plain["median_ms"], "ahead_passes": got["ahead_passes"],
                     "plain_ahead_passes": plain["ahead_passes"],
                     "late_passes": got["late_passes"],
+                    # steps that took prompt tokens: count and seconds (drafted, plain)
+                    "prompt_steps": [got["prompt_steps"], plain["prompt_steps"]],
+                    "prompt_s": [round(got["prompt_s"], 4), round(plain["prompt_s"], 4)],
+                    # per job whose text differs: (job, first differing token)
+                    "differs_at": _differences(plain["ids"], runs[None] + runs[drafter]),
                     "gate": got["gate"],  # draft_gate: pauses, probes, forward ms by size
                 })
                 row = rows[-1]
