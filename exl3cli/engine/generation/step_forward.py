@@ -1,8 +1,9 @@
 """The forward pass of one generator step that is not launched ahead (generator.py).
 
 Which path a step's fed tokens take: the fixed-shape decode runner (decode_step.py) for
-one token per decoding job, or for a verification pass whose rows fit one step (and, in
-batch-invariant mode, for any step: invariant.py); otherwise the general paged forward
+one token per decoding job, for a verification pass whose rows fit one step, for a
+prompt's last tokens beside decoding jobs (`prompt_beside`), and, in batch-invariant
+mode, for any step (invariant.py); otherwise the general paged forward
 (`PagedBatch`, or `VerifyingBatch` when jobs verify drafts). Also the one read-back of
 a step's samples (`sample_rows`) and the LoRA row selection around a forward
 (`adapter_rows`).
@@ -22,6 +23,7 @@ from exl3cli.engine.generation import invariant
 from exl3cli.engine.generation.batch_sampling import batchable, sample_and_pick
 from exl3cli.engine.generation.speculative import VerifyingBatch
 from exl3cli.engine.kvcache.paged_attention import PagedBatch
+from exl3cli.envvars import switch
 
 if TYPE_CHECKING:
     from exl3cli.engine.generation.decode_step import DecodeRunner
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from exl3cli.engine.kvcache.paged_cache import PagePool
 
 Fed = list[tuple["ActiveJob", list[int]]]
+PROMPT_BESIDE_ENV = "EXL3_PROMPT_BESIDE"
 
 
 def decode_only(decode: DecodeRunner, fed: Fed) -> bool:
@@ -65,7 +68,8 @@ def forward(model: Any, pool: PagePool, decode: DecodeRunner, batch_invariant: b
                if not active.prefilling and len(tokens) == 1]
     if len(rows_in) == len(fed) and decode.fits(rows_in):
         return decode.run(rows_in), list(range(len(fed)))
-    if verify_fixed(decode, fed) or (batch_invariant and invariant.fits(fed, decode)):
+    if (verify_fixed(decode, fed) or (batch_invariant and invariant.fits(fed, decode))
+            or prompt_beside(decode, fed)):
         return forward_fixed(decode, fed)
     tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
     verifying = [active.verifying for active, _ in fed]
@@ -87,6 +91,31 @@ def verify_fixed(decode: DecodeRunner, fed: Fed) -> bool:
     if any(active.prefilling for active, _ in fed):
         return False
     return decode.fits_feeds([(active.table, tokens) for active, tokens in fed])
+
+
+def prompt_beside(decode: DecodeRunner, fed: Fed) -> bool:
+    """Whether a step that takes prompt tokens beside decoding jobs runs as one
+    fixed-shape step anyway (a row per token, as batch-invariant mode runs every step):
+    when each prompt chunk is the rest of its prompt (a new job's prompt past its cached
+    prefix, a short prompt) and all rows fit one step. The general path runs ~350 small
+    ops a layer from the host: such a step took ~40 ms on the H200 for SmolLM2 with 16
+    jobs decoding (a graphed step: ~3.7 ms), so in a refilling queue every admission
+    stalled the others. A longer prompt keeps the general path (one chunk, big GEMMs).
+    EXL3_PROMPT_BESIDE=0 turns this off."""
+    if not decode.enabled or not prompt_beside_default():
+        return False
+    chunks = [active for active, _ in fed if active.prefilling]
+    if not chunks or len(chunks) == len(fed):
+        return False
+    if any(active.cursor + len(tokens) < len(active.prompt)
+           for active, tokens in fed if active.prefilling):
+        return False
+    return invariant.fits(fed, decode)
+
+
+def prompt_beside_default() -> bool:
+    """EXL3_PROMPT_BESIDE: "1" (default) lets a prompt's rest ride beside decode rows."""
+    return switch(PROMPT_BESIDE_ENV, True)
 
 
 def forward_fixed(decode: DecodeRunner, fed: Fed) -> tuple[torch.Tensor, list[Any]]:

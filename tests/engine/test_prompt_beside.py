@@ -1,0 +1,96 @@
+"""A prompt's last tokens beside decoding jobs, in one fixed-shape step
+(step_forward.prompt_beside), on the CPU: the "static" step is what a CUDA graph
+replays. A refilling queue (jobs admitted while others decode) must give every job the
+tokens the general path gives it, return every page, and still send prompts that do not
+fit the step's rows down the general path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from exl3cli.engine.generation import step_forward
+from exl3cli.engine.generation.generator import Generator
+from exl3cli.engine.generation.jobs import GenerationJob
+from exl3cli.errors import InvalidSetting
+
+GREEDY = {"temperature": 0}
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+
+
+def _queue(text_model, prompts, budgets, monkeypatch, beside: bool, drafts: bool = False):
+    """Every job through a 3-slot generator; returns (token ids, fixed-shape steps that
+    took prompt tokens, general-path steps that took prompt tokens)."""
+    monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1" if beside else "0")
+    calls = {"fixed": 0, "general": 0}
+    fixed, general = step_forward.forward_fixed, step_forward.PagedBatch
+
+    def counted_fixed(decode, fed):
+        calls["fixed"] += any(active.prefilling for active, _ in fed)
+        return fixed(decode, fed)
+
+    def counted_general(pool, tables, tokens):
+        calls["general"] += any(len(t) > 1 for t in tokens)
+        return general(pool, tables, tokens)
+
+    monkeypatch.setattr(step_forward, "forward_fixed", counted_fixed)
+    monkeypatch.setattr(step_forward, "PagedBatch", counted_general)
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=3, num_ctx=512,
+                          decode_mode="static", draft_cost=False)
+    before = generator.pool.available
+    from exl3cli.engine.generation.speculative import make_drafter
+
+    handles = [generator.submit(GenerationJob(
+        p, GREEDY, num_predict=n, ignore_eos=True,
+        drafter=make_drafter("ngram:2") if drafts else None, draft_tokens=3 if drafts else 0))
+        for p, n in zip(prompts, budgets, strict=True)]
+    generator.run_until_done()
+    while generator._flight is not None:
+        generator.step()
+    assert generator.pool.pages_in_use == 0 and generator.pool.available == before
+    return [h.token_ids for h in handles], calls["fixed"], calls["general"]
+
+
+def test_short_prompts_ride_beside_decode_rows_with_the_same_text(text_model, monkeypatch):
+    # Short prompts and budgets that end at different steps: jobs join one at a time.
+    prompts = _prompts(3, [9, 14, 6, 11, 20, 7, 13])
+    budgets = [12, 30, 18, 25, 9, 22, 16]
+    want, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
+    assert fixed == 0 and general > 0  # before: every admission took the general path
+    got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
+    assert got == want
+    assert fixed >= 4  # the four jobs admitted while others decode
+    assert general <= 1  # the first prompts, with nobody decoding yet
+
+
+def test_drafting_jobs_and_prompts_share_a_fixed_step(text_model, monkeypatch):
+    base = _prompts(5, [10, 12, 8])
+    prompts = [p * 3 for p in base] + [p * 2 for p in base]  # repeats: n-gram drafts
+    budgets = [20, 34, 26, 30, 18, 24]
+    want, _, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
+    got, fixed, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=True,
+                           drafts=True)
+    assert got == want and fixed >= 2
+
+
+def test_a_prompt_longer_than_the_rows_left_takes_the_general_path(text_model, monkeypatch):
+    prompts = _prompts(7, [8, 9, 150])  # the third joins with 150 tokens: no 64-row step
+    budgets = [10, 40, 10]
+    monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1")
+    generator = Generator(text_model.model, text_model.tokenizer, max_batch=2, num_ctx=512,
+                          decode_mode="static")
+    assert generator.decode.max_rows < 150
+    want, _, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
+    got, _, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
+    assert got == want and general >= 1
+
+
+def test_a_bad_setting_is_refused(text_model, monkeypatch):
+    monkeypatch.setenv("EXL3_PROMPT_BESIDE", "sometimes")
+    with pytest.raises(InvalidSetting, match="EXL3_PROMPT_BESIDE"):
+        step_forward.prompt_beside_default()
