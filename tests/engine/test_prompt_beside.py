@@ -94,3 +94,54 @@ def test_a_bad_setting_is_refused(text_model, monkeypatch):
     monkeypatch.setenv("EXL3_PROMPT_BESIDE", "sometimes")
     with pytest.raises(InvalidSetting, match="EXL3_PROMPT_BESIDE"):
         step_forward.prompt_beside_default()
+
+
+class OracleDrafter:
+    """Proposes what the plain run said next (every draft is kept): rows fill up."""
+
+    def __init__(self, prompt, answer):
+        self.prompt, self.answer = list(prompt), list(answer)
+
+    def propose(self, history, count):
+        done = len(history) - len(self.prompt)
+        return self.answer[done:done + count]
+
+
+def test_drafts_are_shortened_so_a_short_prompt_rest_rides_with_them(text_model,
+                                                                     monkeypatch):
+    """Drafting jobs fill the step's rows; a job joining with a short prompt then took
+    the general path (run 13 on the H200: 16 jobs x 5 rows leave no room in 64). Now
+    the drafts are cut to leave the prompt its rows, and the text stays plain greedy's."""
+    prompts = _prompts(11, [9, 7, 10, 5])
+    budgets = [40, 6, 40, 30]
+    want, _, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
+
+    fixed = step_forward.forward_fixed
+    shared = {"steps": 0}
+
+    def counted_fixed(decode, fed):  # fixed-shape steps with a prompt chunk and drafts
+        shared["steps"] += (any(active.prefilling for active, _ in fed)
+                            and any(active.verifying for active, _ in fed))
+        return fixed(decode, fed)
+
+    monkeypatch.setattr(step_forward, "forward_fixed", counted_fixed)
+
+    def run(beside: bool):
+        monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1" if beside else "0")
+        shared["steps"] = 0
+        generator = Generator(text_model.model, text_model.tokenizer, max_batch=3,
+                              num_ctx=512, decode_mode="static", draft_cost=False)
+        generator.decode.max_rows = 12  # 3 jobs x (1 + 3 drafts): a full step
+        handles = [generator.submit(GenerationJob(
+            p, GREEDY, num_predict=n, ignore_eos=True, drafter=OracleDrafter(p, a),
+            draft_tokens=3)) for p, a, n in zip(prompts, want, budgets, strict=True)]
+        while generator.has_work or generator._flight is not None:
+            generator.step()
+        assert generator.pool.pages_in_use == 0
+        assert sum(h.final.draft_accepted for h in handles) > 20
+        return [h.token_ids for h in handles], shared["steps"]
+
+    got, beside_steps = run(True)
+    assert got == want and beside_steps >= 1
+    got, beside_steps = run(False)
+    assert got == want and beside_steps == 0

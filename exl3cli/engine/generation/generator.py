@@ -303,6 +303,14 @@ class Generator(AheadSteps):
             waiting = any(active.prefilling for active in self._active)
             room = invariant.prompt_room(fed, waiting, self.decode.max_rows, room)
             report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
+        elif fed and self.decode.enabled and step_forward.prompt_beside_default():
+            # A short prompt rest beside drafting jobs (step_forward.prompt_beside):
+            # shorten drafts so that it fits one fixed-shape step with them.
+            rest = sum(len(active.prompt) - active.cursor
+                       for active in self._active if active.prefilling)
+            if 0 < rest <= min(room, self.decode.max_rows // 2) and report.draft_tokens:
+                fit_rows(fed, self.decode.max_rows - rest)
+                report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
         for active in self._active:
             if active.prefilling and room > 0:
                 tokens = active.next_tokens(room)
