@@ -25,7 +25,7 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 def _queue(text_model, prompts, budgets, monkeypatch, beside: bool, drafts: bool = False):
     """Every job through a 3-slot generator; returns (token ids, fixed-shape steps that
-    took prompt tokens, general-path steps that took prompt tokens)."""
+    took prompt tokens, general-path steps that took prompt tokens beside decode rows)."""
     monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1" if beside else "0")
     calls = {"fixed": 0, "general": 0}
     fixed, general = step_forward.forward_fixed, step_forward.PagedBatch
@@ -34,8 +34,8 @@ def _queue(text_model, prompts, budgets, monkeypatch, beside: bool, drafts: bool
         calls["fixed"] += any(active.prefilling for active, _ in fed)
         return fixed(decode, fed)
 
-    def counted_general(pool, tables, tokens):
-        calls["general"] += any(len(t) > 1 for t in tokens)
+    def counted_general(pool, tables, tokens):  # prompt chunks beside decode rows
+        calls["general"] += any(len(t) > 1 for t in tokens) and any(len(t) == 1 for t in tokens)
         return general(pool, tables, tokens)
 
     monkeypatch.setattr(step_forward, "forward_fixed", counted_fixed)
@@ -65,7 +65,7 @@ def test_short_prompts_ride_beside_decode_rows_with_the_same_text(text_model, mo
     got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
     assert got == want
     assert fixed >= 4  # the four jobs admitted while others decode
-    assert general <= 1  # the first prompts, with nobody decoding yet
+    assert general == 0
 
 
 def test_drafting_jobs_and_prompts_share_a_fixed_step(text_model, monkeypatch):
@@ -78,16 +78,22 @@ def test_drafting_jobs_and_prompts_share_a_fixed_step(text_model, monkeypatch):
     assert got == want and fixed >= 2
 
 
-def test_a_prompt_longer_than_the_rows_left_takes_the_general_path(text_model, monkeypatch):
-    prompts = _prompts(7, [8, 9, 150])  # the third joins with 150 tokens: no 64-row step
-    budgets = [10, 40, 10]
-    monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1")
-    generator = Generator(text_model.model, text_model.tokenizer, max_batch=2, num_ctx=512,
-                          decode_mode="static")
-    assert generator.decode.max_rows < 150
+def test_a_longer_prompt_rides_in_chunks_and_a_long_one_takes_the_general_path(
+        text_model, monkeypatch):
+    rows = Generator(text_model.model, text_model.tokenizer, max_batch=3, num_ctx=512,
+                     decode_mode="static").decode.max_rows
+    assert rows < 150 <= step_forward.BESIDE_MAX_PROMPT < 300
+    # The fourth job joins with 150 tokens: more than one step's rows, in chunks.
+    prompts = _prompts(7, [8, 9, 7, 150])
+    budgets = [10, 60, 40, 10]
     want, _, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
-    got, _, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
-    assert got == want and general >= 1
+    got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
+    assert got == want and general == 0 and fixed >= 150 // rows + 1
+    # With 300 tokens it is one chunk on the general path, as before.
+    prompts = _prompts(8, [8, 9, 7, 300])
+    want, _, general_before = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
+    got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
+    assert got == want and general == general_before == 1 and fixed == 0
 
 
 def test_a_bad_setting_is_refused(text_model, monkeypatch):

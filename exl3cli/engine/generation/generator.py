@@ -304,13 +304,7 @@ class Generator(AheadSteps):
             room = invariant.prompt_room(fed, waiting, self.decode.max_rows, room)
             report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
         elif fed and self.decode.enabled and step_forward.prompt_beside_default():
-            # A short prompt rest beside drafting jobs (step_forward.prompt_beside):
-            # shorten drafts so that it fits one fixed-shape step with them.
-            rest = sum(len(active.prompt) - active.cursor
-                       for active in self._active if active.prefilling)
-            if 0 < rest <= min(room, self.decode.max_rows // 2) and report.draft_tokens:
-                fit_rows(fed, self.decode.max_rows - rest)
-                report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
+            room = self._beside_room(fed, report, room)
         for active in self._active:
             if active.prefilling and room > 0:
                 tokens = active.next_tokens(room)
@@ -320,6 +314,23 @@ class Generator(AheadSteps):
         if not report.prefill_tokens:
             report.draft_tokens -= self._fit_drafts(fed)
         return fed
+
+    def _beside_room(self, fed: Fed, report: StepReport, room: int) -> int:
+        """Prompt tokens for this step when short prompts wait beside decoding jobs
+        (`fed`): the rows the fixed-shape step has left (drafts shortened so that up to
+        half of them are free), so the prompts ride in it (step_forward.prompt_beside),
+        in chunks over a few steps when they are longer; `room` unchanged when the
+        prompts waiting are too long for that (the general path takes them at once)."""
+        rest = sum(len(active.prompt) - active.cursor
+                   for active in self._active if active.prefilling)
+        if not 0 < rest <= step_forward.BESIDE_MAX_PROMPT:
+            return room
+        rows = self.decode.max_rows
+        if report.draft_tokens:
+            fit_rows(fed, rows - min(rest, rows // 2))
+            report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
+        free = rows - sum(len(tokens) for _, tokens in fed)
+        return min(room, free) if free > 0 else room
 
     def _fit_drafts(self, fed: Fed) -> int:
         """Drafts dropped so the pass fits one fixed-shape step (draft_policy.fit_rows)."""

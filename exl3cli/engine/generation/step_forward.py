@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 Fed = list[tuple["ActiveJob", list[int]]]
 PROMPT_BESIDE_ENV = "EXL3_PROMPT_BESIDE"
+# Prompt tokens (all jobs' still to take in) that ride beside decode rows in chunks; more
+# take the general path. 256 = four 64-row steps: on the H200 a 64-row graphed step of
+# SmolLM2 is ~3-4 ms against a general-path step's 30-60 ms with decode rows beside it.
+BESIDE_MAX_PROMPT = 256
 
 
 def decode_only(decode: DecodeRunner, fed: Fed) -> bool:
@@ -96,19 +100,17 @@ def verify_fixed(decode: DecodeRunner, fed: Fed) -> bool:
 def prompt_beside(decode: DecodeRunner, fed: Fed) -> bool:
     """Whether a step that takes prompt tokens beside decoding jobs runs as one
     fixed-shape step anyway (a row per token, as batch-invariant mode runs every step):
-    when each prompt chunk is the rest of its prompt (a new job's prompt past its cached
-    prefix, a short prompt) and all rows fit one step. The general path runs ~350 small
-    ops a layer from the host: such a step took ~40 ms on the H200 for SmolLM2 with 16
-    jobs decoding (a graphed step: ~3.7 ms), so in a refilling queue every admission
-    stalled the others. A longer prompt keeps the general path (one chunk, big GEMMs).
-    EXL3_PROMPT_BESIDE=0 turns this off."""
+    when the prompts still to take in are short (BESIDE_MAX_PROMPT tokens in all: a new
+    job's prompt past its cached prefix, a chat turn), in chunks of the rows the step
+    has left (Generator._beside_room), and all rows fit. The general path runs ~350
+    small ops a layer from the host: such a step took 30-60 ms on the H200 for SmolLM2
+    with 16 jobs decoding (a graphed step of 64 rows: ~3-4 ms), so in a refilling queue
+    every admission stalled the others. Longer prompts keep the general path (one
+    chunk, big GEMMs). EXL3_PROMPT_BESIDE=0 turns this off."""
     if not decode.enabled or not prompt_beside_default():
         return False
-    chunks = [active for active, _ in fed if active.prefilling]
-    if not chunks or len(chunks) == len(fed):
-        return False
-    if any(active.cursor + len(tokens) < len(active.prompt)
-           for active, tokens in fed if active.prefilling):
+    rest = [len(active.prompt) - active.cursor for active, _ in fed if active.prefilling]
+    if not rest or len(rest) == len(fed) or sum(rest) > BESIDE_MAX_PROMPT:
         return False
     return invariant.fits(fed, decode)
 
