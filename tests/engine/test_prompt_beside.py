@@ -23,7 +23,8 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
 
 
-def _queue(text_model, prompts, budgets, monkeypatch, beside: bool, drafts: bool = False):
+def _queue(text_model, prompts, budgets, monkeypatch, beside: bool, drafts: bool = False,
+           max_rows: int | None = None):
     """Every job through a 3-slot generator; returns (token ids, fixed-shape steps that
     took prompt tokens, general-path steps that took prompt tokens beside decode rows)."""
     monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1" if beside else "0")
@@ -42,6 +43,8 @@ def _queue(text_model, prompts, budgets, monkeypatch, beside: bool, drafts: bool
     monkeypatch.setattr(step_forward, "PagedBatch", counted_general)
     generator = Generator(text_model.model, text_model.tokenizer, max_batch=3, num_ctx=512,
                           decode_mode="static", draft_cost=False)
+    if max_rows is not None:
+        generator.decode.max_rows = max_rows
     before = generator.pool.available
     from exl3cli.engine.generation.speculative import make_drafter
 
@@ -94,6 +97,24 @@ def test_a_longer_prompt_rides_in_chunks_and_a_long_one_takes_the_general_path(
     want, _, general_before = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
     got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
     assert got == want and general == general_before == 1 and fixed == 0
+
+
+def test_a_prompt_that_would_trickle_in_over_many_steps_takes_the_general_path(
+        text_model, monkeypatch):
+    """With 12 rows and 2 jobs decoding, 10 rows are left: 40 prompt tokens ride in 4
+    steps; 41 would need 5 (Generator.BESIDE_STEPS = 4) and take the general path."""
+    from exl3cli.engine.generation.generator import BESIDE_STEPS
+
+    assert BESIDE_STEPS == 4
+    for length, rides in ((40, True), (41, False)):
+        prompts = _prompts(length, [8, 9, 7, length])
+        budgets = [6, 80, 80, 10]  # the fourth joins after the first, beside two jobs
+        want, _, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=False,
+                            max_rows=12)
+        got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True,
+                                     max_rows=12)
+        assert got == want
+        assert (fixed, general) == ((4, 0) if rides else (0, 1)), (length, fixed, general)
 
 
 def test_a_bad_setting_is_refused(text_model, monkeypatch):

@@ -45,6 +45,9 @@ from exl3cli.envvars import switch
 from exl3cli.errors import ContextOverflow, GeneratorBusy, InvalidOption
 
 DEFAULT_MAX_PREFILL_TOKENS = 512
+# A short prompt rides beside decode rows over at most this many steps (_beside_room):
+# with 60 jobs decoding, 4 rows a step would take a 200-token prompt 50 steps.
+BESIDE_STEPS = 4
 
 
 class Generator(AheadSteps):
@@ -320,12 +323,15 @@ class Generator(AheadSteps):
         (`fed`): the rows the fixed-shape step has left (drafts shortened so that up to
         half of them are free), so the prompts ride in it (step_forward.prompt_beside),
         in chunks over a few steps when they are longer; `room` unchanged when the
-        prompts waiting are too long for that (the general path takes them at once)."""
+        prompts waiting are too long for that (more than BESIDE_MAX_PROMPT tokens, or
+        than BESIDE_STEPS steps' rows: the general path takes them at once)."""
         rest = sum(len(active.prompt) - active.cursor
                    for active in self._active if active.prefilling)
-        if not 0 < rest <= step_forward.BESIDE_MAX_PROMPT:
-            return room
         rows = self.decode.max_rows
+        # at most BESIDE_STEPS steps of prompt chunks beside the decode rows (one row each)
+        if not 0 < rest <= min(step_forward.BESIDE_MAX_PROMPT,
+                               BESIDE_STEPS * (rows - len(fed))):
+            return room
         if report.draft_tokens:
             fit_rows(fed, rows - min(rest, rows // 2))
             report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
