@@ -88,3 +88,31 @@ def test_fixed_shape_decode_steps_route_adapters(adapted, monkeypatch):
     solo = [_run(adapted, [job], max_batch=1)[0] for job in jobs]
     monkeypatch.setenv("EXL3_DECODE_MODE", "static")
     assert _run(adapted, jobs, max_batch=4) == solo
+
+
+def test_a_prompt_beside_adapted_decode_rows_keeps_each_rows_adapter(adapted, monkeypatch):
+    """A job joining while adapted jobs decode takes its prompt in on their fixed-shape
+    step (step_forward.prompt_beside): each of the step's rows, the prompt's too, keeps
+    its own adapter."""
+    from exl3cli.engine.generation import step_forward
+
+    prompts = [[9, 10, 11, 12], [20, 21, 22, 23, 24, 25], [30, 31, 32, 33, 34]]
+    names, budgets = ["b", None, "a"], [4, 20, 12]
+
+    def jobs():
+        return [GenerationJob(p, GREEDY, num_predict=n, ignore_eos=True, adapter=a)
+                for p, a, n in zip(prompts, names, budgets, strict=True)]
+
+    monkeypatch.setenv("EXL3_DECODE_MODE", "off")
+    solo = [_run(adapted, [job], max_batch=1)[0] for job in jobs()]
+    beside = {"steps": 0}
+    fixed = step_forward.forward_fixed
+
+    def counted(decode, fed):
+        beside["steps"] += any(active.prefilling for active, _ in fed)
+        return fixed(decode, fed)
+
+    monkeypatch.setattr(step_forward, "forward_fixed", counted)
+    monkeypatch.setenv("EXL3_DECODE_MODE", "static")
+    assert _run(adapted, jobs(), max_batch=2) == solo  # the third joins beside the second
+    assert beside["steps"] == 1

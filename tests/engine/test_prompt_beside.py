@@ -117,10 +117,11 @@ def test_a_prompt_that_would_trickle_in_over_many_steps_takes_the_general_path(
         assert (fixed, general) == ((4, 0) if rides else (0, 1)), (length, fixed, general)
 
 
-def test_a_bad_setting_is_refused(text_model, monkeypatch):
+def test_a_bad_setting_is_refused_when_the_generator_is_made(text_model, monkeypatch):
     monkeypatch.setenv("EXL3_PROMPT_BESIDE", "sometimes")
     with pytest.raises(InvalidSetting, match="EXL3_PROMPT_BESIDE"):
-        step_forward.prompt_beside_default()
+        Generator(text_model.model, text_model.tokenizer, max_batch=2, num_ctx=256,
+                  decode_mode="static")
 
 
 class OracleDrafter:

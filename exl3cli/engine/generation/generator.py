@@ -45,7 +45,7 @@ from exl3cli.envvars import switch
 from exl3cli.errors import ContextOverflow, GeneratorBusy, InvalidOption
 
 DEFAULT_MAX_PREFILL_TOKENS = 512
-# A short prompt rides beside decode rows over at most this many steps (_beside_room):
+# A short prompt rides beside decode rows over about this many steps (_beside_room):
 # with 60 jobs decoding, 4 rows a step would take a 200-token prompt 50 steps.
 BESIDE_STEPS = 4
 
@@ -115,6 +115,8 @@ class Generator(AheadSteps):
         # Decode steps launched before the previous one is read back (ahead_step.py);
         # `async_step` False (or EXL3_ASYNC_STEP=0): every step read back first.
         self.async_step = async_step_default() if async_step is None else bool(async_step)
+        # Short prompts beside decode rows on the fixed-shape step (EXL3_PROMPT_BESIDE).
+        self.prompt_beside = step_forward.prompt_beside_default()
         self.launched_ahead = 0  # steps launched so far before their inputs were read
         # ... of which launched once a drafting job's token in flight was read and its
         # drafter found nothing with it (ahead_step._peeks_after)
@@ -306,7 +308,7 @@ class Generator(AheadSteps):
             waiting = any(active.prefilling for active in self._active)
             room = invariant.prompt_room(fed, waiting, self.decode.max_rows, room)
             report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
-        elif fed and self.decode.enabled and step_forward.prompt_beside_default():
+        elif fed and self.decode.enabled and self.prompt_beside:
             room = self._beside_room(fed, report, room)
         for active in self._active:
             if active.prefilling and room > 0:
@@ -361,7 +363,7 @@ class Generator(AheadSteps):
     def _forward(self, fed: Fed) -> tuple[torch.Tensor, list[Any]]:
         """One general forward pass over the fed tokens (step_forward.forward)."""
         return step_forward.forward(self.model, self.pool, self.decode, self.batch_invariant,
-                                    fed)
+                                    fed, self.prompt_beside)
 
     def _adapters_for(self, rows: list[tuple[ActiveJob, int]]
                       ) -> contextlib.AbstractContextManager[None]:

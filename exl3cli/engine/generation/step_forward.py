@@ -65,15 +65,16 @@ def sample_rows(fed: Fed, logits: torch.Tensor,
 
 
 def forward(model: Any, pool: PagePool, decode: DecodeRunner, batch_invariant: bool,
-            fed: Fed) -> tuple[torch.Tensor, list[Any]]:
+            fed: Fed, beside: bool = False) -> tuple[torch.Tensor, list[Any]]:
     """One forward pass over the fed tokens: (logits, the logits row of each job:
-    an index, or a slice of 1 + k rows for a job verifying k drafts)."""
+    an index, or a slice of 1 + k rows for a job verifying k drafts). `beside`: short
+    prompts may ride beside decode rows (`prompt_beside`)."""
     rows_in = [(active.table, tokens[0]) for active, tokens in fed
                if not active.prefilling and len(tokens) == 1]
     if len(rows_in) == len(fed) and decode.fits(rows_in):
         return decode.run(rows_in), list(range(len(fed)))
     if (verify_fixed(decode, fed) or (batch_invariant and invariant.fits(fed, decode))
-            or prompt_beside(decode, fed)):
+            or (beside and prompt_beside(decode, fed))):
         return forward_fixed(decode, fed)
     tables, token_lists = [a.table for a, _ in fed], [t for _, t in fed]
     verifying = [active.verifying for active, _ in fed]
@@ -106,8 +107,9 @@ def prompt_beside(decode: DecodeRunner, fed: Fed) -> bool:
     small ops a layer from the host: such a step took 30-60 ms on the H200 for SmolLM2
     with 16 jobs decoding (a graphed step of 64 rows: ~3-4 ms), so in a refilling queue
     every admission stalled the others. Longer prompts keep the general path (one
-    chunk, big GEMMs). EXL3_PROMPT_BESIDE=0 turns this off."""
-    if not decode.enabled or not prompt_beside_default():
+    chunk, big GEMMs). EXL3_PROMPT_BESIDE=0 turns this off (`prompt_beside_default`,
+    read when a generator is made)."""
+    if not decode.enabled:
         return False
     rest = [len(active.prompt) - active.cursor for active, _ in fed if active.prefilling]
     if not rest or len(rest) == len(fed) or sum(rest) > BESIDE_MAX_PROMPT:
