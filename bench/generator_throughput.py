@@ -14,6 +14,12 @@ dilute it. Each job count is run once to warm up (kernels built, graphs captured
 then `--repeat` times; the median is reported, with the spread. Ratios are against
 1 job in the same process.
 
+`--jobs SxN` (e.g. 16x48): N jobs through S slots, a refilling queue (what a daemon
+sees): the jobs ask for 3/4, 1 and 5/4 of `--gen` tokens in turn, so they end at
+different steps and the queue's prompts join beside decoding jobs; the figure is then
+every token generated over the whole run (prompts included), and `prompt_steps` /
+`prompt_seconds` what the steps that took prompt tokens cost (A/B EXL3_PROMPT_BESIDE).
+
 Each step is timed when the generator hands back its report, which is after that step's
 tokens were read to the host: nothing is synchronized in between, so a decode step
 launched ahead of its predecessor's read-back (engine/generation/ahead_step.py) overlaps
@@ -57,11 +63,17 @@ def _synchronize(device: torch.device) -> None:
 
 
 def new_generator(model: Any, tokenizer: Tokenizer, jobs: int, prompt: int, gen: int,
-                  kv: str) -> Generator:
+                  kv: str, queued: int | None = None) -> Generator:
     """One generator per measured configuration, kept across its runs as a server keeps
     it: CUDA graphs are captured in the warm-up run, not in the measured ones."""
-    return Generator(model, tokenizer, max_batch=jobs, num_ctx=prompt + gen + 8,
-                     kv_cache_type=kv, max_queue=jobs)
+    return Generator(model, tokenizer, max_batch=jobs, num_ctx=prompt + gen + gen // 4 + 8,
+                     kv_cache_type=kv, max_queue=queued or jobs)
+
+
+def parse_jobs(spec: str) -> tuple[int, int | None]:
+    """'16' -> (16, None); '16x48' -> (16 slots, 48 jobs through them)."""
+    slots, _, queued = spec.strip().partition("x")
+    return int(slots), int(queued) if queued else None
 
 
 def random_adapter(model: Any, rank: int, name: str = "bench") -> str:
@@ -92,7 +104,7 @@ def random_adapter(model: Any, rank: int, name: str = "bench") -> str:
 
 def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
              seed: int, adapter: str | None = None, sync_steps: bool = False,
-             temperature: float = 0.0) -> dict[str, Any]:
+             temperature: float = 0.0, queued: int | None = None) -> dict[str, Any]:
     """One measured run: `jobs` concurrent jobs (greedy, or sampled at `temperature` with
     top_k 40 and top_p 0.9, unseeded: on the device); decode-only aggregate tok/s.
     `sync_steps`: the device synchronized after every step's report (module docstring)."""
@@ -108,8 +120,11 @@ def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
         steps.append((time.perf_counter(), report))
 
     generator.step_observers[:] = [observe]
-    for ids in _prompts(jobs, prompt, model.config.vocab_size, seed):
-        generator.submit(GenerationJob(ids, options, num_predict=gen,
+    count = queued or jobs
+    lengths = [gen * (3 + i % 3) // 4 for i in range(count)] if queued else [gen] * count
+    for ids, length in zip(_prompts(count, prompt, model.config.vocab_size, seed), lengths,
+                           strict=True):
+        generator.submit(GenerationJob(ids, options, num_predict=length,
                                        ignore_eos=True, adapter=adapter))
     _synchronize(device)
     ahead = generator.launched_ahead
@@ -123,14 +138,23 @@ def run_jobs(generator: Generator, jobs: int, prompt: int, gen: int,
     seconds = (decode_steps[-1][0] - window_start) if decode_steps else float("nan")
     prefill_tokens = sum(r.prefill_tokens for _, r in steps)
     prefill_seconds = window_start - started
+    total = time.perf_counter() - started
+    if queued:  # a refilling queue: every token over the whole run, prompts included
+        tokens, seconds = sum(lengths), total
+        times = [t - (steps[i - 1][0] if i else started) for i, (t, _) in enumerate(steps)]
+        prompt_steps = [dt for dt, (_, r) in zip(times, steps, strict=True) if r.prefill_tokens]
+    else:
+        prompt_steps = []
     return {
+        "queued": queued, "prompt_steps": len(prompt_steps),
+        "prompt_seconds": sum(prompt_steps),
         "prefill_tokens": prefill_tokens,
         "prefill_tokens_per_s": prefill_tokens / prefill_seconds if prefill_seconds > 0 else 0.0,
         "jobs": jobs, "kv": generator.cache_type.name, "decode_mode": generator.decode.mode,
         "graphs": generator.decode.graph_count, "decode_steps": len(decode_steps), "decode_tokens": tokens,
         "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "kv_bytes_per_token": generator.pool.bytes_per_token(),
-        "total_seconds": time.perf_counter() - started,
+        "total_seconds": total,
         "async_step": generator.async_step, "sync_steps": sync_steps, "temperature": temperature,
         "launched_ahead": generator.launched_ahead - ahead,
     }
@@ -174,17 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_folder(args.model)
     rows = []
     for kv in args.kv.split(","):
-        for jobs in (int(j) for j in args.jobs.split(",")):
-            generator = new_generator(model, tokenizer, jobs, args.prompt, args.gen, kv)
+        for jobs, queued in (parse_jobs(j) for j in args.jobs.split(",")):
+            generator = new_generator(model, tokenizer, jobs, args.prompt, args.gen, kv,
+                                      queued)
             warm = run_jobs(generator, jobs, args.prompt, args.gen, args.seed, adapter,
-                            args.sync_steps, args.temperature)
+                            args.sync_steps, args.temperature, queued)
             progress(f"kv {kv} jobs {jobs}: warm-up {warm['total_seconds']:.1f} s "
                      f"({warm['decode_mode']}, {warm['graphs']} graphs)")
             runs = []
             for i in range(max(1, args.repeat)):
                 runs.append(run_jobs(generator, jobs, args.prompt, args.gen,
                                      args.seed + 1 + i, adapter, args.sync_steps,
-                                     args.temperature))
+                                     args.temperature, queued))
                 progress(f"kv {kv} jobs {jobs}: run {i + 1} {runs[-1]['total_seconds']:.1f} s, "
                          f"{runs[-1]['tokens_per_s']:.1f} tok/s decode, prompts "
                          f"{runs[-1]['prefill_tokens_per_s']:.0f} tok/s")
@@ -197,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             base = next(r for r in rows if r["kv"] == kv)
             row["ratio_to_1_job"] = row["tokens_per_s"] / base["tokens_per_s"]
             if not args.json:
-                print(f"kv {kv:5s} jobs {jobs:4d}  {row['tokens_per_s']:9.1f} tok/s "
+                name = f"{jobs}x{queued}" if queued else str(jobs)
+                print(f"kv {kv:5s} jobs {name:>6}  {row['tokens_per_s']:9.1f} tok/s "
                       f"(runs {', '.join(f'{r:.0f}' for r in rates)}; "
                       f"{row['ratio_to_1_job']:5.2f}x 1 job)  "
                       f"KV {row['kv_bytes_per_token']:,.0f} B/token", flush=True)
