@@ -39,7 +39,7 @@ def set_exl3_gemv_mode(mode: str | None = None) -> str:
     chosen = (os.environ.get("EXL3_CPU_GEMV", "") if mode is None else mode) or "exact"
     if chosen not in EXL3_GEMV_MODES:
         raise InvalidSetting(f"EXL3_CPU_GEMV must be one of {', '.join(EXL3_GEMV_MODES)}, "
-                         f"got {chosen!r}")
+                             f"got {chosen!r}")
     return cpu_kernels._ops().exl3_set_gemv_mode(chosen)
 
 

@@ -74,7 +74,7 @@ def fold_names(text: str) -> frozenset[str]:
     unknown = sorted(names - set(NAMES))
     if unknown:
         raise InvalidSetting(f"EXL3_LAYER_FOLD: unknown fold(s) {unknown}; choose from {NAMES}, "
-                         "'all' or '0'")
+                             "'all' or '0'")
     return names
 
 

@@ -327,8 +327,7 @@ class Generator(AheadSteps):
         in chunks over a few steps when they are longer; `room` unchanged when the
         prompts waiting are too long for that (more than BESIDE_MAX_PROMPT tokens, or
         than BESIDE_STEPS steps' rows: the general path takes them at once)."""
-        rest = sum(len(active.prompt) - active.cursor
-                   for active in self._active if active.prefilling)
+        rest = step_forward.prompt_rest(self._active)
         rows = self.decode.max_rows
         # at most BESIDE_STEPS steps of prompt chunks beside the decode rows (one row each)
         if not 0 < rest <= min(step_forward.BESIDE_MAX_PROMPT,

@@ -14,7 +14,7 @@ a step's samples (`sample_rows`) and the LoRA row selection around a forward
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,10 +111,15 @@ def prompt_beside(decode: DecodeRunner, fed: Fed) -> bool:
     read when a generator is made)."""
     if not decode.enabled:
         return False
-    rest = [len(active.prompt) - active.cursor for active, _ in fed if active.prefilling]
-    if not rest or len(rest) == len(fed) or sum(rest) > BESIDE_MAX_PROMPT:
+    chunks = sum(1 for active, _ in fed if active.prefilling)
+    if not chunks or chunks == len(fed) or prompt_rest(a for a, _ in fed) > BESIDE_MAX_PROMPT:
         return False
     return invariant.fits(fed, decode)
+
+
+def prompt_rest(jobs: Iterable[ActiveJob]) -> int:
+    """Prompt tokens the prefilling ones of `jobs` still have to take in."""
+    return sum(len(active.prompt) - active.cursor for active in jobs if active.prefilling)
 
 
 def prompt_beside_default() -> bool:
