@@ -33,6 +33,20 @@ def long_chat() -> dict:
     return {"model": "tiny", "messages": HELLO, "options": {"num_predict": 200}}
 
 
+def full_length_chat(url: str) -> dict:
+    """long_chat with a sampling seed whose solo answer runs all 200 tokens: the random
+    tiny model samples its end-of-turn token now and then, so an unseeded answer may end
+    by itself (completed, not cancelled) while a test waits for its client to leave."""
+    client = ollama.Client(host=url, timeout=120)
+    for seed in range(64):
+        body = long_chat()
+        body["options"]["seed"] = seed
+        answer = client.chat(model="tiny", messages=HELLO, options=body["options"])
+        if answer.eval_count == 200 and answer.done_reason == "length":
+            return body
+    raise AssertionError("no seed in 0-63 gives the tiny model a 200-token answer")
+
+
 def hold_long_chats(daemon: Daemon, release: threading.Event) -> None:
     """Make the daemon's long chats (num_predict 200) wait after their first object until
     `release` is set, so a test does not race a tiny model that answers in milliseconds
@@ -54,9 +68,10 @@ def hold_long_chats(daemon: Daemon, release: threading.Event) -> None:
 
 def test_a_full_queue_answers_503(store):
     with Daemon(store, num_parallel=1, max_queue=1) as daemon:
+        body = full_length_chat(daemon.url)  # its first object is not its last
         release = threading.Event()
         hold_long_chats(daemon, release)
-        running, response = open_stream(daemon.url, long_chat())
+        running, response = open_stream(daemon.url, body)
         assert response.status == 200 and json.loads(response.readline())["done"] is False
         queued_result: list = []
         waiter = threading.Thread(target=lambda: queued_result.append(ollama.Client(
@@ -74,7 +89,9 @@ def test_a_full_queue_answers_503(store):
 
 def test_a_client_that_disconnects_frees_its_job(store):
     with Daemon(store) as daemon:
-        connection, response = open_stream(daemon.url, long_chat())
+        body = full_length_chat(daemon.url)  # also loads the model
+        before = stats(daemon.url)["completed"]
+        connection, response = open_stream(daemon.url, body)
         assert json.loads(response.readline())["done"] is False
         # 10 ms more per step: the 200 tokens take seconds, so the job is surely still
         # running when the client leaves (the batched relay lets a tiny model answer
@@ -91,13 +108,13 @@ def test_a_client_that_disconnects_frees_its_job(store):
         wait_for(lambda: stats(daemon.url)["active"] == 0, timeout=10)
         elapsed = time.monotonic() - started
         counters = stats(daemon.url)
-        assert counters["cancelled"] == 1 and counters["completed"] == 0
+        assert counters["cancelled"] == 1 and counters["completed"] == before
         assert elapsed < 10
         assert (pool.pages_in_use, pool.reserved) == (0, 0)  # its cache pages came back
         # the model stays usable: nothing was left holding it
         answer = ollama.Client(host=daemon.url).chat(model="tiny", messages=HELLO,
                                                     options={"num_predict": 2})
-        assert answer.done and stats(daemon.url)["completed"] == 1
+        assert answer.done and stats(daemon.url)["completed"] == before + 1
 
 
 def test_32_concurrent_streams_complete_and_greedy_text_does_not_change(store):

@@ -194,9 +194,9 @@ def test_a_failed_generator_step_ends_the_stream_with_an_error_line(store):
             if len(steps) == 5:
                 raise RuntimeError("step exploded")
 
+        body = endless(daemon.url, 3)  # does not end by itself before the fifth step
         generator.step_observers.append(fail_at_the_fifth_step)
-        connection, response = open_stream(daemon.url, {
-            "model": "tiny", "messages": question(3), "options": {"num_predict": 100}})
+        connection, response = open_stream(daemon.url, body)
         lines = [json.loads(line) for line in response.read().splitlines() if line]
         connection.close()
         assert lines[-1] == {"error": "step exploded"}
