@@ -82,10 +82,11 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: list[int], dra
 
     decode_s, wall_s, passes, drafted_passes, capture_steps = 0.0, 0.0, 0, 0, 0
     prompt_steps, prompt_s = 0, 0.0  # steps that took prompt tokens (a queue's admissions)
-    steps: list[tuple[float, int, int, int, int, int]] = []  # per decode pass (below)
+    steps: list[tuple[float, int, int, int, int, int, int]] = []  # per decode pass (below)
     while generator.has_work:
         captures = captured()
         ahead, late = generator.launched_ahead, generator.launched_late
+        early = generator.launched_before_text
         start = time.perf_counter()
         report = generator.step()
         if device == "cuda":
@@ -104,7 +105,8 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: list[int], dra
             drafted_passes += report.draft_tokens > 0
             steps.append((round(seconds * 1e3, 3), len(steps), report.jobs,
                           report.draft_tokens, generator.launched_ahead - ahead,
-                          generator.launched_late - late))
+                          generator.launched_late - late,
+                          generator.launched_before_text - early))
     produced = sum(len(h.token_ids) for h in handles)
     cost = getattr(handles[0].job.drafter, "forward_cost", None)  # a draft model's gate
     return {
@@ -113,13 +115,15 @@ def _run(text_model: TextModel, prompts: list[list[int]], tokens: list[int], dra
             "forward_ms": {jobs: round(cost.forward_ns(jobs) / 1e6, 3)
                            for jobs in (1, 2, 4, 8, 16) if cost.forward_ns(jobs)}},
         # where the time went: the slowest passes (ms, pass, jobs, drafts, launched
-        # ahead, launched late), the median pass, how many passes ran ahead of their
-        # read-back, and how many of those after waiting for a token to look again
-        # (ahead_step._peeks_after)
+        # ahead, launched late, launched before text), the median pass, how many passes
+        # ran ahead of their read-back, how many of those after waiting for a token to
+        # look again (ahead_step._peeks_after), and how many launched the next step
+        # before their text work (verify_ahead.py)
         "slowest": sorted(steps, reverse=True)[:4],
         "median_ms": sorted(s[0] for s in steps)[len(steps) // 2] if steps else None,
         "ahead_passes": sum(1 for s in steps if s[4]),
         "late_passes": sum(1 for s in steps if s[5]),
+        "before_text_passes": sum(1 for s in steps if s[6]),
         "ids": [h.token_ids for h in handles], "tokens": produced, "decode_s": decode_s,
         "wall_s": wall_s, "prompt_steps": prompt_steps, "prompt_s": prompt_s,
         "passes": passes, "drafted_passes": drafted_passes, "capture_steps": capture_steps,
@@ -224,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     "plain_median_ms": plain["median_ms"], "ahead_passes": got["ahead_passes"],
                     "plain_ahead_passes": plain["ahead_passes"],
                     "late_passes": got["late_passes"],
+                    "before_text_passes": got["before_text_passes"],
                     # steps that took prompt tokens: count and seconds (drafted, plain)
                     "prompt_steps": [got["prompt_steps"], plain["prompt_steps"]],
                     "prompt_s": [round(got["prompt_s"], 4), round(plain["prompt_s"], 4)],

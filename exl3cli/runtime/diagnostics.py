@@ -35,6 +35,7 @@ def model_diagnostics(loaded: Any) -> dict[str, Any]:
         "step_slowest_ms": round(getattr(thread, "slowest_ns", 0) / 1e6, 3),
         "launched_ahead": getattr(generator, "launched_ahead", 0),
         "launched_late": getattr(generator, "launched_late", 0),
+        "launched_before_text": getattr(generator, "launched_before_text", 0),
         "decode_mode": getattr(decode, "mode", None),
         "graphs": getattr(decode, "graph_count", 0),
         "captures": getattr(decode, "captures", 0),

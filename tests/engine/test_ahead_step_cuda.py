@@ -169,3 +169,44 @@ def test_draw_rows_is_torch_multinomial_on_the_gpu():
         want = torch.multinomial(probs, 1)[:, 0]
         torch.manual_seed(7)
         assert torch.equal(draw_rows(probs), want)
+
+
+def test_passes_with_drafts_launched_before_their_text_work(tiny, monkeypatch):
+    """verify_ahead.py on graph steps: the same tokens as with EXL3_VERIFY_AHEAD=0, and
+    launching the pass after a read-back one (its drafts' graph step, the picks drawn
+    on the device, the read-back's start) makes no synchronising call."""
+    from tests.fixtures.drafters import OracleDrafter
+
+    model = load_causal_lm(tiny, device="cuda", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder(tiny)
+    prompts = _prompts(model.config.vocab_size, 12, 4)
+    plain, _ = _run(model, tokenizer, [GenerationJob(p, GREEDY, num_predict=40,
+                                                     ignore_eos=True) for p in prompts],
+                    False, late=0)
+
+    def run(ahead: bool, strict: bool = False):
+        monkeypatch.setenv("EXL3_VERIFY_AHEAD", "1" if ahead else "0")
+        generator = Generator(model, tokenizer, decode_mode="graph", num_ctx=1024, max_batch=4)
+        launch_next = generator._launch_next
+
+        def checked():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch_next()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        for rounds in range(2 if strict else 1):  # the first round captures the graphs
+            if rounds:
+                generator._launch_next = checked
+            handles = [generator.submit(GenerationJob(
+                p, GREEDY, num_predict=40, ignore_eos=True, draft_tokens=3,
+                drafter=OracleDrafter(p, answer[0]))) for p, answer in zip(prompts, plain,
+                                                                          strict=True)]
+            generator.run_until_done()
+        return [h.token_ids for h in handles], generator
+
+    want, _ = run(False)
+    got, ahead = run(True, strict=True)
+    assert got == want == [answer[0] for answer in plain]
+    assert ahead.launched_before_text > 5

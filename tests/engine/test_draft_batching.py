@@ -12,6 +12,7 @@ from exl3cli.engine.generation.draft_policy import DraftBackoff
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.models.loader import load_causal_lm
+from tests.fixtures.drafters import PeekingDrafter
 from tests.fixtures.tiny_model import write_tiny_model
 
 GREEDY = {"temperature": 0}
@@ -151,27 +152,6 @@ def test_backed_off_jobs_run_ahead_on_the_fixed_shape_path(text_model, draft_mod
     assert [h.token_ids for h in handles] == [h.token_ids for h in plain]
     assert in_flight > 0
     assert sum(h.final.draft_count for h in handles) > 0  # it did draft, then paused
-
-
-class PeekingDrafter:
-    """A host-side drafter with `peek` (as `ngram`): proposes the plain run's next
-    tokens only where `hits` says (positions in the answer), counts its calls."""
-
-    def __init__(self, prompt, answer, hits=()):
-        self.prompt, self.answer, self.hits = list(prompt), list(answer), set(hits)
-        self.proposals = self.peeks = 0
-
-    def _lookup(self, history, count):
-        done = len(history) - len(self.prompt)
-        return self.answer[done:done + count] if done in self.hits else []
-
-    def propose(self, history, count):
-        self.proposals += 1
-        return self._lookup(history, count)
-
-    def peek(self, history, count):
-        self.peeks += 1
-        return self._lookup(history, count)
 
 
 def _run_static(text_model, prompts, drafters, tokens, generators=None):

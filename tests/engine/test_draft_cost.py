@@ -10,6 +10,7 @@ import types
 import pytest
 
 from exl3cli.engine.generation import generator as generator_module
+from exl3cli.engine.generation import verify_ahead
 from exl3cli.engine.generation.draft_policy import (
     FIRST_BATCH_PAUSE,
     MIN_COST_PASSES,
@@ -123,8 +124,9 @@ class _Timed:
 
 def _drafted_run(text_model, monkeypatch, verify_ns: int, answer: list[int]):
     clock = types.SimpleNamespace(now=0)
-    monkeypatch.setattr(generator_module, "time",
-                        types.SimpleNamespace(perf_counter_ns=lambda: clock.now))
+    fake = types.SimpleNamespace(perf_counter_ns=lambda: clock.now)
+    for module in (generator_module, verify_ahead):  # the step's clocks
+        monkeypatch.setattr(module, "time", fake)
     model = _Timed(text_model.model, clock, plain_ns=1_000_000, verify_ns=verify_ns)
     generator = Generator(model, text_model.tokenizer, max_batch=1, num_ctx=512,
                           decode_mode="off", draft_cost=True)

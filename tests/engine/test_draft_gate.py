@@ -13,7 +13,7 @@ import pytest
 import torch
 from exl3_plugins.drafters import ModelDrafter
 
-from exl3cli.engine.generation import draft_gate
+from exl3cli.engine.generation import draft_gate, verify_ahead
 from exl3cli.engine.generation import generator as generator_module
 from exl3cli.engine.generation.batch_sampling import sample_and_pick, sample_rows
 from exl3cli.engine.generation.draft_gate import (
@@ -152,7 +152,8 @@ def _run(text_model, monkeypatch, prompts, tokens, draft_ns=None, draft=None):
     `draft`: a draft model of an earlier run (its cost record lives on)."""
     clock = types.SimpleNamespace(now=0)
     fake = types.SimpleNamespace(perf_counter_ns=lambda: clock.now)
-    monkeypatch.setattr(generator_module, "time", fake)
+    for module in (generator_module, verify_ahead):  # the step's clocks
+        monkeypatch.setattr(module, "time", fake)
     monkeypatch.setattr(draft_gate, "time", fake)
     target = _Clocked(text_model.model, clock, MS, verify_ns=11 * MS // 10)
     if draft is not None:

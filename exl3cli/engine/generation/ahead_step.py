@@ -22,7 +22,9 @@ the token in flight is not in the next step (as without launching ahead); when a
 job would take the slot it frees, that step is synchronous instead. A job that stops on the token read back (EOS, a stop string, a cancel) is retired at once;
 the step already launched for it wrote that one token's key/value into its last,
 uncommitted cache slot (pages freed with the job: never registered as a reusable
-prefix) and its sampled token is dropped. Everything else takes the synchronous step.
+prefix) and its sampled token is dropped. Everything else takes the synchronous step,
+whose successor verify_ahead.py may still launch before the host's text work on it
+(and a landing that launches nothing hands its tokens there too: `_take_before_text`).
 The launch path makes no synchronising call (batch_sampling.sample_on_device).
 
 `EXL3_ASYNC_STEP=0` (or `Generator(async_step=False)`) never launches ahead: each decode
@@ -143,6 +145,9 @@ class AheadSteps:
 
         def _adapters_for(self, rows: list[tuple[ActiveJob, int]]) -> Any: ...
 
+        def _take_before_text(self, jobs: list[ActiveJob], tokens: list[int],
+                              elapsed: int, report: StepReport) -> bool: ...
+
     def _launch(self, jobs: list[ActiveJob], logits: torch.Tensor, start: int,
                 report: StepReport) -> Flight | None:
         """Sample a decode step's rows on the device and start copying the tokens back;
@@ -231,6 +236,9 @@ class AheadSteps:
         if timed and self.draft_cost:
             self.plain_clock.observe(len(flight.jobs), elapsed)
         report = flight.report
+        if following is None and self._take_before_text(  # verify_ahead.py
+                [flight.jobs[i] for i in live], [tokens[i] for i in live], elapsed, report):
+            return report
         continuing = {id(job) for job in following.jobs} if following is not None else set()
         for i in live:
             job = flight.jobs[i]

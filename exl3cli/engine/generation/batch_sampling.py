@@ -205,16 +205,40 @@ def sample_and_pick(logits: torch.Tensor, rows: Sequence[int], samplers: Sequenc
         on_device = sample_on_device(some, samplers)
         if on_device is None:
             drawn = sample_rows(some, samplers, histories)
-    flat = [row for group in pick_rows for row in group]
     parts = [] if on_device is None else [on_device]
-    if flat:  # the argmax of every row (a pass has at most 64), then the rows wanted
-        best = torch.argmax(logits, dim=-1)
-        parts.append(best.index_select(0, torch.tensor(flat, device=device)))
+    if any(pick_rows):
+        parts.append(_picks(logits, pick_rows))
     values = torch.cat(parts).tolist() if parts else []  # the step's one read-back
     if on_device is not None:
         drawn, values = values[: len(rows)], values[len(rows):]
+    return drawn, split_picks(values, pick_rows)
+
+
+def _picks(logits: torch.Tensor, pick_rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The argmax of every row (a pass has at most 64), then the rows wanted, in order."""
+    flat = [row for group in pick_rows for row in group]
+    return torch.argmax(logits, dim=-1).index_select(0, to_device(flat, logits.device))
+
+
+def split_picks(values: Sequence[int], pick_rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The flat picks read back, one list per `pick_rows` group."""
     picks, first = [], 0
     for group in pick_rows:
-        picks.append(values[first : first + len(group)])
+        picks.append(list(values[first : first + len(group)]))
         first += len(group)
-    return drawn, picks
+    return picks
+
+
+def launch_sample_and_pick(logits: torch.Tensor, rows: Sequence[int],
+                           samplers: Sequence[Sampler], pick_rows: Sequence[Sequence[int]]
+                           ) -> torch.Tensor:
+    """`sample_and_pick` left on the device for samplers that all batch (the caller
+    checked): [the tokens of `rows`..., the flat picks...], nothing read back (a
+    verification pass launched ahead, verify_ahead.py)."""
+    parts = []
+    if rows:
+        some = logits.index_select(0, to_device(list(rows), logits.device))
+        parts.append(sample_on_device(some, samplers, checked=True))
+    if any(pick_rows):
+        parts.append(_picks(logits, pick_rows))
+    return torch.cat(parts)

@@ -36,6 +36,11 @@ from exl3cli.engine.generation.jobs import (
 )
 from exl3cli.engine.generation.speculative import prepare_drafts
 from exl3cli.engine.generation.step_forward import Fed
+from exl3cli.engine.generation.verify_ahead import (
+    VerifyAhead,
+    VerifyFlight,
+    verify_ahead_default,
+)
 from exl3cli.engine.generation.wake import flush_all
 from exl3cli.engine.kvcache.kv_quant import KVCacheType, resolve_kv_cache_type
 from exl3cli.engine.kvcache.paged_cache import PAGE_SIZE, ROOT_HASH, PagePool, PageTable, pages_for
@@ -50,7 +55,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 512
 BESIDE_STEPS = 4
 
 
-class Generator(AheadSteps):
+class Generator(AheadSteps, VerifyAhead):
     """Serves GenerationJobs with continuous batching over a PagePool.
 
     `num_ctx` is the longest context of any job; the pool holds `num_pages` pages
@@ -112,15 +117,21 @@ class Generator(AheadSteps):
         self._queue: deque[JobHandle] = deque()
         self._active: list[ActiveJob] = []
         self._flight: Flight | None = None  # a decode step whose tokens are not read yet
+        # A step gathered after a read-back but not launched (verify_ahead.py): the next.
+        self._gathered: tuple[Fed, StepReport, int] | None = None
         # Decode steps launched before the previous one is read back (ahead_step.py);
         # `async_step` False (or EXL3_ASYNC_STEP=0): every step read back first.
         self.async_step = async_step_default() if async_step is None else bool(async_step)
+        # The step after a read-back step launched before its text work (EXL3_VERIFY_AHEAD).
+        self.verify_ahead = verify_ahead_default()
         # Short prompts beside decode rows on the fixed-shape step (EXL3_PROMPT_BESIDE).
         self.prompt_beside = step_forward.prompt_beside_default()
         self.launched_ahead = 0  # steps launched so far before their inputs were read
         # ... of which launched once a drafting job's token in flight was read and its
         # drafter found nothing with it (ahead_step._peeks_after)
         self.launched_late = 0
+        # ... launched after a read-back step, before its text work (verify_ahead.py)
+        self.launched_before_text = 0
         self._landed_ns = 0
         # Plain decode steps' wall time, which drafting passes must beat (draft_policy.py),
         # and whether the next step is a plain one to time it.
@@ -240,12 +251,14 @@ class Generator(AheadSteps):
 
     def _step(self) -> StepReport:
         with self._lock:
+            if isinstance(self._flight, VerifyFlight):
+                return self._land_verify(self._flight)
             if self._flight is not None:
                 return self._land(self._flight)
-            self._admit()
-            report = StepReport()
-            began = time.perf_counter_ns()  # drafting (a draft model's passes) counts too
-            fed = self._gather(report)
+            fed, report, began = self._gathered or self._gather_step()
+            self._gathered = None
+            alive = {id(active) for active in self._active}
+            fed = [(active, tokens) for active, tokens in fed if id(active) in alive]
             if not fed:
                 return report
             report.jobs = len(fed)
@@ -266,19 +279,17 @@ class Generator(AheadSteps):
             else:
                 with self._adapters_for([(active, len(tokens)) for active, tokens in fed]):
                     logits, rows = self._forward(fed)
-            tokens_of, picks_of = step_forward.sample_rows(fed, logits, rows)
-            elapsed = time.perf_counter_ns() - start
-            before = [(active.produced, active.verifying) for active, _ in fed]
-            for i, (row, (active, tokens)) in enumerate(zip(rows, fed, strict=True)):
-                read = i in tokens_of or i in picks_of
-                events = active.after_forward(tokens, None if read else logits[row], elapsed,
-                                              tokens_of.get(i), picks_of.get(i))
-                self._deliver(active, events, report)
-            if self.draft_cost and self.decode.captures == captures:
-                self._time_step(fed, report, time.perf_counter_ns() - began, before)
-            for observer in self.step_observers:
-                observer(report)
-            return report
+            read = step_forward.sample_rows(fed, logits, rows)
+            return self._finish_step(fed, logits, rows, read, start, began,
+                                     self.decode.captures == captures, report)
+
+    def _gather_step(self) -> tuple[Fed, StepReport, int]:
+        """Admit what fits and gather a step: (fed, its report, when gathering began:
+        drafting, a draft model's passes, counts too)."""
+        self._admit()
+        report = StepReport()
+        began = time.perf_counter_ns()
+        return self._gather(report), report, began
 
     def _gather(self, report: StepReport) -> Fed:
         """The tokens each active job feeds this step: decoders first (they are never
@@ -409,7 +420,7 @@ class Generator(AheadSteps):
     def fail_all(self, error: BaseException) -> None:
         """End every queued and running job with `error` (re-raised by their handles)."""
         with self._lock:
-            self._flight = None
+            self._flight = self._gathered = None
             for handle in list(self._queue):
                 handle.error = error
             for active in self._active:

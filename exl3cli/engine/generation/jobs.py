@@ -188,6 +188,7 @@ class ActiveJob:
     _decoder: Any = None
     _matcher: StopStringMatcher | None = None
     _held: list[int] = field(default_factory=list)  # tokens whose text is held back
+    _untexted: list[int] = field(default_factory=list)  # taken by `advance`, no text yet
     # Whether its sampler draws with the batch on the device (batch_sampling.batchable;
     # fixed for the job's life, checked once here rather than at every step).
     batched: bool = False
@@ -329,12 +330,7 @@ class ActiveJob:
             return self.finish("stop"), True
         self.history.append(token)
         self.handle.token_ids.append(token)
-        self._held.append(token)
-        events: list[GeneratorEvent] = []
-        text, stopped = self._matcher.push(self._decoder.push(token))
-        if text:
-            events.append(GeneratorEvent(text=text, token_ids=self._held))
-            self._held = []
+        events, stopped = self._text(token)
         if stopped:
             return events + self.finish("stop", flush=False), True
         if self.produced >= self.budget:
@@ -343,6 +339,76 @@ class ActiveJob:
             return events + self.finish("stop"), True  # the value is complete
         self.pending_token = token
         return events, False
+
+    def _text(self, token: int) -> tuple[list[GeneratorEvent], bool]:
+        """A taken token's text (held back while it may be part of a stop string), and
+        whether a stop string ended with it."""
+        self._held.append(token)
+        text, stopped = self._matcher.push(self._decoder.push(token))
+        if not text:
+            return [], stopped
+        events = [GeneratorEvent(text=text, token_ids=self._held)]
+        self._held = []
+        return events, stopped
+
+    # ---- a step's tokens taken before their text (generation/verify_ahead.py) ----------
+
+    def outcome(self, token: int | None, picks: list[int] | None) -> list[int] | None:
+        """The tokens a decoding step read back for this job gives it (`token`: its
+        plain sample; `picks`: its greedy choices after the pending token and each
+        draft), when taking them cannot end the job (no EOS, budget left, no
+        constraint); None otherwise (`after_forward` then takes the step)."""
+        if self.prefilling or self.handle.job.constraint is not None:
+            return None
+        if self._draft:
+            if picks is None:
+                return None
+            tokens = verify_picks(self._draft, picks)
+        elif token is None:
+            return None
+        else:
+            tokens = [int(token)]
+        if self.produced + len(tokens) >= self.budget or self.eos_ids.intersection(tokens):
+            return None
+        return tokens
+
+    def advance(self, fed: list[int], tokens: list[int], elapsed_ns: int) -> None:
+        """Take `tokens` (from `outcome`) into the history, counts and cache as
+        `after_forward` would, all but their text (`text_after`, once the next step
+        is launched): the next step can be built from it."""
+        self.pending_token = None
+        self.eval_ns += elapsed_ns
+        draft, self._draft = self._draft, []
+        if draft:
+            kept = len(tokens) - 1
+            self.drafted += len(draft)
+            self.draft_accepted += kept
+            self.table.commit(fed[: 1 + kept])
+        self.produced += len(tokens)
+        self.history += tokens
+        self.handle.token_ids += tokens
+        if draft:
+            self.backoff.record(len(draft), len(tokens) - 1, self.produced)
+        self.pending_token = tokens[-1]
+        self._untexted = list(tokens)
+
+    def text_after(self) -> list[GeneratorEvent]:
+        """The text of the tokens `advance` took; a stop string among them ends the
+        job there, and the tokens after it are taken back (never emitted)."""
+        tokens, self._untexted = self._untexted, []
+        events: list[GeneratorEvent] = []
+        for i, token in enumerate(tokens):
+            more, stopped = self._text(token)
+            events += more
+            if stopped:
+                extra = len(tokens) - 1 - i
+                if extra:
+                    del self.history[-extra:]
+                    del self.handle.token_ids[-extra:]
+                    self.produced -= extra
+                self.pending_token = None
+                return events + self.finish("stop", flush=False)
+        return events
 
     def finish(self, reason: str, flush: bool = True,
                cancelled: bool = False) -> list[GeneratorEvent]:
