@@ -27,6 +27,7 @@ Every layer maps ``x[..., in_features] -> y[..., out_features]`` through ``forwa
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ from exl3cli.errors import ModelLoadError
 from exl3cli.ops import cpu_kernels
 from exl3cli.ops import cuda_kernels as kernels
 from exl3cli.ops.batch_invariant import batch_invariant, padded_linear
+
+log = logging.getLogger(__name__)
 
 
 class Linear(nn.Module):
@@ -148,6 +151,30 @@ def dense_product(x: torch.Tensor, weight: torch.Tensor,
     if batch_invariant():
         return padded_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float32 for a float16/bfloat16 `weight` on CUDA, written by
+    cuBLAS from its float32 accumulators (``torch.mm(..., out_dtype=torch.float32)``)
+    instead of rounded to the half type first: a model's logits keep the precision its
+    head computed them in (a float16 logit near 20 is a multiple of 1/64, as wide as
+    the near ties that decide greedy text). Elsewhere, and in the batch-invariant mode,
+    ``dense_product(...).float()``."""
+    global _FLOAT_OUT
+    if (_FLOAT_OUT and x.is_cuda and weight.dtype in (torch.float16, torch.bfloat16)
+            and x.dtype == weight.dtype and not batch_invariant()):
+        rows = x.reshape(-1, x.shape[-1])
+        try:
+            out = torch.mm(rows, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as error:  # a torch without it: round as before
+            log.warning("float32 logits from a half head are not available (%s)", error)
+            _FLOAT_OUT = False
+        else:
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return dense_product(x, weight, None).float()
+
+
+_FLOAT_OUT = True  # False once torch.mm refused out_dtype (float_product)
 
 
 class Exl3Linear(Linear):

@@ -12,7 +12,7 @@ from exl3cli.engine.kvcache.attention_cache import AttentionCache
 from exl3cli.engine.layers.attention import Attention, AttentionStep
 from exl3cli.engine.layers.cpu_exl3 import Exl3DecodePlan
 from exl3cli.engine.layers.fused_layer import FusedDecodeLayer
-from exl3cli.engine.layers.linear import GEMV_MAX_ROWS, DenseLinear, Linear
+from exl3cli.engine.layers.linear import GEMV_MAX_ROWS, DenseLinear, Linear, float_product
 from exl3cli.engine.layers.mlp import GatedMLP
 from exl3cli.engine.layers.norm import RMSNorm
 from exl3cli.engine.layers.parallel import VocabShard
@@ -392,4 +392,7 @@ class CausalLM(nn.Module):
             if self._head_gemv:
                 logits = cpu_kernels.gemv_rows_cpu(rows.contiguous(), head.weight)
                 return logits.view(*hidden.shape[:-1], logits.shape[-1])
+        if (hidden.is_cuda and type(head) is DenseLinear and head.cpu_weights is None
+                and head.bias is None):
+            return float_product(hidden, head.weight)  # float32 logits, not half-rounded
         return head(hidden)
