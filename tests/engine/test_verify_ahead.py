@@ -50,6 +50,7 @@ def _run(text_model, jobs, async_step: bool, cancel_at: int | None = None):
             assert isinstance(generator._flight, VerifyFlight)  # its rows in flight
             generator.cancel(handles[0])
     assert generator.pool.pages_in_use == 0 and generator.pool.reserved == 0
+    assert generator._flight is None and generator._gathered is None  # nothing left over
     results = [(h.token_ids, "".join(e.text for e in h.events.queue),
                 h.final.done_reason, h.final.eval_count, h.final.draft_accepted)
                for h in handles]
@@ -182,3 +183,18 @@ def test_the_switch(text_model, monkeypatch):
     monkeypatch.setenv("EXL3_VERIFY_AHEAD", "later")
     with pytest.raises(InvalidSetting, match="EXL3_VERIFY_AHEAD"):
         _generator(text_model, True)
+
+
+def test_a_lone_job_stopped_by_its_text_leaves_no_step_behind(text_model):
+    (prompt,) = _prompts(1, seed=8)
+    (answer,) = _answers(text_model, [prompt], 30)
+    text = text_model.tokenizer.decode(answer)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+
+    def jobs():
+        return [GenerationJob(prompt, GREEDY, num_predict=30, ignore_eos=True, stop=[stop],
+                              drafter=OracleDrafter(prompt, answer), draft_tokens=4)]
+
+    expected, _ = _run(text_model, jobs(), False)
+    got, ahead = _run(text_model, jobs(), True)  # _run: no flight or gathered step left
+    assert got == expected and got[0][2] == "stop" and ahead.launched_before_text > 0

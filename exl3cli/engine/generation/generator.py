@@ -255,10 +255,7 @@ class Generator(AheadSteps, VerifyAhead):
                 return self._land_verify(self._flight)
             if self._flight is not None:
                 return self._land(self._flight)
-            fed, report, began = self._gathered or self._gather_step()
-            self._gathered = None
-            alive = {id(active) for active in self._active}
-            fed = [(active, tokens) for active, tokens in fed if id(active) in alive]
+            fed, report, began = self._gathered_step() or self._gather_step()
             if not fed:
                 return report
             report.jobs = len(fed)
@@ -282,6 +279,16 @@ class Generator(AheadSteps, VerifyAhead):
             read = step_forward.sample_rows(fed, logits, rows)
             return self._finish_step(fed, logits, rows, read, start, began,
                                      self.decode.captures == captures, report)
+
+    def _gathered_step(self) -> tuple[Fed, StepReport, int] | None:
+        """The step gathered after a read-back (verify_ahead.py), less the jobs that
+        ended since (a cancel); None when there is none, or none of its jobs is left."""
+        gathered, self._gathered = self._gathered, None
+        if gathered is None:
+            return None
+        alive = {id(active) for active in self._active}
+        fed = [(active, tokens) for active, tokens in gathered[0] if id(active) in alive]
+        return (fed, *gathered[1:]) if fed else None
 
     def _gather_step(self) -> tuple[Fed, StepReport, int]:
         """Admit what fits and gather a step: (fed, its report, when gathering began:

@@ -137,6 +137,7 @@ class VerifyAhead:
             self._launch_next()
             for active, _ in fed:  # the text work, while the next step runs
                 self._deliver(active, active.text_after(), report)
+            self._drop_ended()
         for observer in self.step_observers:
             observer(report)
         return report
@@ -157,9 +158,20 @@ class VerifyAhead:
         self._launch_next()
         for job in jobs:
             self._deliver(job, job.text_after(), report)
+        self._drop_ended()
         for observer in self.step_observers:
             observer(report)
         return True
+
+    def _drop_ended(self) -> None:
+        """Forget the step launched (or gathered) before the text work when every job
+        of it has ended in that work (stop strings): nothing of it is to be read."""
+        alive = {id(active) for active in self._active}
+        if self._flight is not None and not any(id(job) in alive for job in self._flight.jobs):
+            self._flight = None
+        if self._gathered is not None and not any(id(active) in alive
+                                                  for active, _ in self._gathered[0]):
+            self._gathered = None
 
     def _outcomes(self, fed: Fed, report: StepReport, tokens_of: dict[int, int],
                   picks_of: dict[int, list[int]]) -> list[list[int]] | None:
