@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from exl3cli.convert.synthetic import write_synthetic_model
+from exl3cli.engine.generation import step_forward
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.models.loader import load_causal_lm
@@ -47,8 +48,18 @@ def _run(model, tokenizer, jobs, mode, **settings):
     return [h.token_ids for h in handles], generator
 
 
+@pytest.fixture
+def prompts_apart(monkeypatch):
+    """Prompt tokens on the general path only (EXL3_PROMPT_BESIDE=0): a prompt chunk
+    riding beside decode rows on the graph step reads the chunk's own keys and values
+    back from the cache, as decoding does, where the general path attends to them
+    before they are stored, so with a quantized cache the two paths differ by that
+    cache's rounding (and the batches of the two modes differ in composition)."""
+    monkeypatch.setenv("EXL3_PROMPT_BESIDE", "0")
+
+
 @pytest.mark.parametrize("cache", ["fp16", "q8"])
-def test_graph_steps_give_the_general_paths_tokens_in_float32(folders, cache):
+def test_graph_steps_give_the_general_paths_tokens_in_float32(folders, cache, prompts_apart):
     # float32 activations: the two paths differ only in summation order.
     model = load_causal_lm(folders["tiny"], device="cuda", dtype=torch.float32)
     tokenizer = Tokenizer.from_folder(folders["tiny"])
@@ -59,8 +70,31 @@ def test_graph_steps_give_the_general_paths_tokens_in_float32(folders, cache):
     assert got == want
 
 
+def test_prompts_beside_decode_rows_on_graph_steps_give_the_general_paths_tokens(
+        folders, monkeypatch):
+    # float32 and an fp16 cache: a prompt chunk on the graph step (step_forward.
+    # prompt_beside) reads back exactly the keys and values the general path used.
+    model = load_causal_lm(folders["tiny"], device="cuda", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder(folders["tiny"])
+    jobs = _jobs(model.config.vocab_size, 7, seed=1)
+    monkeypatch.setenv("EXL3_PROMPT_BESIDE", "0")
+    want, _ = _run(model, tokenizer, jobs, "off", max_batch=5)
+    monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1")
+    beside = {"steps": 0}
+    fixed = step_forward.forward_fixed
+
+    def counted(decode, fed):
+        beside["steps"] += any(active.prefilling for active, _ in fed)
+        return fixed(decode, fed)
+
+    monkeypatch.setattr(step_forward, "forward_fixed", counted)
+    got, generator = _run(model, tokenizer, jobs, "graph", max_batch=5)
+    assert generator.prompt_beside and beside["steps"] > 0
+    assert got == want
+
+
 @pytest.mark.parametrize("cache", ["fp16", "q4", "k8v4"])
-def test_graph_steps_with_the_kernels_in_bfloat16(folders, cache):
+def test_graph_steps_with_the_kernels_in_bfloat16(folders, cache, prompts_apart):
     model = load_causal_lm(folders["smollm2-135m"], device="cuda", dtype=torch.bfloat16)
     tokenizer = Tokenizer.from_folder(folders["smollm2-135m"])
     jobs = _jobs(model.config.vocab_size, 6, seed=2)
@@ -74,7 +108,7 @@ def test_graph_steps_with_the_kernels_in_bfloat16(folders, cache):
     assert [w[:1] for w in want] == [g[:1] for g in got]
 
 
-def test_one_step_logits_match_the_general_path(folders):
+def test_one_step_logits_match_the_general_path(folders, prompts_apart):
     model = load_causal_lm(folders["smollm2-135m"], device="cuda", dtype=torch.bfloat16)
     tokenizer = Tokenizer.from_folder(folders["smollm2-135m"])
     for cache in ("fp16", "q4"):
