@@ -42,6 +42,8 @@ def _serve_help() -> str:
             ("EXL3_FUSED_LAYER", "0: GPU decode without the fused layer kernels (A/B)"),
             ("EXL3_PROMPT_BESIDE", "0: short prompts take the general path, not the "
                                    "decode step beside running jobs (A/B)"),
+            ("EXL3_BESIDE_IN_TURN", "0: several short prompts waiting ride beside only "
+                                    "when short together (A/B)"),
             ("EXL3_VERIFY_AHEAD", "0: a speculative pass's next step waits for its "
                                   "text work (A/B)"),
             ("EXL3_PDL", "1: programmatic dependent launch of the GPU kernels (opt-in)"),

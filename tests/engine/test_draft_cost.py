@@ -209,3 +209,38 @@ def test_one_job_is_judged_by_its_own_rule_only():
     job.produced += 2
     charge_step(clock, [(job, [1, 2, 3])], True, 1_500, before)
     assert job.backoff.may_draft(job.produced) and job.backoff.pauses == 0
+
+
+def test_a_batch_whose_drafts_are_mostly_rejected_pauses_every_job():
+    """Past one job a drafted pass is synchronous: a batch keeping few of its drafts
+    (free text) pauses even where its tokens per plain-step time look paying, and
+    before any plain step was timed; one keeping most of them drafts on."""
+    for timed in (True, False):
+        clock = PlainStepClock()
+        if timed:
+            clock.observe(4, 1_000)
+        jobs = _fake_jobs(4)
+        before = [(job.produced, True) for job in jobs]
+        for job, emitted in zip(jobs, (2, 1, 1, 1), strict=True):
+            job.produced += emitted  # 1 of 8 drafts kept: 5 tokens in one plain step
+        charge_step(clock, [(job, [1, 2, 3]) for job in jobs], True, 1_000, before)
+        assert all(not job.backoff.may_draft(job.produced) for job in jobs), timed
+        assert jobs[0].backoff.paused_until == jobs[0].produced + FIRST_BATCH_PAUSE
+    clock = PlainStepClock()
+    jobs = _fake_jobs(4)
+    before = [(job.produced, True) for job in jobs]
+    for job, emitted in zip(jobs, (3, 2, 2, 1), strict=True):
+        job.produced += emitted  # 4 of 8 kept
+    charge_step(clock, [(job, [1, 2, 3]) for job in jobs], True, 1_000, before)
+    assert all(job.backoff.may_draft(job.produced) for job in jobs)
+    # The share is a running one: a bad pass after good ones is not yet a verdict.
+    before = [(job.produced, True) for job in jobs]
+    for job in jobs:
+        job.produced += 1
+    charge_step(clock, [(job, [1, 2, 3]) for job in jobs], True, 1_000, before)
+    assert all(job.backoff.may_draft(job.produced) for job in jobs)
+    before = [(job.produced, True) for job in jobs]
+    for job in jobs:
+        job.produced += 1
+    charge_step(clock, [(job, [1, 2, 3]) for job in jobs], True, 1_000, before)
+    assert not any(job.backoff.may_draft(job.produced) for job in jobs)

@@ -99,6 +99,34 @@ def test_a_longer_prompt_rides_in_chunks_and_a_long_one_takes_the_general_path(
     assert got == want and general == general_before == 1 and fixed == 0
 
 
+def test_short_prompts_waiting_together_ride_beside_in_turn(text_model, monkeypatch):
+    """Two jobs end at one step and two 150-token prompts wait: 300 tokens together, more
+    than BESIDE_MAX_PROMPT, but each is short, so they ride beside the decoding job one
+    after the other (Generator.beside_in_turn) instead of one general-path step;
+    EXL3_BESIDE_IN_TURN=0 restores that step."""
+    assert 150 <= step_forward.BESIDE_MAX_PROMPT < 300
+    prompts = _prompts(11, [8, 9, 7, 150, 150])
+    budgets = [70, 10, 10, 12, 12]  # the second and third end together
+    want, _, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
+    got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
+    assert got == want and general == 0 and fixed >= 300 // 64
+    monkeypatch.setenv("EXL3_BESIDE_IN_TURN", "0")
+    got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
+    assert got == want and general == 1
+
+
+def test_a_long_prompt_behind_short_ones_waits_for_a_general_step_of_its_own(
+        text_model, monkeypatch):
+    """A short prompt rides beside; the 300-token one behind it is not cut into a
+    beside step's leftover rows (which would send that step down the general path with
+    both): it takes the general path once it is first."""
+    prompts = _prompts(12, [8, 9, 7, 40, 300])
+    budgets = [70, 10, 10, 12, 12]
+    want, _, _ = _queue(text_model, prompts, budgets, monkeypatch, beside=False)
+    got, fixed, general = _queue(text_model, prompts, budgets, monkeypatch, beside=True)
+    assert got == want and fixed >= 1 and general == 1
+
+
 def test_a_prompt_that_would_trickle_in_over_many_steps_takes_the_general_path(
         text_model, monkeypatch):
     """With 12 rows and 2 jobs decoding, 10 rows are left: 40 prompt tokens ride in 4

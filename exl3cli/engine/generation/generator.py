@@ -126,6 +126,7 @@ class Generator(AheadSteps, VerifyAhead):
         self.verify_ahead = verify_ahead_default()
         # Short prompts beside decode rows on the fixed-shape step (EXL3_PROMPT_BESIDE).
         self.prompt_beside = step_forward.prompt_beside_default()
+        self.beside_in_turn = step_forward.beside_in_turn_default()
         self.launched_ahead = 0  # steps launched so far before their inputs were read
         # ... of which launched once a drafting job's token in flight was read and its
         # drafter found nothing with it (ahead_step._peeks_after)
@@ -322,14 +323,17 @@ class Generator(AheadSteps, VerifyAhead):
                     fed.append((active, tokens))
                     report.decode_tokens += 1
                     report.draft_tokens += len(tokens) - 1
+        beside = False
         if self.batch_invariant and self.decode.enabled:  # prompts beside decode rows
             waiting = any(active.prefilling for active in self._active)
             room = invariant.prompt_room(fed, waiting, self.decode.max_rows, room)
             report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
         elif fed and self.decode.enabled and self.prompt_beside:
-            room = self._beside_room(fed, report, room)
+            room, beside = self._beside_room(fed, report, room)
         for active in self._active:
             if active.prefilling and room > 0:
+                if beside and step_forward.prompt_rest([active]) > step_forward.BESIDE_MAX_PROMPT:
+                    break  # a long prompt after short ones: a general-path step of its own
                 tokens = active.next_tokens(room)
                 fed.append((active, tokens))
                 room -= len(tokens)
@@ -338,24 +342,29 @@ class Generator(AheadSteps, VerifyAhead):
             report.draft_tokens -= self._fit_drafts(fed)
         return fed
 
-    def _beside_room(self, fed: Fed, report: StepReport, room: int) -> int:
-        """Prompt tokens for this step when short prompts wait beside decoding jobs
-        (`fed`): the rows the fixed-shape step has left (drafts shortened so that up to
-        half of them are free), so the prompts ride in it (step_forward.prompt_beside),
-        in chunks over a few steps when they are longer; `room` unchanged when the
-        prompts waiting are too long for that (more than BESIDE_MAX_PROMPT tokens, or
-        than BESIDE_STEPS steps' rows: the general path takes them at once)."""
-        rest = step_forward.prompt_rest(self._active)
+    def _beside_room(self, fed: Fed, report: StepReport, room: int) -> tuple[int, bool]:
+        """(prompt tokens for this step, whether they ride beside) when prompts wait
+        beside decoding jobs (`fed`): the rows the fixed-shape step has left (drafts
+        shortened so that up to half of them are free), so the prompts ride in it
+        (step_forward.prompt_beside), in chunks over a few steps when they are longer;
+        (`room`, False) when the first prompt waiting is too long for that (more than
+        BESIDE_MAX_PROMPT tokens, or than BESIDE_STEPS steps' rows: the general path takes
+        it). Several short prompts ride one after another (`beside_in_turn`; run 66's
+        queue of 16 SmolLM2 jobs: a quarter of the admissions had 3-5 prompts waiting,
+        ~230-470 tokens, and took a general-path step each); with EXL3_BESIDE_IN_TURN=0
+        only when they are short together."""
+        waiting = [active for active in self._active if active.prefilling]
+        rest = step_forward.prompt_rest(waiting if not self.beside_in_turn else waiting[:1])
         rows = self.decode.max_rows
         # at most BESIDE_STEPS steps of prompt chunks beside the decode rows (one row each)
         if not 0 < rest <= min(step_forward.BESIDE_MAX_PROMPT,
                                BESIDE_STEPS * (rows - len(fed))):
-            return room
+            return room, False
         if report.draft_tokens:
-            fit_rows(fed, rows - min(rest, rows // 2))
+            fit_rows(fed, rows - min(step_forward.prompt_rest(waiting), rows // 2))
             report.draft_tokens = sum(len(tokens) - 1 for _, tokens in fed)
         free = rows - sum(len(tokens) for _, tokens in fed)
-        return min(room, free) if free > 0 else room
+        return (min(room, free), True) if free > 0 else (room, False)
 
     def _fit_drafts(self, fed: Fed) -> int:
         """Drafts dropped so the pass fits one fixed-shape step (draft_policy.fit_rows)."""

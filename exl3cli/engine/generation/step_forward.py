@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 
 Fed = list[tuple["ActiveJob", list[int]]]
 PROMPT_BESIDE_ENV = "EXL3_PROMPT_BESIDE"
-# Prompt tokens (all jobs' still to take in) that ride beside decode rows in chunks; more
-# take the general path. 256 = four 64-row steps: on the H200 a 64-row graphed step of
-# SmolLM2 is ~3-4 ms against a general-path step's 30-60 ms with decode rows beside it.
+BESIDE_IN_TURN_ENV = "EXL3_BESIDE_IN_TURN"
+# Prompt tokens (a job's still to take in) that ride beside decode rows in chunks; a
+# longer prompt takes the general path. 256 = four 64-row steps: on the H200 a 64-row
+# graphed step of SmolLM2 is ~3-4 ms against a general-path step's 30-60 ms with decode
+# rows beside it.
 BESIDE_MAX_PROMPT = 256
 
 
@@ -101,18 +103,19 @@ def verify_fixed(decode: DecodeRunner, fed: Fed) -> bool:
 def prompt_beside(decode: DecodeRunner, fed: Fed) -> bool:
     """Whether a step that takes prompt tokens beside decoding jobs runs as one
     fixed-shape step anyway (a row per token, as batch-invariant mode runs every step):
-    when the prompts still to take in are short (BESIDE_MAX_PROMPT tokens in all: a new
-    job's prompt past its cached prefix, a chat turn), in chunks of the rows the step
-    has left (Generator._beside_room), and all rows fit. The general path runs ~350
-    small ops a layer from the host: such a step took 30-60 ms on the H200 for SmolLM2
-    with 16 jobs decoding (a graphed step of 64 rows: ~3-4 ms), so in a refilling queue
-    every admission stalled the others. Longer prompts keep the general path (one
-    chunk, big GEMMs). EXL3_PROMPT_BESIDE=0 turns this off (`prompt_beside_default`,
-    read when a generator is made)."""
+    when each prompt it takes from is short (at most BESIDE_MAX_PROMPT tokens still to
+    take in: a new job's prompt past its cached prefix, a chat turn), in chunks of the
+    rows the step has left (Generator._beside_room), and all rows fit. The general path
+    runs ~350 small ops a layer from the host: such a step took 30-60 ms on the H200 for
+    SmolLM2 with 16 jobs decoding (a graphed step of 64 rows: ~3-4 ms), so in a
+    refilling queue every admission stalled the others. Longer prompts keep the general
+    path (one chunk, big GEMMs). EXL3_PROMPT_BESIDE=0 turns this off
+    (`prompt_beside_default`, read when a generator is made)."""
     if not decode.enabled:
         return False
-    chunks = sum(1 for active, _ in fed if active.prefilling)
-    if not chunks or chunks == len(fed) or prompt_rest(a for a, _ in fed) > BESIDE_MAX_PROMPT:
+    chunks = [active for active, _ in fed if active.prefilling]
+    if not chunks or len(chunks) == len(fed) or max(
+            prompt_rest([active]) for active in chunks) > BESIDE_MAX_PROMPT:
         return False
     return invariant.fits(fed, decode)
 
@@ -125,6 +128,13 @@ def prompt_rest(jobs: Iterable[ActiveJob]) -> int:
 def prompt_beside_default() -> bool:
     """EXL3_PROMPT_BESIDE: "1" (default) lets a prompt's rest ride beside decode rows."""
     return switch(PROMPT_BESIDE_ENV, True)
+
+
+def beside_in_turn_default() -> bool:
+    """EXL3_BESIDE_IN_TURN: "1" (default) lets several short prompts waiting ride beside
+    decode rows one after another (Generator._beside_room); "0": only when all of them
+    together are short (session 16's rule, kept for the A/B)."""
+    return switch(BESIDE_IN_TURN_ENV, True)
 
 
 def forward_fixed(decode: DecodeRunner, fed: Fed) -> tuple[torch.Tensor, list[Any]]:
