@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from exl3cli.convert.synthetic import write_synthetic_model
-from exl3cli.engine.generation import step_forward
 from exl3cli.engine.generation.generator import Generator
 from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.text.tokenizer import Tokenizer
+from tests.fixtures.beside import count_beside_steps
 
 pytestmark = pytest.mark.cuda
 GREEDY = {"temperature": 0}
@@ -80,14 +80,7 @@ def test_prompts_beside_decode_rows_on_graph_steps_give_the_general_paths_tokens
     monkeypatch.setenv("EXL3_PROMPT_BESIDE", "0")
     want, _ = _run(model, tokenizer, jobs, "off", max_batch=5)
     monkeypatch.setenv("EXL3_PROMPT_BESIDE", "1")
-    beside = {"steps": 0}
-    fixed = step_forward.forward_fixed
-
-    def counted(decode, fed):
-        beside["steps"] += any(active.prefilling for active, _ in fed)
-        return fixed(decode, fed)
-
-    monkeypatch.setattr(step_forward, "forward_fixed", counted)
+    beside = count_beside_steps(monkeypatch)
     got, generator = _run(model, tokenizer, jobs, "graph", max_batch=5)
     assert generator.prompt_beside and beside["steps"] > 0
     assert got == want

@@ -11,6 +11,7 @@ from exl3cli.engine.generation.jobs import GenerationJob
 from exl3cli.engine.generation.textmodel import TextModel
 from exl3cli.errors import InvalidOption
 from tests.engine.test_lora import make_adapter
+from tests.fixtures.beside import count_beside_steps
 from tests.fixtures.tiny_model import tiny_reference_model, write_tiny_model
 from tests.fixtures.tiny_tokenizer import write_tiny_tokenizer
 
@@ -94,7 +95,6 @@ def test_a_prompt_beside_adapted_decode_rows_keeps_each_rows_adapter(adapted, mo
     """A job joining while adapted jobs decode takes its prompt in on their fixed-shape
     step (step_forward.prompt_beside): each of the step's rows, the prompt's too, keeps
     its own adapter."""
-    from exl3cli.engine.generation import step_forward
 
     prompts = [[9, 10, 11, 12], [20, 21, 22, 23, 24, 25], [30, 31, 32, 33, 34]]
     names, budgets = ["b", None, "a"], [4, 20, 12]
@@ -105,14 +105,7 @@ def test_a_prompt_beside_adapted_decode_rows_keeps_each_rows_adapter(adapted, mo
 
     monkeypatch.setenv("EXL3_DECODE_MODE", "off")
     solo = [_run(adapted, [job], max_batch=1)[0] for job in jobs()]
-    beside = {"steps": 0}
-    fixed = step_forward.forward_fixed
-
-    def counted(decode, fed):
-        beside["steps"] += any(active.prefilling for active, _ in fed)
-        return fixed(decode, fed)
-
-    monkeypatch.setattr(step_forward, "forward_fixed", counted)
+    beside = count_beside_steps(monkeypatch)
     monkeypatch.setenv("EXL3_DECODE_MODE", "static")
     assert _run(adapted, jobs(), max_batch=2) == solo  # the third joins beside the second
     assert beside["steps"] == 1
