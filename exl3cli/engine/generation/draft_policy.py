@@ -162,6 +162,10 @@ MAX_BATCH_PAUSE = 512
 # batch's drafted passes) every job of the batch pauses. Run 66 on the H200, 16 jobs of
 # free text: 18 of 120 drafts kept, 0.94x; grounded text keeps ~73%.
 BATCH_MIN_RATE = DEFAULT_MIN_RATE
+# With nobody queued a batch's last token comes from its slowest job (the most tokens
+# left), whoever else drafts well: a pass pays the batch only by what it takes off that
+# job's rest, per plain-step time (`judge_batch`). Run 70, 16 jobs of free text: a few
+# jobs kept drafts, the slowest none, and the run was 0.947x.
 
 
 def size_class(jobs: int) -> int:
@@ -192,6 +196,7 @@ class PlainStepClock:
         self._age: dict[int, int] = {}
         self._batch_gain: dict[int, float] = {}  # size class -> running batch gain
         self._batch_rate: dict[int, float] = {}  # size class -> running share kept
+        self._batch_slowest: dict[int, float] = {}  # size class -> the slowest job's gain
         self._batch_pause: dict[int, int] = {}  # size class -> the last batch pause
 
     def batch_gain(self, jobs: int, measured: float) -> float:
@@ -211,6 +216,15 @@ class PlainStepClock:
         self._batch_rate[key] = rate
         return rate
 
+    def batch_slowest(self, jobs: int, measured: float) -> float:
+        """The running gain of the slowest job of drafting passes over `jobs` jobs
+        (tokens taken off the longest rest per plain-step time)."""
+        key = size_class(jobs)
+        old = self._batch_slowest.get(key)
+        gain = measured if old is None else (1 - SMOOTHING) * old + SMOOTHING * measured
+        self._batch_slowest[key] = gain
+        return gain
+
     def batch_pause(self, jobs: int, paying: bool) -> int:
         """The pause (tokens) every job of a batch whose drafting does not pay takes:
         FIRST_BATCH_PAUSE, doubled per failed probe up to MAX_BATCH_PAUSE; 0 (and the
@@ -224,6 +238,7 @@ class PlainStepClock:
         self._batch_pause[key] = pause
         self._batch_gain.pop(key, None)  # the probe after the pause is judged on its own
         self._batch_rate.pop(key, None)
+        self._batch_slowest.pop(key, None)
         return pause
 
     def observe(self, jobs: int, elapsed_ns: int) -> None:
@@ -245,13 +260,13 @@ class PlainStepClock:
 
 
 def charge_step(clock: PlainStepClock, fed: Sequence[tuple[Any, list[int]]], drafted: bool,
-                took_ns: int, before: Sequence[tuple[int, bool]]) -> bool:
+                took_ns: int, before: Sequence[tuple[int, bool]], queued: bool = True) -> bool:
     """A decode step over `fed` [(ActiveJob, tokens)] took `took_ns` of wall time (read
     from clocks the generator reads anyway: its read-back is the sync). A plain step
     times plain steps of its size; a drafting step is charged to each job that verified
     (`before[i]`: its produced count before the step, and whether it verified).
-    Past one job the batch is judged as a whole too (`judge_batch`). Returns whether
-    the next step should be a plain one, to time that size."""
+    Past one job the batch is judged as a whole too (`judge_batch`; `queued`: jobs wait
+    for a slot). Returns whether the next step should be a plain one, to time that size."""
     jobs = len(fed)
     if not drafted:
         clock.observe(jobs, took_ns)
@@ -264,16 +279,19 @@ def charge_step(clock: PlainStepClock, fed: Sequence[tuple[Any, list[int]]], dra
                 active.backoff.record_cost(active.produced - produced, took_ns, plain,
                                            active.produced)
     if jobs > 1:
-        judge_batch(clock, fed, took_ns, before, plain)
+        judge_batch(clock, fed, took_ns, before, plain, queued)
     return clock.wants_plain(jobs)
 
 
 def judge_batch(clock: PlainStepClock, fed: Sequence[tuple[Any, list[int]]], took_ns: int,
-                before: Sequence[tuple[int, bool]], plain: float | None) -> None:
+                before: Sequence[tuple[int, bool]], plain: float | None,
+                queued: bool = True) -> None:
     """A drafting pass over several jobs: every job of it pauses drafting (the batch
     pause, doubling per failed probe) when the batch's running share of drafts kept is
     under BATCH_MIN_RATE, or, once a plain step of its size was timed, when the batch
-    emits fewer tokens per plain-step time than plain steps would (BATCH_MIN_GAIN)."""
+    emits fewer tokens per plain-step time than plain steps would (BATCH_MIN_GAIN), or,
+    with nobody `queued`, when its slowest job (the longest rest of its budget) gains
+    less than that: tokens taken off the longest rest per plain-step time."""
     jobs = len(fed)
     drafts = kept = emitted = 0
     for (active, tokens), (produced, verifying) in zip(fed, before, strict=True):
@@ -287,6 +305,12 @@ def judge_batch(clock: PlainStepClock, fed: Sequence[tuple[Any, list[int]]], too
     if plain is not None and took_ns > 0:
         gain = clock.batch_gain(jobs, emitted * plain / (jobs * took_ns))
         paying = paying and gain >= BATCH_MIN_GAIN
+        if not queued:
+            longest = max(active.budget - produced
+                          for (active, _), (produced, _) in zip(fed, before, strict=True))
+            left = max(active.budget - active.produced for active, _ in fed)
+            slowest = clock.batch_slowest(jobs, (longest - left) * plain / took_ns)
+            paying = paying and slowest >= BATCH_MIN_GAIN
     pause = clock.batch_pause(jobs, paying)
     if pause:
         for active, _ in fed:

@@ -376,7 +376,8 @@ class Generator(AheadSteps, VerifyAhead):
         prompt chunks time nothing."""
         if not report.prefill_tokens:  # nor the draft model's own prompt (catch-up)
             self._time_plain = charge_step(self.plain_clock, fed, bool(report.draft_tokens),
-                                           took_ns - self._catch_up_ns, before)
+                                           took_ns - self._catch_up_ns, before,
+                                           queued=bool(self._queue))
 
     def _deliver(self, active: ActiveJob, events: list[GeneratorEvent],
                  report: StepReport) -> None:
