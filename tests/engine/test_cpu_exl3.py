@@ -56,6 +56,25 @@ def test_kernel_decode_is_bit_exact(k: float, codebook: str) -> None:
 
 
 @pytest.mark.parametrize("k,codebook", CASES, ids=lambda v: str(v))
+def test_kernel_gemv_values_are_bit_exact(k: float, codebook: str) -> None:
+    """The 1-2 row GEMV's decoded values (step order, with or without AVX512-FP16's
+    float16 arithmetic) are the codec's bit for bit: x a unit vector e_r picks row r of
+    the dequantized weight, every other product an exact zero."""
+    _kernel_required()
+    g = _fresh()
+    kb, nb = 3, 5
+    trellis = _random_trellis(kb, nb, k, g)
+    expected = decode_tiles(trellis, k, codebook).float()
+    trellis_t = trellis.transpose(0, 1).contiguous()
+    eye = torch.eye(16 * kb)
+    for rows in (1, 2):
+        for r0 in range(0, 16 * kb, rows):
+            xh = eye[r0:r0 + rows]
+            got = cpu_kernels.exl3_matmul_cpu(xh, trellis_t, k, codebook)
+            assert torch.equal(got, expected[r0:r0 + rows]), (rows, r0)
+
+
+@pytest.mark.parametrize("k,codebook", CASES, ids=lambda v: str(v))
 def test_kernel_matmul_matches_reference(k: float, codebook: str) -> None:
     """Fused decode-multiply (1..8 rows) and the decoded-strip path (more rows)."""
     _kernel_required()
@@ -73,21 +92,28 @@ GEMV_CASES = [(k, cb) for k in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8) for cb in ("mul1"
               if cb == "mul1" or float(k).is_integer()]
 
 
-def _has_avx512_fp16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        return "avx512_fp16" in open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split()}
     except OSError:
-        return False
+        return set()
+
+
+def _has_step_order() -> bool:
+    """Whether the -march=native build has the step-order GEMV (AVX-512 BW; the float16
+    rounding natively with AVX512-FP16, in float32 without it)."""
+    return {"avx512f", "avx512bw"} <= _cpu_flags()
 
 
 @pytest.mark.parametrize("k,codebook", GEMV_CASES, ids=lambda v: str(v))
 def test_kernel_decode_gemv_odd_shapes(k: float, codebook: str) -> None:
-    """The 1-2 row GEMV (trellis-step order on AVX512-FP16 builds: one window per 32
+    """The 1-2 row GEMV (trellis-step order on AVX-512 BW builds: one window per 32
     steps, the ring's end wrapping into vector 0, a fold of 8 accumulators per strip) on
     one-tile, one-strip and odd-sized trellises, on one and two threads."""
     _kernel_required()
-    # The build is -march=native: a CPU with AVX512-FP16 must take the step-order path.
-    expected_kind = "steps" if _has_avx512_fp16() else (
+    # The build is -march=native: a CPU with AVX-512 BW must take the step-order path.
+    expected_kind = "steps" if _has_step_order() else (
         "rows" if cpu_kernels.simd_level() == "avx512" else "scalar")
     assert [cpu_kernels.exl3_gemv_kind(k, r) for r in (1, 2, 9)] == [expected_kind] * 2 + [
         "strips"]

@@ -49,12 +49,18 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+// The step-order GEMV (exl3_step_gemv.h) needs AVX-512 BW; with AVX512-FP16 it rounds the
+// codebook in float16, without it in float32 (the same bits). The row-pair kernel of 3-8
+// rows needs AVX512-FP16.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_STEPS)
+#define EXL3_STEP_PATH 1
+#endif
+#if defined(__AVX512FP16__) && defined(EXL3_STEP_PATH) && !defined(EXL3_CPU_NO_FP16)
 #define EXL3_FP16_PATH 1
 #endif
 
 namespace {
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
 #include "exl3_step_gemv.h"
 #endif
 
@@ -82,7 +88,7 @@ struct StepTable {
   alignas(64) int16_t second16[kSteps];
   alignas(64) int16_t offset16[kSteps];
   int words32 = 0;
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   StepOrderTable order;  // the step-order GEMV's (exl3_step_gemv.h)
 #endif
 };
@@ -122,7 +128,7 @@ StepTable make_table(int half_k) {
     table.second16[q] = static_cast<int16_t>(((chunk + 1) % chunks) ^ 1);
     table.offset16[q] = static_cast<int16_t>(start & 15);
   }
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   table.order = make_step_table(starts, 2 * table.words32);
 #endif
   return table;
@@ -422,7 +428,7 @@ void dispatch(int64_t codebook, int words32, F&& f) {
   else if (codebook == 1) by_mode(std::integral_constant<int, 1>{});
   else by_mode(std::integral_constant<int, 2>{});
 }
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
 constexpr int64_t kStepRows = 2;  // rows the step-order GEMV takes (its accumulators: 8 per row)
 
 // EXL3_CPU_STEP_GEMV=0 turns the step-order GEMV off (A/B runs), read once.
@@ -596,7 +602,7 @@ Layer check_layer(const at::Tensor& trellis_t, double k_bits, int64_t codebook,
 // out (rows, 16 nb) = xh (rows, 16 kb) @ Ŵ, rows <= kGemvRows.
 void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
   const int64_t ldx = 16 * L.kb, ldo = 16 * L.nb, tile_words = L.kb * L.words;
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   if (fast_gemv_for(L.codebook, rows, *L.table)) {
     fused_matmul_int(L.trellis, L.nb, L.kb, L.words, L.table->order, xh, rows, out);
     return;
@@ -762,11 +768,11 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const a
 std::string exl3_set_gemv_mode(const std::string& mode) {
   TORCH_CHECK(mode == "exact" || mode == "fast", "exl3: GEMV mode must be exact or fast, got ",
               mode);
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   g_fast_gemv.store(mode == "fast");
   return mode;
 #else
-  return "exact";  // the integer product needs the AVX512-FP16 step-order path
+  return "exact";  // the integer product needs the step-order path (AVX-512 BW)
 #endif
 }
 
@@ -775,7 +781,7 @@ std::string exl3_gemv_kind(double k_bits, int64_t rows) {
   TORCH_CHECK(std::abs(2 * k_bits - half_k) < 1e-9 && valid_half_k(half_k),
               "exl3: unsupported bits per weight ", k_bits);
   if (rows > kGemvRows) return "strips";
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   if (fast_gemv_for(2, rows, table_for(half_k))) return "steps-int";
   if (rows <= kStepRows && table_for(half_k).order.ok && !step_order_disabled()) return "steps";
 #endif

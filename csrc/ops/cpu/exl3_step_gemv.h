@@ -1,5 +1,8 @@
-// The decode GEMV of exl3_gemm_cpu.cpp in trellis-step order (AVX512-FP16 builds; included
-// by exl3_gemm_cpu.cpp only, inside its anonymous namespace).
+// The decode GEMV of exl3_gemm_cpu.cpp in trellis-step order (AVX-512 BW builds; included
+// by exl3_gemm_cpu.cpp only, inside its anonymous namespace). The float16 rounding of the
+// codebook is one native float16 FMA/add with AVX512-FP16 (Sapphire Rapids and later);
+// without it (Zen 4, Ice Lake, Skylake-X) the same value is computed exactly in float32
+// and rounded once by vcvtps2ph: the same bits, a few more instructions per 32 weights.
 //
 // The row-pair kernel there decodes tile rows: the 32 states of two rows lie all over the
 // tile's ring (steps 8t + j with t spread over 0..31), so their words are fetched from the
@@ -120,6 +123,7 @@ inline StepOrderTable make_step_table(const int* start, int words16) {
   return t;
 }
 
+#if defined(__AVX512FP16__) && !defined(EXL3_CPU_NO_FP16)
 // 32 states (16-bit lanes) -> their codebook values, rounded to float16 once like the
 // codec: the hash state * m (mod 2^32) kept as two 16-bit halves.
 template <int CB>
@@ -150,6 +154,59 @@ inline __m512h codebook_ph(__m512i state) {
     return _mm512_add_ph(_mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(lo, mask), flip)),
                          _mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(hi, mask), flip)));
   }
+}
+
+#endif
+
+// The codebook values of 32 states (16-bit lanes) as float32: w0 of lanes 0-15, w1 of
+// lanes 16-31, each the codec's float16 value (rounded once from the exact value).
+template <int CB>
+inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
+#if defined(__AVX512FP16__) && !defined(EXL3_CPU_NO_FP16)
+  const __m512i bits = _mm512_castph_si512(codebook_ph<CB>(state));
+  w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+#else
+  constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  __m512i lo = _mm512_mullo_epi16(state, ml);
+  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
+    constexpr uint32_t add = 64248484u;
+    const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
+    const __mmask32 carry = _mm512_cmplt_epu16_mask(sum, lo);
+    hi = _mm512_add_epi16(hi, _mm512_set1_epi16(static_cast<int16_t>(add >> 16)));
+    hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
+    lo = sum;
+  }
+  if constexpr (CB == 2) {
+    // byte sum * a + (b + 1024 a): the byte sum (0..1020) times a = 1774 / 2^18 and the sum
+    // are exact in float32 (multiples of 2^-18 below 2^3), so one vcvtps2ph rounds once,
+    // as the float16 FMA does.
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
+    const __m512 a = _mm512_set1_ps(1774.f / 262144.f), c = _mm512_set1_ps(-3.453125f);
+    const __m512 f0 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(n))), a, c);
+    const __m512 f1 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(n, 1))), a, c);
+    w0 = _mm512_cvtph_ps(_mm512_cvtps_ph(f0, kRound));
+    w1 = _mm512_cvtph_ps(_mm512_cvtps_ph(f1, kRound));
+  } else {  // the two float16 halves, added exactly in float32, rounded once
+    const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
+    const __m512i flip = _mm512_set1_epi16(0x3B60);
+    const __m512i l = _mm512_xor_si512(_mm512_and_si512(lo, mask), flip);
+    const __m512i h = _mm512_xor_si512(_mm512_and_si512(hi, mask), flip);
+    const __m512 s0 = _mm512_add_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(l)),
+                                    _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    const __m512 s1 = _mm512_add_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(l, 1)),
+                                    _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+    w0 = _mm512_cvtph_ps(_mm512_cvtps_ph(s0, kRound));
+    w1 = _mm512_cvtph_ps(_mm512_cvtps_ph(s1, kRound));
+  }
+#endif
 }
 
 // (a:b) << offset, upper 16 bits, per 16-bit lane (offset 0..15).
@@ -252,9 +309,8 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
       const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
-      const __m512i bits = _mm512_castph_si512(codebook_ph<CB>(state));
-      const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
-      const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+      __m512 w0, w1;
+      codebook_pair<CB>(state, w0, w1);
       for (int m = 0; m < MR; ++m)
         acc[m][v] = _mm512_fmadd_ps(x1[m], w1, _mm512_fmadd_ps(x0[m], w0, acc[m][v]));
     }
@@ -345,7 +401,13 @@ void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_
             _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
         const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
                                            _mm512_maddubs_epi16(hi, ones));
-        for (int m = 0; m < MR; ++m) acc[m][v] = _mm512_dpwssd_epi32(acc[m][v], s, xv[m]);
+        for (int m = 0; m < MR; ++m) {
+#if defined(__AVX512VNNI__)
+          acc[m][v] = _mm512_dpwssd_epi32(acc[m][v], s, xv[m]);
+#else  // the same wrapping int32 sum
+          acc[m][v] = _mm512_add_epi32(acc[m][v], _mm512_madd_epi16(s, xv[m]));
+#endif
+        }
       }
     }
     for (int m = 0; m < MR; ++m)
