@@ -607,6 +607,22 @@ void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
     fused_matmul_int(L.trellis, L.nb, L.kb, L.words, L.table->order, xh, rows, out);
     return;
   }
+#if !defined(EXL3_FP16_PATH)
+  if (rows == 1 && L.codebook == 2 && L.table->order.ok && !step_order_disabled()) {
+    thread_local std::vector<float> xs;
+    xs.resize(static_cast<size_t>(16 * L.kb));
+    step_pairs_x(xh, L.kb, xs.data());
+    const float* xsp = xs.data();  // the caller's (a worker's `xs` is its own, empty)
+    auto run = [&](auto fn) {
+      at::parallel_for(0, L.nb, strip_grain(L.kb), [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j)
+          fn(xsp, L.kb, L.trellis + j * tile_words, L.words, L.table->order, out + 16 * j);
+      });
+    };
+    L.table->order.words16 > 32 ? run(strip_steps_mul1<true>) : run(strip_steps_mul1<false>);
+    return;
+  }
+#endif
   if (rows <= kStepRows && L.table->order.ok && !step_order_disabled()) {
     thread_local std::vector<float> xs;
     xs.resize(static_cast<size_t>(rows * L.kb * 32));

@@ -333,6 +333,63 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
   }
 }
 
+#if !defined(__AVX512FP16__) || defined(EXL3_CPU_NO_FP16)
+// One row of a mul1 layer without AVX512-FP16 (the model's decode rows): the byte sums n
+// of a vector's 32 states go to float32 lanes by vpunpck[lh]wd with 0x4B00 above them
+// (the float 2^23 + n: no widening, no integer conversion), and (2^23 + n) a + (c - 2^23 a)
+// is the same exact value n a + c in one FMA. An unpack takes states 8g..8g+3 (low) and
+// 8g+4..8g+7 (high) of each 128-bit group g: the low half's 16 states are all column v
+// of the strip, the high half's all column v + 8, and both halves meet x of the same 16
+// rows (kPairRow), so one x vector per tile serves both and acc[0][v], acc[1][v] each sum
+// to one column.
+constexpr int kPairRow[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+
+// xs (kb, 16): x of each 16-row block in kPairRow order.
+inline void step_pairs_x(const float* xh, int64_t kb, float* xs) {
+  for (int64_t i = 0; i < kb; ++i)
+    for (int l = 0; l < 16; ++l) xs[16 * i + l] = xh[16 * i + kPairRow[l]];
+}
+
+template <bool WIDE>
+void strip_steps_mul1(const float* xs, int64_t kb, const int16_t* strip, int64_t words,
+                      const StepOrderTable& t, float* out) {
+  constexpr uint32_t mult = 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i magic = _mm512_set1_epi16(0x4B00);
+  const __m512 a = _mm512_set1_ps(1774.f / 262144.f);
+  const __m512 c = _mm512_set1_ps(-3.453125f - 56768.f);  // c - 2^23 a, exact
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 acc[2][8];
+  for (int v = 0; v < 8; ++v) acc[0][v] = acc[1][v] = _mm512_setzero_ps();
+  const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  const int64_t ahead = prefetch_bytes();
+  for (int64_t i = 0; i < kb; ++i) {
+    const int16_t* tile = strip + i * words;
+    prefetch_tile(tile, words, ahead);
+    const __m512 x = _mm512_loadu_ps(xs + 16 * i);
+    __m512i head, tail;
+    ring_ends<WIDE>(tile, t, narrow, head, tail);
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
+      const __m512i lo = _mm512_mullo_epi16(state, ml);
+      const __m512i hi =
+          _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+      const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
+                                         _mm512_maddubs_epi16(hi, ones));
+      const __m512 f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(n, magic)), a, c);
+      const __m512 f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(n, magic)), a, c);
+      acc[0][v] = _mm512_fmadd_ps(x, _mm512_cvtph_ps(_mm512_cvtps_ph(f0, kRound)), acc[0][v]);
+      acc[1][v] = _mm512_fmadd_ps(x, _mm512_cvtph_ps(_mm512_cvtps_ph(f1, kRound)), acc[1][v]);
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int v = 0; v < 8; ++v) out[v + 8 * h] = _mm512_reduce_add_ps(acc[h][v]);
+}
+#endif
+
 // --- The inexact integer GEMV (EXL3_CPU_GEMV=fast; mul1 only) ---
 // mul1's value is float16((1024 + S) a + b), S the byte sum of the hash (0..1020). Here the
 // float16 rounding is left out (w = S a + c, c = b + 1024 a) and x is rounded to int16 with
