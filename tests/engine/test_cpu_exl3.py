@@ -127,7 +127,11 @@ def test_kernel_decode_gemv_odd_shapes(k: float, codebook: str) -> None:
                 xh = torch.randn(rows, 16 * kb, generator=g)
                 fast = cpu_kernels.exl3_matmul_cpu(xh, trellis_t, k, codebook)
                 twin = cpu_kernels.exl3_matmul_reference(xh, trellis_t, k, codebook)
-                torch.testing.assert_close(fast, twin, rtol=1e-5, atol=1e-5)
+                # Float32 summation order only (the values are checked bit for bit in
+                # test_kernel_gemv_values_are_bit_exact): relative to the largest output,
+                # not an absolute 1e-5 that sums of 208 terms exceed now and then.
+                scale = twin.abs().max()
+                torch.testing.assert_close(fast / scale, twin / scale, rtol=0, atol=2e-6)
     finally:
         torch.set_num_threads(threads)
 

@@ -2,7 +2,7 @@
 // by exl3_gemm_cpu.cpp only, inside its anonymous namespace). The float16 rounding of the
 // codebook is one native float16 FMA/add with AVX512-FP16 (Sapphire Rapids and later);
 // without it (Zen 4, Ice Lake, Skylake-X) the same value is computed exactly in float32
-// and rounded once by vcvtps2ph: the same bits, a few more instructions per 32 weights.
+// and rounded once there (round_half): the same bits, a few more instructions per 32 weights.
 //
 // The row-pair kernel there decodes tile rows: the 32 states of two rows lie all over the
 // tile's ring (steps 8t + j with t spread over 0..31), so their words are fetched from the
@@ -158,6 +158,21 @@ inline __m512h codebook_ph(__m512i state) {
 
 #endif
 
+#if !defined(__AVX512FP16__) || defined(EXL3_CPU_NO_FP16)
+// A codebook value computed exactly in float32 (mul1: n a + c; 3inst/mcg: the sum of the
+// two float16 halves) rounded to float16 precision in float32 by Veltkamp's split (2^13 + 1:
+// 24 - 13 = 11 significant bits): three float ops for vcvtps2ph + vcvtph2ps, and the same
+// value as float16 rounding for every input these codebooks make (checked exhaustively:
+// the 1021 byte sums of mul1, the 65536 states of 3inst and mcg; the tests check the
+// kernel's values bit for bit). The _round_ intrinsics keep the compiler from contracting
+// the product and the difference into one FMA, which would break the split.
+inline __m512 round_half(__m512 v) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 c = _mm512_mul_round_ps(v, _mm512_set1_ps(8193.f), kRound);
+  return _mm512_sub_round_ps(c, _mm512_sub_round_ps(c, v, kRound), kRound);
+}
+#endif
+
 // The codebook values of 32 states (16-bit lanes) as float32: w0 of lanes 0-15, w1 of
 // lanes 16-31, each the codec's float16 value (rounded once from the exact value).
 template <int CB>
@@ -172,7 +187,6 @@ inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
   const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
   __m512i lo = _mm512_mullo_epi16(state, ml);
   __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
     constexpr uint32_t add = 64248484u;
     const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
@@ -183,8 +197,8 @@ inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
   }
   if constexpr (CB == 2) {
     // byte sum * a + (b + 1024 a): the byte sum (0..1020) times a = 1774 / 2^18 and the sum
-    // are exact in float32 (multiples of 2^-18 below 2^3), so one vcvtps2ph rounds once,
-    // as the float16 FMA does.
+    // are exact in float32 (multiples of 2^-18 below 2^3), rounded once as the float16 FMA
+    // rounds.
     const __m512i ones = _mm512_set1_epi8(1);
     const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
     const __m512 a = _mm512_set1_ps(1774.f / 262144.f), c = _mm512_set1_ps(-3.453125f);
@@ -192,8 +206,8 @@ inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
         _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(n))), a, c);
     const __m512 f1 = _mm512_fmadd_ps(
         _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(n, 1))), a, c);
-    w0 = _mm512_cvtph_ps(_mm512_cvtps_ph(f0, kRound));
-    w1 = _mm512_cvtph_ps(_mm512_cvtps_ph(f1, kRound));
+    w0 = round_half(f0);
+    w1 = round_half(f1);
   } else {  // the two float16 halves, added exactly in float32, rounded once
     const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
     const __m512i flip = _mm512_set1_epi16(0x3B60);
@@ -203,8 +217,8 @@ inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
                                     _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
     const __m512 s1 = _mm512_add_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(l, 1)),
                                     _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
-    w0 = _mm512_cvtph_ps(_mm512_cvtps_ph(s0, kRound));
-    w1 = _mm512_cvtph_ps(_mm512_cvtps_ph(s1, kRound));
+    w0 = round_half(s0);
+    w1 = round_half(s1);
   }
 #endif
 }
@@ -360,7 +374,6 @@ void strip_steps_mul1(const float* xs, int64_t kb, const int16_t* strip, int64_t
   const __m512i magic = _mm512_set1_epi16(0x4B00);
   const __m512 a = _mm512_set1_ps(1774.f / 262144.f);
   const __m512 c = _mm512_set1_ps(-3.453125f - 56768.f);  // c - 2^23 a, exact
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   __m512 acc[2][8];
   for (int v = 0; v < 8; ++v) acc[0][v] = acc[1][v] = _mm512_setzero_ps();
   const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
@@ -381,8 +394,8 @@ void strip_steps_mul1(const float* xs, int64_t kb, const int16_t* strip, int64_t
                                          _mm512_maddubs_epi16(hi, ones));
       const __m512 f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(n, magic)), a, c);
       const __m512 f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(n, magic)), a, c);
-      acc[0][v] = _mm512_fmadd_ps(x, _mm512_cvtph_ps(_mm512_cvtps_ph(f0, kRound)), acc[0][v]);
-      acc[1][v] = _mm512_fmadd_ps(x, _mm512_cvtph_ps(_mm512_cvtps_ph(f1, kRound)), acc[1][v]);
+      acc[0][v] = _mm512_fmadd_ps(x, round_half(f0), acc[0][v]);
+      acc[1][v] = _mm512_fmadd_ps(x, round_half(f1), acc[1][v]);
     }
   }
   for (int h = 0; h < 2; ++h)
