@@ -62,7 +62,7 @@ def test_kernel_gemv_values_are_bit_exact(k: float, codebook: str) -> None:
     the dequantized weight, every other product an exact zero."""
     _kernel_required()
     g = _fresh()
-    kb, nb = 3, 5
+    kb, nb = 3, 40  # 30720 random states
     trellis = _random_trellis(kb, nb, k, g)
     expected = decode_tiles(trellis, k, codebook).float()
     trellis_t = trellis.transpose(0, 1).contiguous()
@@ -72,6 +72,29 @@ def test_kernel_gemv_values_are_bit_exact(k: float, codebook: str) -> None:
             xh = eye[r0:r0 + rows]
             got = cpu_kernels.exl3_matmul_cpu(xh, trellis_t, k, codebook)
             assert torch.equal(got, expected[r0:r0 + rows]), (rows, r0)
+
+
+def _veltkamp_half(v: torch.Tensor) -> torch.Tensor:
+    """round_half of exl3_step_gemv.h: float32 v rounded to 11 significant bits."""
+    c = v * 8193.0
+    return c - (c - v)
+
+
+def test_float32_rounding_of_every_codebook_value_is_float16_rounding() -> None:
+    """The step GEMV without AVX512-FP16 rounds each codebook value, computed exactly in
+    float32, by Veltkamp's split: for every value the codebooks make (mul1's 1021 byte
+    sums, all 65536 states of 3inst and mcg) that is float16 rounding."""
+    n = torch.arange(1021, dtype=torch.float32)
+    exact = n * (1774 / 262144) - 3.453125  # exact in float32
+    assert torch.equal(_veltkamp_half(exact), exact.half().float())
+    states = torch.arange(65536, dtype=torch.int64)
+    for mult, add in ((89226354, 64248484), (0xCBAC1FED, 0)):  # 3inst, mcg
+        x = (states * mult + add) & 0xFFFFFFFF
+        m = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        lo = (m & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16).float()
+        hi = (m >> 16).to(torch.int32).to(torch.int16).view(torch.float16).float()
+        total = lo + hi  # exact in float32
+        assert torch.equal(_veltkamp_half(total), (lo.half() + hi.half()).float())
 
 
 @pytest.mark.parametrize("k,codebook", CASES, ids=lambda v: str(v))
