@@ -419,18 +419,25 @@ inline void step_lanes_xq(const float* xh, int64_t ldx, int64_t rows, int64_t kb
                           float* scale, double* qsum) {
   for (int64_t m = 0; m < rows; ++m) {
     const float* x = xh + m * ldx;
-    float amax = 0.f;
-    for (int64_t k = 0; k < 16 * kb; ++k) amax = std::max(amax, std::abs(x[k]));
+    __m512 vmax = _mm512_setzero_ps();  // max |x|: the same in any order
+    for (int64_t k = 0; k < 16 * kb; k += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    const float amax = _mm512_reduce_max_ps(vmax);
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
     scale[m] = amax / 32767.f;
     int64_t total = 0;
     alignas(64) int16_t lane_row[32];
     for (int l = 0; l < 32; ++l) lane_row[l] = static_cast<int16_t>(kLaneRow[l]);
     const __m512i lanes = _mm512_load_si512(lane_row);
+    __m512i vsum = _mm512_setzero_si512();  // per lane < 2^15 x 2^15 values: no overflow
     for (int64_t i = 0; i < kb; ++i) {  // round to nearest even, like lrint
       const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), inv));
       const __m512i q16 = _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(qi));
-      total += _mm512_reduce_add_epi32(qi);
+      vsum = _mm512_add_epi32(vsum, qi);
+      if ((i & 32767) == 32767 || i + 1 == kb) {
+        total += _mm512_reduce_add_epi32(vsum);
+        vsum = _mm512_setzero_si512();
+      }
       _mm512_storeu_si512(xq + (m * kb + i) * 32, _mm512_permutexvar_epi16(lanes, q16));
     }
     qsum[m] = static_cast<double>(total);
