@@ -110,3 +110,26 @@ def test_the_op_refuses_mismatched_lists(folder) -> None:
     x = torch.randn(1, 192)
     with pytest.raises(RuntimeError, match="every projection has a part"):
         ops.exl3_out_mlp_cpu(x, torch.randn(1, 192), torch.ones(192), 1e-5, weights)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_decode_pool_gives_the_bits_of_openmp(folder, rows) -> None:
+    """EXL3_CPU_POOL's pool (csrc/ops/cpu/decode_pool.cpp) runs the products' strips and the
+    attention tasks that at::parallel_for ran: the same outputs bit for bit, 2 threads."""
+    model = _load(folder)
+    pool = cpu_kernels._ops().exl3_decode_pool
+    before, threads = pool(-1), torch.get_num_threads()
+    ids = torch.tensor([[9, 4, 7]] * rows)
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, 8, 32, generator=g)
+    k, v = torch.randn(rows, 2, 300, 32, generator=g), torch.randn(rows, 2, 300, 32, generator=g)
+    out = {}
+    try:
+        torch.set_num_threads(2)
+        for on in (0, 1):
+            assert pool(on) == bool(on)
+            out[on] = (model(ids), cpu_kernels.attend_decode_cpu(q, k, v))
+    finally:
+        pool(int(before))
+        torch.set_num_threads(threads)
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])

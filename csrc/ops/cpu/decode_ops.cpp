@@ -11,6 +11,7 @@
 //   attend_decode(q, k, v, slots, lengths, window)   one query per row over a cache
 // decode_layer.cpp chains them with the GEMVs of a layer.
 #include "decode_ops.h"
+#include "decode_pool.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -250,7 +251,7 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   const int64_t tasks = first[B];
   std::vector<float> part_m(tasks * H), part_l(tasks * H), part_acc(tasks * H * D);
-  at::parallel_for(0, tasks * H, 1, [&](int64_t begin, int64_t end) {
+  auto tasks_of = [&](int64_t begin, int64_t end) {
     float p[kChunk];
     for (int64_t u = begin; u < end; ++u) {
       const int64_t t = u / H, h = u % H;
@@ -285,7 +286,13 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
         part_l[t * H + hq] = sum;
       }
     }
-  });
+  };
+  if (decode_pool_enabled() && !at::in_parallel_region() && at::get_num_threads() > 1) {
+    auto one = [&](int64_t u) { tasks_of(u, u + 1); };
+    pool_for(tasks * H, at::get_num_threads(), one);
+  } else {
+    at::parallel_for(0, tasks * H, 1, tasks_of);
+  }
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t hq = 0; hq < H; ++hq) {
       float M = -std::numeric_limits<float>::infinity();

@@ -35,6 +35,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
+#include "decode_pool.h"
 #include "exl3_gemm_cpu.h"
 
 #include <algorithm>
@@ -719,6 +720,8 @@ void run_products(Product* ps, int64_t count) {
       at::get_num_threads(), (total + grain - 1) / grain);
   if (threads <= 1) {
     for (int64_t g = 0; g < total; ++g) run(g);
+  } else if (exl3_cpu::decode_pool_enabled()) {
+    exl3_cpu::pool_for(total, threads, run);
   } else {
     struct alignas(64) Share {
       std::atomic<int64_t> next{0};
