@@ -4,8 +4,9 @@
 // (busy + 1), re-reads the generation (changed: not its job, unregister), claims items, and
 // unregisters. So no worker is registered while a job is written, and the caller, which
 // claims too and then waits for busy == 0, returns with every item done; a worker that
-// registers after that finds the shares empty and never calls the body. Workers spin ~200 us for the next job, then
-// sleep on a condition variable (woken only when someone sleeps).
+// registers after that finds the shares empty and never calls the body. Workers spin
+// ~200 us for the next job (yielding every 64 pauses, so a held core goes to the caller or
+// another job), then sleep on a condition variable (woken only when someone sleeps).
 #include "decode_pool.h"
 
 #include <torch/library.h>
@@ -97,7 +98,10 @@ class Pool {
       for (int i = 0; !fresh(now); ++i) {
         EXL3_PAUSE();
         now = generation_.load(std::memory_order_acquire);
-        if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
+        if ((i & 63) == 63) {
+          if (std::chrono::steady_clock::now() > until) break;
+          std::this_thread::yield();  // a held core goes to the caller or another job
+        }
       }
       if (!fresh(now)) {
         std::unique_lock<std::mutex> lock(mutex_);
