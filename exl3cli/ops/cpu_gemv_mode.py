@@ -1,7 +1,7 @@
 """The CPU EXL3 GEMV mode: "exact" (default) or "fast" (``EXL3_CPU_GEMV``).
 
 The 1-2 row product of an EXL3 layer (csrc/ops/cpu/exl3_step_gemv.h) has two forms on
-AVX512-FP16 builds:
+AVX-512 BW builds (the step-order GEMV; with or without AVX512-FP16):
 - exact: every weight is the codec's float16 value (bit for bit), x stays float32;
 - fast (mul1 layers only; 3inst/mcg layers stay exact): the weight's float16 rounding is
   left out (w = S a + c from the hash's byte sum S) and x is rounded to int16 with one

@@ -20,7 +20,7 @@ from exl3cli.errors import InvalidOption
 from exl3cli.ops import cpu_exl3_layer as layer_ops
 from exl3cli.ops import cpu_kernels
 from exl3cli.ops.cpu_gemv_mode import exl3_matmul_fast_reference, set_exl3_gemv_mode
-from tests.engine.test_cpu_exl3 import _fresh, _has_avx512_fp16, _kernel_required, _random_trellis
+from tests.engine.test_cpu_exl3 import _fresh, _has_step_order, _kernel_required, _random_trellis
 
 
 @pytest.fixture
@@ -39,8 +39,8 @@ FAST_SHAPES = [(1, 1), (7, 3), (17, 5), (40, 9), (304, 2)]
 def test_fast_gemv_matches_its_twin(k: float, fast_mode: str) -> None:
     """The integer product equals its PyTorch twin to float32 order, and stays within
     ~2e-4 of the exact (dequantized) product: inexact, by the float16 rounding it skips."""
-    kind = "steps-int" if _has_avx512_fp16() else cpu_kernels.exl3_gemv_kind(k, 1)
-    assert fast_mode == ("fast" if _has_avx512_fp16() else "exact")
+    kind = "steps-int" if _has_step_order() else cpu_kernels.exl3_gemv_kind(k, 1)
+    assert fast_mode == ("fast" if _has_step_order() else "exact")
     assert [cpu_kernels.exl3_gemv_kind(k, r) for r in (1, 2)] == [kind, kind]
     g = _fresh()
     for kb, nb in FAST_SHAPES:

@@ -15,6 +15,7 @@ from exl3cli.engine.models.loader import load_causal_lm
 from exl3cli.engine.text.tokenizer import Tokenizer
 from exl3cli.ops import cpu_exl3_layer as ops
 from exl3cli.ops import cpu_kernels
+from exl3cli.ops.cpu_gemv_mode import set_exl3_gemv_mode
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,37 @@ def test_ops_match_their_twins(folder, rows) -> None:
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 12])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fast", [False, True])
+def test_parts_in_one_region_equal_part_by_part(folder, rows, threads, fast) -> None:
+    """q|k|v (3 parts) run as one parallel region inside the op: bit for bit the outputs of
+    exl3_linear_cpu part by part (the integer GEMV too), any thread count, decode rows and
+    prompt rows."""
+    layer = _load(folder).layers[2]
+    plan = layer._decode_plan()
+    norm, attention = layer.input_norm, layer.attention
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, norm.weight.numel(), generator=g)
+    dim = attention.head_dim
+    cos, sin = torch.ones(rows, dim), torch.zeros(rows, dim)
+    before = torch.get_num_threads()
+    mode = set_exl3_gemv_mode("fast" if fast else "exact")
+    try:
+        torch.set_num_threads(threads)
+        got = ops.exl3_norm_qkv_rope_cpu(x, norm.weight, norm.eps, plan.weights, cos, sin, dim, 0)
+        normed = cpu_kernels.rms_norm_cpu(x, norm.weight, norm.eps)
+        book = plan.weights.codebook
+        want = torch.cat([cpu_kernels.exl3_linear_cpu(normed, p.trellis_t, p.suh, p.svh, p.bias,
+                                                      p.k_bits, book, p.n)
+                          for p in plan.weights.qkv], dim=-1)
+    finally:
+        torch.set_num_threads(before)
+        set_exl3_gemv_mode("exact")
+    assert mode in ("fast", "exact")
+    assert torch.equal(got, want)
+
+
 def _greedy(model, folder) -> list[int]:
     tokenizer = Tokenizer.from_folder(folder)
     generator = Generator(model, tokenizer, max_batch=2, num_ctx=128)
@@ -78,3 +110,26 @@ def test_the_op_refuses_mismatched_lists(folder) -> None:
     x = torch.randn(1, 192)
     with pytest.raises(RuntimeError, match="every projection has a part"):
         ops.exl3_out_mlp_cpu(x, torch.randn(1, 192), torch.ones(192), 1e-5, weights)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_decode_pool_gives_the_bits_of_openmp(folder, rows) -> None:
+    """EXL3_CPU_POOL's pool (csrc/ops/cpu/decode_pool.cpp) runs the products' strips and the
+    attention tasks that at::parallel_for ran: the same outputs bit for bit, 2 threads."""
+    model = _load(folder)
+    pool = cpu_kernels._ops().exl3_decode_pool
+    before, threads = pool(-1), torch.get_num_threads()
+    ids = torch.tensor([[9, 4, 7]] * rows)
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, 8, 32, generator=g)
+    k, v = torch.randn(rows, 2, 300, 32, generator=g), torch.randn(rows, 2, 300, 32, generator=g)
+    out = {}
+    try:
+        torch.set_num_threads(2)
+        for on in (0, 1):
+            assert pool(on) == bool(on)
+            out[on] = (model(ids), cpu_kernels.attend_decode_cpu(q, k, v))
+    finally:
+        pool(int(before))
+        torch.set_num_threads(threads)
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])

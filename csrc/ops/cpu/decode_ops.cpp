@@ -11,6 +11,7 @@
 //   attend_decode(q, k, v, slots, lengths, window)   one query per row over a cache
 // decode_layer.cpp chains them with the GEMVs of a layer.
 #include "decode_ops.h"
+#include "decode_pool.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -239,7 +240,8 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
   // (one contiguous row of a page), so the history streams through once in order.
   const int64_t kh = paged ? D : sh;  // offset between kv heads of one position
   // Split-K: each row's positions lo..len-1 go in chunks of kChunk, one task per (row,
-  // chunk), so one decode row fills the threads. A task keeps per-head max m, sum l of
+  // chunk, head), so one decode row fills the threads even below kChunk positions (a
+  // head's arithmetic does not depend on the split). A task keeps per-head max m, sum l of
   // exp(score - m) and the unnormalized sum of exp * v; the merge rescales by exp(m - M).
   constexpr int64_t kChunk = 128;
   std::vector<int64_t> first(B + 1, 0);  // task index of row b's first chunk
@@ -249,9 +251,10 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   const int64_t tasks = first[B];
   std::vector<float> part_m(tasks * H), part_l(tasks * H), part_acc(tasks * H * D);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  auto tasks_of = [&](int64_t begin, int64_t end) {
     float p[kChunk];
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t t = u / H, h = u % H;
       const int64_t b = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
       const int64_t len = lens[b];
       const int64_t lo0 = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -262,8 +265,8 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
       };
       const float* qb = qp + b * H * D;
       float* acc = part_acc.data() + t * H * D;
-      std::fill(acc, acc + H * D, 0.f);
-      for (int64_t hq = 0; hq < H; ++hq) {
+      std::fill(acc + h * D, acc + (h + 1) * D, 0.f);
+      for (int64_t hq = h; hq < h + 1; ++hq) {
         const int64_t count = c1 - c0;
         const int64_t off = (hq / G) * kh;
         float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
@@ -283,7 +286,13 @@ at::Tensor attend_decode(const at::Tensor& q, const at::Tensor& k, const at::Ten
         part_l[t * H + hq] = sum;
       }
     }
-  });
+  };
+  if (decode_pool_enabled() && !at::in_parallel_region() && at::get_num_threads() > 1) {
+    auto one = [&](int64_t u) { tasks_of(u, u + 1); };
+    pool_for(tasks * H, at::get_num_threads(), one);
+  } else {
+    at::parallel_for(0, tasks * H, 1, tasks_of);
+  }
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t hq = 0; hq < H; ++hq) {
       float M = -std::numeric_limits<float>::infinity();

@@ -33,7 +33,9 @@
 // strips with at::parallel_for.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
+#include "decode_pool.h"
 #include "exl3_gemm_cpu.h"
 
 #include <algorithm>
@@ -49,12 +51,18 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512FP16__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_FP16)
+// The step-order GEMV (exl3_step_gemv.h) needs AVX-512 BW; with AVX512-FP16 it rounds the
+// codebook in float16, without it in float32 (the same bits). The row-pair kernel of 3-8
+// rows needs AVX512-FP16.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(EXL3_CPU_NO_STEPS)
+#define EXL3_STEP_PATH 1
+#endif
+#if defined(__AVX512FP16__) && defined(EXL3_STEP_PATH) && !defined(EXL3_CPU_NO_FP16)
 #define EXL3_FP16_PATH 1
 #endif
 
 namespace {
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
 #include "exl3_step_gemv.h"
 #endif
 
@@ -82,7 +90,7 @@ struct StepTable {
   alignas(64) int16_t second16[kSteps];
   alignas(64) int16_t offset16[kSteps];
   int words32 = 0;
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   StepOrderTable order;  // the step-order GEMV's (exl3_step_gemv.h)
 #endif
 };
@@ -122,7 +130,7 @@ StepTable make_table(int half_k) {
     table.second16[q] = static_cast<int16_t>(((chunk + 1) % chunks) ^ 1);
     table.offset16[q] = static_cast<int16_t>(start & 15);
   }
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   table.order = make_step_table(starts, 2 * table.words32);
 #endif
   return table;
@@ -422,7 +430,7 @@ void dispatch(int64_t codebook, int words32, F&& f) {
   else if (codebook == 1) by_mode(std::integral_constant<int, 1>{});
   else by_mode(std::integral_constant<int, 2>{});
 }
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
 constexpr int64_t kStepRows = 2;  // rows the step-order GEMV takes (its accumulators: 8 per row)
 
 // EXL3_CPU_STEP_GEMV=0 turns the step-order GEMV off (A/B runs), read once.
@@ -441,34 +449,6 @@ std::atomic<bool> g_fast_gemv{false};
 bool fast_gemv_for(int64_t codebook, int64_t rows, const StepTable& t) {
   return g_fast_gemv.load(std::memory_order_relaxed) && codebook == 2 && rows <= kStepRows &&
          t.order.ok && !step_order_disabled();
-}
-
-// out (rows, 16 nb) = xh @ Ŵ without the float16 rounding, x in int16 (fast_gemv_for).
-void fused_matmul_int(const int16_t* trellis, int64_t nb, int64_t kb, int64_t words,
-                      const StepOrderTable& t, const float* xh, int64_t rows, float* out) {
-  const int64_t ldo = 16 * nb, tile_words = kb * words;
-  thread_local std::vector<int16_t> xq;
-  xq.resize(static_cast<size_t>(rows * kb * 32));
-  float scale[kStepRows];
-  double qsum[kStepRows];
-  step_lanes_xq(xh, 16 * kb, rows, kb, xq.data(), scale, qsum);
-  // The caller's buffer: inside the parallel body `xq` would name each worker's own.
-  const int16_t* xqp = xq.data();
-  auto run = [&](auto fn) {
-    at::parallel_for(0, nb, strip_grain(kb), [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j)
-        fn(xqp, kb, trellis + j * tile_words, words, t, out + 16 * j, ldo);
-    });
-  };
-  const bool wide = t.words16 > 32;
-  if (rows == 1) wide ? run(strip_steps_int<true, 1>) : run(strip_steps_int<false, 1>);
-  else wide ? run(strip_steps_int<true, 2>) : run(strip_steps_int<false, 2>);
-  for (int64_t m = 0; m < rows; ++m) {
-    const float mul = scale[m] * kMul1A;
-    const float add = static_cast<float>(scale[m] * kMul1C * qsum[m]);
-    float* o = out + m * ldo;
-    for (int64_t c = 0; c < ldo; ++c) o[c] = o[c] * mul + add;
-  }
 }
 
 // f(strip_steps<CB, WIDE, MR>) for a layer's codebook, ring length and rows (1..kStepRows).
@@ -593,44 +573,181 @@ Layer check_layer(const at::Tensor& trellis_t, double k_bits, int64_t codebook,
                trellis_t.size(2), &table_for(half_k), codebook, lp};
 }
 
-// out (rows, 16 nb) = xh (rows, 16 kb) @ Ŵ, rows <= kGemvRows.
-void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
-  const int64_t ldx = 16 * L.kb, ldo = 16 * L.nb, tile_words = L.kb * L.words;
-#if defined(EXL3_FP16_PATH)
-  if (fast_gemv_for(L.codebook, rows, *L.table)) {
-    fused_matmul_int(L.trellis, L.nb, L.kb, L.words, L.table->order, xh, rows, out);
-    return;
+// One part of a fused 1-8 row product, out (rows, 16 nb) = xh (rows, 16 kb) @ Ŵ: prepare()
+// picks the kernel and lays x out for it (in the caller's lane buffers), strip(j) computes
+// columns [16 j, 16 j + 16), finish() scales the integer product. Several parts with one
+// input (q|k|v, gate|up) share one parallel region (run_products): every strip is
+// computed alike whichever thread takes it, so the results do not depend on the grouping.
+struct Product {
+  Layer L;
+  const float* xh = nullptr;
+  int64_t rows = 0;
+  float* out = nullptr;
+  enum Kind { kRowsKind, kScalarKind, kStepsKind, kPairsKind, kIntKind } kind = kRowsKind;
+  using RowsFn = void (*)(const float*, int64_t, int64_t, const int16_t*, int64_t, int64_t,
+                          const StepTable&, float*, int64_t);
+  RowsFn rows_fn = nullptr;
+#if defined(EXL3_STEP_PATH)
+  using StepsFn = void (*)(const float*, int64_t, const int16_t*, int64_t, const StepOrderTable&,
+                           float*, int64_t);
+  using IntFn = void (*)(const int16_t*, int64_t, const int16_t*, int64_t, const StepOrderTable&,
+                         float*, int64_t);
+  StepsFn steps_fn = nullptr;
+  IntFn int_fn = nullptr;
+#if !defined(EXL3_FP16_PATH)
+  using PairsFn = void (*)(const float*, int64_t, const int16_t*, int64_t, const StepOrderTable&,
+                           float*);
+  PairsFn pairs_fn = nullptr;
+#endif
+  const float* xs = nullptr;
+  const int16_t* xq = nullptr;
+  float scale[kStepRows] = {};
+  double qsum[kStepRows] = {};
+#endif
+
+  Product(const Layer& layer, const float* x, int64_t m, float* y) : L(layer), xh(x), rows(m), out(y) {
+#if defined(EXL3_STEP_PATH)
+    const bool steps = rows <= kStepRows && L.table->order.ok && !step_order_disabled();
+    if (fast_gemv_for(L.codebook, rows, *L.table)) kind = kIntKind;
+#if !defined(EXL3_FP16_PATH)
+    else if (steps && rows == 1 && L.codebook == 2) kind = kPairsKind;
+#endif
+    else if (steps) kind = kStepsKind;
+    else kind = kSimd ? kRowsKind : kScalarKind;
+#else
+    kind = kSimd ? kRowsKind : kScalarKind;
+#endif
   }
-  if (rows <= kStepRows && L.table->order.ok && !step_order_disabled()) {
-    thread_local std::vector<float> xs;
-    xs.resize(static_cast<size_t>(rows * L.kb * 32));
-    step_lanes_x(xh, ldx, rows, L.kb, xs.data());
-    const float* xsp = xs.data();  // the caller's (a worker's `xs` is its own, empty)
-    dispatch_steps(L.codebook, L.table->order.words16 > 32, rows, [&](auto fn) {
-      at::parallel_for(0, L.nb, strip_grain(L.kb), [&](int64_t begin, int64_t end) {
-        for (int64_t j = begin; j < end; ++j)
-          fn(xsp, L.kb, L.trellis + j * tile_words, L.words, L.table->order, out + 16 * j,
-             ldo);
-      });
-    });
-    return;
+  // Lane buffer sizes prepare() needs (floats, int16).
+  int64_t lane_floats() const {
+    return kind == kStepsKind ? rows * L.kb * 32 : kind == kPairsKind ? 16 * L.kb : 0;
   }
+  int64_t lane_shorts() const { return kind == kIntKind ? rows * L.kb * 32 : 0; }
+
+  void prepare(float* fbuf, int16_t* sbuf) {
+#if defined(EXL3_STEP_PATH)
+    const bool wide = L.table->order.words16 > 32;
+    if (kind == kIntKind) {
+      step_lanes_xq(xh, 16 * L.kb, rows, L.kb, sbuf, scale, qsum);
+      xq = sbuf;
+      if (rows == 1) int_fn = wide ? strip_steps_int<true, 1> : strip_steps_int<false, 1>;
+      else int_fn = wide ? strip_steps_int<true, 2> : strip_steps_int<false, 2>;
+      return;
+    }
+#if !defined(EXL3_FP16_PATH)
+    if (kind == kPairsKind) {
+      step_pairs_x(xh, L.kb, fbuf);
+      xs = fbuf;
+      pairs_fn = wide ? strip_steps_mul1<true> : strip_steps_mul1<false>;
+      return;
+    }
+#endif
+    if (kind == kStepsKind) {
+      step_lanes_x(xh, 16 * L.kb, rows, L.kb, fbuf);
+      xs = fbuf;
+      dispatch_steps(L.codebook, wide, rows, [&](auto fn) { steps_fn = fn; });
+      return;
+    }
 #endif
 #if defined(__AVX512F__)
-  dispatch(L.codebook, L.table->words32, [&](auto rows_fn, auto) {
-    at::parallel_for(0, L.nb, strip_grain(L.kb), [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j)
-        rows_fn(xh, ldx, rows, L.trellis + j * tile_words, L.kb, L.words, *L.table,
-                out + 16 * j, ldo);
-    });
-  });
-#else
-  at::parallel_for(0, L.nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
-      strip_rows_scalar(xh, ldx, rows, L.trellis + j * tile_words, L.kb, L.words, *L.table,
-                        L.lut, out + 16 * j, ldo);
-  });
+    dispatch(L.codebook, L.table->words32, [&](auto fn, auto) { rows_fn = fn; });
 #endif
+    (void)fbuf;
+    (void)sbuf;
+  }
+
+  void strip(int64_t j) const {
+    const int64_t ldo = 16 * L.nb;
+    const int16_t* tiles = L.trellis + j * L.kb * L.words;
+    float* o = out + 16 * j;
+    switch (kind) {
+#if defined(EXL3_STEP_PATH)
+      case kIntKind: return int_fn(xq, L.kb, tiles, L.words, L.table->order, o, ldo);
+      case kStepsKind: return steps_fn(xs, L.kb, tiles, L.words, L.table->order, o, ldo);
+#if !defined(EXL3_FP16_PATH)
+      case kPairsKind: return pairs_fn(xs, L.kb, tiles, L.words, L.table->order, o);
+#endif
+#endif
+      case kRowsKind:
+        return rows_fn(xh, 16 * L.kb, rows, tiles, L.kb, L.words, *L.table, o, ldo);
+      default:
+        return strip_rows_scalar(xh, 16 * L.kb, rows, tiles, L.kb, L.words, *L.table, L.lut, o, ldo);
+    }
+  }
+
+  void finish() const {
+#if defined(EXL3_STEP_PATH)
+    if (kind != kIntKind) return;
+    const int64_t ldo = 16 * L.nb;
+    for (int64_t m = 0; m < rows; ++m) {
+      const float mul = scale[m] * kMul1A;
+      const float add = static_cast<float>(scale[m] * kMul1C * qsum[m]);
+      float* o = out + m * ldo;
+      for (int64_t c = 0; c < ldo; ++c) o[c] = o[c] * mul + add;
+    }
+#endif
+  }
+};
+
+// All strips of the products in one parallel region. Thread t owns an equal contiguous
+// share of the strips (what a static split gives a quiet machine) and claims them one by
+// one from a counter of its own; done, it claims from the other shares' counters, so a
+// thread that another job on the machine holds back leaves its rest to the others.
+void run_products(Product* ps, int64_t count) {
+  int64_t floats = 0, shorts = 0, total = 0, grain = int64_t{1} << 30;
+  for (int64_t i = 0; i < count; ++i) {
+    floats += ps[i].lane_floats();
+    shorts += ps[i].lane_shorts();
+    total += ps[i].L.nb;
+    grain = std::min(grain, strip_grain(ps[i].L.kb));
+  }
+  if (total == 0) return;
+  thread_local std::vector<float> fbuf;
+  thread_local std::vector<int16_t> sbuf;
+  fbuf.resize(static_cast<size_t>(floats));
+  sbuf.resize(static_cast<size_t>(shorts));
+  for (int64_t i = 0, f = 0, h = 0; i < count; ++i) {
+    ps[i].prepare(fbuf.data() + f, sbuf.data() + h);
+    f += ps[i].lane_floats();
+    h += ps[i].lane_shorts();
+  }
+  auto run = [&](int64_t g) {  // global strip g
+    int64_t part = 0;
+    while (g >= ps[part].L.nb) g -= ps[part++].L.nb;
+    ps[part].strip(g);
+  };
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(
+      at::get_num_threads(), (total + grain - 1) / grain);
+  if (threads <= 1) {
+    for (int64_t g = 0; g < total; ++g) run(g);
+  } else if (exl3_cpu::decode_pool_enabled()) {
+    exl3_cpu::pool_for(total, threads, run);
+  } else {
+    struct alignas(64) Share {
+      std::atomic<int64_t> next{0};
+      int64_t end = 0;
+    };
+    std::vector<Share> shares(static_cast<size_t>(threads));
+    for (int64_t t = 0; t < threads; ++t) {
+      shares[t].next.store(total * t / threads, std::memory_order_relaxed);
+      shares[t].end = total * (t + 1) / threads;
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t k = 0; k < threads; ++k) {
+          Share& share = shares[(t + k) % threads];
+          for (int64_t g; (g = share.next.fetch_add(1, std::memory_order_relaxed)) < share.end;)
+            run(g);
+        }
+    });
+  }
+  for (int64_t i = 0; i < count; ++i) ps[i].finish();
+}
+
+// out (rows, 16 nb) = xh (rows, 16 kb) @ Ŵ, rows <= kGemvRows.
+void fused_matmul(const Layer& L, const float* xh, int64_t rows, float* out) {
+  Product p(L, xh, rows, out);
+  run_products(&p, 1);
 }
 
 // Ŵ columns [16 j0, 16 j1) into out (16 kb, ldo).
@@ -705,68 +822,98 @@ at::Tensor exl3_linear(const at::Tensor& x, const at::Tensor& trellis_t, const a
                        const at::Tensor& svh, const c10::optional<at::Tensor>& bias,
                        double k_bits, int64_t codebook, int64_t n,
                        const c10::optional<at::Tensor>& lut) {
-  const Layer L = check_layer(trellis_t, k_bits, codebook, lut);
+  const at::Tensor* bp = bias.has_value() && bias->defined() ? &*bias : nullptr;
+  const Exl3Part part{&trellis_t, &suh, &svh, bp, k_bits, n};
+  return exl3_linear_parts(x, &part, 1, codebook, lut);
+}
+
+at::Tensor exl3_linear_parts(const at::Tensor& x, const Exl3Part* parts, int64_t count,
+                             int64_t codebook, const c10::optional<at::Tensor>& lut) {
   const at::Tensor xc = float_rows(x, "x");
-  const int64_t M = xc.size(0), in = xc.size(1), padded_in = 16 * L.kb, padded_out = 16 * L.nb;
-  TORCH_CHECK(padded_in % kHadamard == 0 && padded_out % kHadamard == 0,
-              "exl3_linear: stored shape ", padded_in, "x", padded_out,
-              " is not a multiple of 128");
-  TORCH_CHECK(in <= padded_in && n >= 0 && n <= padded_out, "exl3_linear: x has ", in,
-              " features and n is ", n, " for a ", padded_in, "x", padded_out, " trellis");
-  TORCH_CHECK(suh.scalar_type() == at::kFloat && suh.numel() == padded_in && suh.is_contiguous() &&
-                  svh.scalar_type() == at::kFloat && svh.numel() == padded_out &&
-                  svh.is_contiguous(),
-              "exl3_linear: suh/svh must be contiguous float32 of the padded sizes");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() >= n && bias->is_contiguous(),
+  const int64_t M = xc.size(0), in = xc.size(1);
+  c10::SmallVector<Layer, 4> layers;
+  int64_t total_n = 0, scratch_floats = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const Exl3Part& p = parts[i];
+    const Layer L = check_layer(*p.trellis_t, p.k_bits, codebook, lut);
+    const int64_t padded_in = 16 * L.kb, padded_out = 16 * L.nb;
+    TORCH_CHECK(padded_in % kHadamard == 0 && padded_out % kHadamard == 0,
+                "exl3_linear: stored shape ", padded_in, "x", padded_out,
+                " is not a multiple of 128");
+    TORCH_CHECK(in <= padded_in && p.n >= 0 && p.n <= padded_out, "exl3_linear: x has ", in,
+                " features and n is ", p.n, " for a ", padded_in, "x", padded_out, " trellis");
+    TORCH_CHECK(p.suh->scalar_type() == at::kFloat && p.suh->numel() == padded_in &&
+                    p.suh->is_contiguous() && p.svh->scalar_type() == at::kFloat &&
+                    p.svh->numel() == padded_out && p.svh->is_contiguous(),
+                "exl3_linear: suh/svh must be contiguous float32 of the padded sizes");
+    TORCH_CHECK(!p.bias || (p.bias->scalar_type() == at::kFloat && p.bias->numel() >= p.n &&
+                            p.bias->is_contiguous()),
                 "exl3_linear: bias must be contiguous float32 (>= n)");
-    bp = bias->data_ptr<float>();
+    layers.push_back(L);
+    total_n += p.n;
+    scratch_floats += M * (padded_in + padded_out);
   }
-  // Decode rows (<= kGemvRows) work in this thread's scratch (no tensor allocations per
-  // call: ~200 calls a token); prompts in tensors (matmul_rotated's strip path).
-  thread_local std::vector<float> scratch;
-  const bool small = M <= kGemvRows;
-  at::Tensor xh, yr;
-  float *hp, *yp;
-  if (small) {
-    scratch.resize(static_cast<size_t>(M * (padded_in + padded_out)));
-    hp = scratch.data();
-    yp = hp + M * padded_in;
-  } else {
-    xh = at::empty({M, padded_in}, xc.options());
-    hp = xh.data_ptr<float>();
-  }
-  const float *xp = xc.data_ptr<float>(), *sp = suh.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < in; ++k) hp[m * padded_in + k] = xp[m * in + k] * sp[k];
-    std::fill(hp + m * padded_in + in, hp + (m + 1) * padded_in, 0.f);
-  }
-  hadamard_rows(hp, M, padded_in);
-  if (small) {
-    if (M > 0 && padded_out > 0) fused_matmul(L, hp, M, yp);
-  } else {
-    yr = matmul_rotated(L, xh);
-    yp = yr.data_ptr<float>();
-  }
-  hadamard_rows(yp, M, padded_out);
-  at::Tensor y = at::empty({M, n}, xc.options());
+  at::Tensor y = at::empty({M, total_n}, xc.options());
   float* op = y.data_ptr<float>();
-  const float* vp = svh.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < n; ++j)
-      op[m * n + j] = yp[m * padded_out + j] * vp[j] + (bp ? bp[j] : 0.f);
+  const float* xp = xc.data_ptr<float>();
+  // Decode rows (<= kGemvRows) work in this thread's scratch (no tensor allocations per
+  // call: ~200 calls a token) and all parts' products run in one parallel region; prompts
+  // in tensors (matmul_rotated's strip path), part by part.
+  const bool small = M <= kGemvRows;
+  thread_local std::vector<float> scratch;
+  if (small) scratch.resize(static_cast<size_t>(scratch_floats));
+  c10::SmallVector<Product, 4> products;
+  c10::SmallVector<float*, 4> outs;
+  c10::SmallVector<at::Tensor, 4> keep;  // the prompt path's results
+  for (int64_t i = 0, used = 0; i < count; ++i) {
+    const Layer& L = layers[i];
+    const int64_t padded_in = 16 * L.kb, padded_out = 16 * L.nb;
+    at::Tensor xh;
+    float* hp;
+    if (small) {
+      hp = scratch.data() + used;
+      used += M * (padded_in + padded_out);
+    } else {
+      xh = at::empty({M, padded_in}, xc.options());
+      hp = xh.data_ptr<float>();
+    }
+    const float* sp = parts[i].suh->data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < in; ++k) hp[m * padded_in + k] = xp[m * in + k] * sp[k];
+      std::fill(hp + m * padded_in + in, hp + (m + 1) * padded_in, 0.f);
+    }
+    hadamard_rows(hp, M, padded_in);
+    if (small) {
+      outs.push_back(hp + M * padded_in);
+      if (M > 0 && padded_out > 0) products.emplace_back(L, hp, M, outs.back());
+    } else {
+      keep.push_back(matmul_rotated(L, xh));
+      outs.push_back(keep.back().data_ptr<float>());
+    }
+  }
+  if (!products.empty()) run_products(products.data(), static_cast<int64_t>(products.size()));
+  for (int64_t i = 0, col = 0; i < count; ++i) {
+    const int64_t padded_out = 16 * layers[i].nb, n = parts[i].n;
+    float* yp = outs[i];
+    hadamard_rows(yp, M, padded_out);
+    const float* vp = parts[i].svh->data_ptr<float>();
+    const float* bp = parts[i].bias ? parts[i].bias->data_ptr<float>() : nullptr;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < n; ++j)
+        op[m * total_n + col + j] = yp[m * padded_out + j] * vp[j] + (bp ? bp[j] : 0.f);
+    col += n;
+  }
   return y;
 }
 
 std::string exl3_set_gemv_mode(const std::string& mode) {
   TORCH_CHECK(mode == "exact" || mode == "fast", "exl3: GEMV mode must be exact or fast, got ",
               mode);
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   g_fast_gemv.store(mode == "fast");
   return mode;
 #else
-  return "exact";  // the integer product needs the AVX512-FP16 step-order path
+  return "exact";  // the integer product needs the step-order path (AVX-512 BW)
 #endif
 }
 
@@ -775,7 +922,7 @@ std::string exl3_gemv_kind(double k_bits, int64_t rows) {
   TORCH_CHECK(std::abs(2 * k_bits - half_k) < 1e-9 && valid_half_k(half_k),
               "exl3: unsupported bits per weight ", k_bits);
   if (rows > kGemvRows) return "strips";
-#if defined(EXL3_FP16_PATH)
+#if defined(EXL3_STEP_PATH)
   if (fast_gemv_for(2, rows, table_for(half_k))) return "steps-int";
   if (rows <= kStepRows && table_for(half_k).order.ok && !step_order_disabled()) return "steps";
 #endif

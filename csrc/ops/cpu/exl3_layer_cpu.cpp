@@ -9,6 +9,7 @@
 #include "decode_ops.h"
 #include "exl3_gemm_cpu.h"
 
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -24,22 +25,17 @@ struct Parts {
   int64_t codebook;
   const c10::optional<at::Tensor>& lut;
 
-  // x @ parts [begin, end), outputs concatenated.
+  // x @ parts [begin, end), outputs concatenated (one parallel region for all of them).
   at::Tensor project(const at::Tensor& x, int64_t begin, int64_t end) const {
-    auto one = [&](int64_t i) {
-      const c10::optional<at::Tensor> b = bias.get(i);
-      return exl3_cpu::exl3_linear(x, trellis[i], suh[i], svh[i], b, k[i], codebook, n[i], lut);
-    };
-    if (end - begin == 1) return one(begin);
-    int64_t total = 0;
-    for (int64_t i = begin; i < end; ++i) total += n[i];
-    at::Tensor out = at::empty({x.size(0), total}, x.options());
-    int64_t start = 0;
+    c10::SmallVector<exl3_cpu::Exl3Part, 4> parts;
+    c10::SmallVector<c10::optional<at::Tensor>, 4> biases;  // the list hands out copies
+    for (int64_t i = begin; i < end; ++i) biases.push_back(bias.get(i));
     for (int64_t i = begin; i < end; ++i) {
-      out.narrow(1, start, n[i]).copy_(one(i));
-      start += n[i];
+      const c10::optional<at::Tensor>& b = biases[i - begin];
+      parts.push_back({&trellis[i], &suh[i], &svh[i], b.has_value() && b->defined() ? &*b : nullptr,
+                       k[i], n[i]});
     }
-    return out;
+    return exl3_cpu::exl3_linear_parts(x, parts.data(), end - begin, codebook, lut);
   }
 };
 

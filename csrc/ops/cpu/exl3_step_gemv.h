@@ -1,5 +1,8 @@
-// The decode GEMV of exl3_gemm_cpu.cpp in trellis-step order (AVX512-FP16 builds; included
-// by exl3_gemm_cpu.cpp only, inside its anonymous namespace).
+// The decode GEMV of exl3_gemm_cpu.cpp in trellis-step order (AVX-512 BW builds; included
+// by exl3_gemm_cpu.cpp only, inside its anonymous namespace). The float16 rounding of the
+// codebook is one native float16 FMA/add with AVX512-FP16 (Sapphire Rapids and later);
+// without it (Zen 4, Ice Lake, Skylake-X) the same value is computed exactly in float32
+// and rounded once there (round_half): the same bits, a few more instructions per 32 weights.
 //
 // The row-pair kernel there decodes tile rows: the 32 states of two rows lie all over the
 // tile's ring (steps 8t + j with t spread over 0..31), so their words are fetched from the
@@ -120,6 +123,7 @@ inline StepOrderTable make_step_table(const int* start, int words16) {
   return t;
 }
 
+#if defined(__AVX512FP16__) && !defined(EXL3_CPU_NO_FP16)
 // 32 states (16-bit lanes) -> their codebook values, rounded to float16 once like the
 // codec: the hash state * m (mod 2^32) kept as two 16-bit halves.
 template <int CB>
@@ -150,6 +154,73 @@ inline __m512h codebook_ph(__m512i state) {
     return _mm512_add_ph(_mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(lo, mask), flip)),
                          _mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(hi, mask), flip)));
   }
+}
+
+#endif
+
+#if !defined(__AVX512FP16__) || defined(EXL3_CPU_NO_FP16)
+// A codebook value computed exactly in float32 (mul1: n a + c; 3inst/mcg: the sum of the
+// two float16 halves) rounded to float16 precision in float32 by Veltkamp's split (2^13 + 1:
+// 24 - 13 = 11 significant bits): three float ops for vcvtps2ph + vcvtph2ps, and the same
+// value as float16 rounding for every input these codebooks make (checked exhaustively:
+// the 1021 byte sums of mul1, the 65536 states of 3inst and mcg; the tests check the
+// kernel's values bit for bit). The _round_ intrinsics keep the compiler from contracting
+// the product and the difference into one FMA, which would break the split.
+inline __m512 round_half(__m512 v) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 c = _mm512_mul_round_ps(v, _mm512_set1_ps(8193.f), kRound);
+  return _mm512_sub_round_ps(c, _mm512_sub_round_ps(c, v, kRound), kRound);
+}
+#endif
+
+// The codebook values of 32 states (16-bit lanes) as float32: w0 of lanes 0-15, w1 of
+// lanes 16-31, each the codec's float16 value (rounded once from the exact value).
+template <int CB>
+inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
+#if defined(__AVX512FP16__) && !defined(EXL3_CPU_NO_FP16)
+  const __m512i bits = _mm512_castph_si512(codebook_ph<CB>(state));
+  w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+#else
+  constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  __m512i lo = _mm512_mullo_epi16(state, ml);
+  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+  if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
+    constexpr uint32_t add = 64248484u;
+    const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
+    const __mmask32 carry = _mm512_cmplt_epu16_mask(sum, lo);
+    hi = _mm512_add_epi16(hi, _mm512_set1_epi16(static_cast<int16_t>(add >> 16)));
+    hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
+    lo = sum;
+  }
+  if constexpr (CB == 2) {
+    // byte sum * a + (b + 1024 a): the byte sum (0..1020) times a = 1774 / 2^18 and the sum
+    // are exact in float32 (multiples of 2^-18 below 2^3), rounded once as the float16 FMA
+    // rounds.
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
+    const __m512 a = _mm512_set1_ps(1774.f / 262144.f), c = _mm512_set1_ps(-3.453125f);
+    const __m512 f0 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(n))), a, c);
+    const __m512 f1 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(n, 1))), a, c);
+    w0 = round_half(f0);
+    w1 = round_half(f1);
+  } else {  // the two float16 halves, added exactly in float32, rounded once
+    const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
+    const __m512i flip = _mm512_set1_epi16(0x3B60);
+    const __m512i l = _mm512_xor_si512(_mm512_and_si512(lo, mask), flip);
+    const __m512i h = _mm512_xor_si512(_mm512_and_si512(hi, mask), flip);
+    const __m512 s0 = _mm512_add_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(l)),
+                                    _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    const __m512 s1 = _mm512_add_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(l, 1)),
+                                    _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+    w0 = round_half(s0);
+    w1 = round_half(s1);
+  }
+#endif
 }
 
 // (a:b) << offset, upper 16 bits, per 16-bit lane (offset 0..15).
@@ -252,9 +323,8 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
       const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
-      const __m512i bits = _mm512_castph_si512(codebook_ph<CB>(state));
-      const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
-      const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+      __m512 w0, w1;
+      codebook_pair<CB>(state, w0, w1);
       for (int m = 0; m < MR; ++m)
         acc[m][v] = _mm512_fmadd_ps(x1[m], w1, _mm512_fmadd_ps(x0[m], w0, acc[m][v]));
     }
@@ -277,6 +347,62 @@ void strip_steps(const float* xs, int64_t kb, const int16_t* strip, int64_t word
   }
 }
 
+#if !defined(__AVX512FP16__) || defined(EXL3_CPU_NO_FP16)
+// One row of a mul1 layer without AVX512-FP16 (the model's decode rows): the byte sums n
+// of a vector's 32 states go to float32 lanes by vpunpck[lh]wd with 0x4B00 above them
+// (the float 2^23 + n: no widening, no integer conversion), and (2^23 + n) a + (c - 2^23 a)
+// is the same exact value n a + c in one FMA. An unpack takes states 8g..8g+3 (low) and
+// 8g+4..8g+7 (high) of each 128-bit group g: the low half's 16 states are all column v
+// of the strip, the high half's all column v + 8, and both halves meet x of the same 16
+// rows (kPairRow), so one x vector per tile serves both and acc[0][v], acc[1][v] each sum
+// to one column.
+constexpr int kPairRow[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+
+// xs (kb, 16): x of each 16-row block in kPairRow order.
+inline void step_pairs_x(const float* xh, int64_t kb, float* xs) {
+  for (int64_t i = 0; i < kb; ++i)
+    for (int l = 0; l < 16; ++l) xs[16 * i + l] = xh[16 * i + kPairRow[l]];
+}
+
+template <bool WIDE>
+void strip_steps_mul1(const float* xs, int64_t kb, const int16_t* strip, int64_t words,
+                      const StepOrderTable& t, float* out) {
+  constexpr uint32_t mult = 0x83DCD12Du;
+  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
+  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i magic = _mm512_set1_epi16(0x4B00);
+  const __m512 a = _mm512_set1_ps(1774.f / 262144.f);
+  const __m512 c = _mm512_set1_ps(-3.453125f - 56768.f);  // c - 2^23 a, exact
+  __m512 acc[2][8];
+  for (int v = 0; v < 8; ++v) acc[0][v] = acc[1][v] = _mm512_setzero_ps();
+  const __mmask32 narrow = static_cast<__mmask32>((uint64_t{1} << std::min(t.words16, 32)) - 1);
+  const int64_t ahead = prefetch_bytes();
+  for (int64_t i = 0; i < kb; ++i) {
+    const int16_t* tile = strip + i * words;
+    prefetch_tile(tile, words, ahead);
+    const __m512 x = _mm512_loadu_ps(xs + 16 * i);
+    __m512i head, tail;
+    ring_ends<WIDE>(tile, t, narrow, head, tail);
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
+      const __m512i lo = _mm512_mullo_epi16(state, ml);
+      const __m512i hi =
+          _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+      const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
+                                         _mm512_maddubs_epi16(hi, ones));
+      const __m512 f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(n, magic)), a, c);
+      const __m512 f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(n, magic)), a, c);
+      acc[0][v] = _mm512_fmadd_ps(x, round_half(f0), acc[0][v]);
+      acc[1][v] = _mm512_fmadd_ps(x, round_half(f1), acc[1][v]);
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int v = 0; v < 8; ++v) out[v + 8 * h] = _mm512_reduce_add_ps(acc[h][v]);
+}
+#endif
+
 // --- The inexact integer GEMV (EXL3_CPU_GEMV=fast; mul1 only) ---
 // mul1's value is float16((1024 + S) a + b), S the byte sum of the hash (0..1020). Here the
 // float16 rounding is left out (w = S a + c, c = b + 1024 a) and x is rounded to int16 with
@@ -293,18 +419,25 @@ inline void step_lanes_xq(const float* xh, int64_t ldx, int64_t rows, int64_t kb
                           float* scale, double* qsum) {
   for (int64_t m = 0; m < rows; ++m) {
     const float* x = xh + m * ldx;
-    float amax = 0.f;
-    for (int64_t k = 0; k < 16 * kb; ++k) amax = std::max(amax, std::abs(x[k]));
+    __m512 vmax = _mm512_setzero_ps();  // max |x|: the same in any order
+    for (int64_t k = 0; k < 16 * kb; k += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    const float amax = _mm512_reduce_max_ps(vmax);
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
     scale[m] = amax / 32767.f;
     int64_t total = 0;
     alignas(64) int16_t lane_row[32];
     for (int l = 0; l < 32; ++l) lane_row[l] = static_cast<int16_t>(kLaneRow[l]);
     const __m512i lanes = _mm512_load_si512(lane_row);
+    __m512i vsum = _mm512_setzero_si512();  // per lane < 2^15 x 2^15 values: no overflow
     for (int64_t i = 0; i < kb; ++i) {  // round to nearest even, like lrint
       const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), inv));
       const __m512i q16 = _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(qi));
-      total += _mm512_reduce_add_epi32(qi);
+      vsum = _mm512_add_epi32(vsum, qi);
+      if ((i & 32767) == 32767 || i + 1 == kb) {
+        total += _mm512_reduce_add_epi32(vsum);
+        vsum = _mm512_setzero_si512();
+      }
       _mm512_storeu_si512(xq + (m * kb + i) * 32, _mm512_permutexvar_epi16(lanes, q16));
     }
     qsum[m] = static_cast<double>(total);
@@ -345,7 +478,13 @@ void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_
             _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
         const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
                                            _mm512_maddubs_epi16(hi, ones));
-        for (int m = 0; m < MR; ++m) acc[m][v] = _mm512_dpwssd_epi32(acc[m][v], s, xv[m]);
+        for (int m = 0; m < MR; ++m) {
+#if defined(__AVX512VNNI__)
+          acc[m][v] = _mm512_dpwssd_epi32(acc[m][v], s, xv[m]);
+#else  // the same wrapping int32 sum
+          acc[m][v] = _mm512_add_epi32(acc[m][v], _mm512_madd_epi16(s, xv[m]));
+#endif
+        }
       }
     }
     for (int m = 0; m < MR; ++m)
