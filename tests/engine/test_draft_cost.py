@@ -246,30 +246,29 @@ def test_a_batch_whose_drafts_are_mostly_rejected_pauses_every_job():
     assert not any(job.backoff.may_draft(job.produced) for job in jobs)
 
 
-def test_with_nobody_queued_a_batch_is_judged_by_its_slowest_job():
-    """Three jobs keep every draft, the one with the longest rest keeps none: the batch
-    emits 2.3x plain steps' tokens but ends no sooner, so with nobody queued it pauses;
-    with jobs queued (freed slots refill) it drafts on."""
-    for queued in (False, True):
-        clock = PlainStepClock()
-        clock.observe(4, 1_000)
-        jobs = _fake_jobs(4)
-        for job, budget in zip(jobs, (64, 64, 64, 70), strict=True):
-            job.budget = budget
-        before = [(job.produced, True) for job in jobs]
-        for job, emitted in zip(jobs, (3, 3, 3, 1), strict=True):
-            job.produced += emitted
-        charge_step(clock, [(job, [1, 2, 3]) for job in jobs], True, 1_100, before,
-                    queued=queued)
-        assert all(job.backoff.may_draft(job.produced) for job in jobs) == queued
-    # The slowest job keeping its drafts pays, whoever else does not.
+def _budgeted_pass(emitted: tuple[int, ...], queued: bool) -> list:
+    """Four jobs (budgets 64, 64, 64, 70: the last has the longest rest) in one timed
+    drafting pass of 1.1 plain steps, emitting `emitted`; returns the jobs."""
     clock = PlainStepClock()
     clock.observe(4, 1_000)
     jobs = _fake_jobs(4)
     for job, budget in zip(jobs, (64, 64, 64, 70), strict=True):
         job.budget = budget
     before = [(job.produced, True) for job in jobs]
-    for job, emitted in zip(jobs, (1, 2, 1, 3), strict=True):
-        job.produced += emitted
-    charge_step(clock, [(job, [1, 2, 3]) for job in jobs], True, 1_100, before, queued=False)
+    for job, count in zip(jobs, emitted, strict=True):
+        job.produced += count
+    charge_step(clock, [(job, [1, 2, 3]) for job in jobs], True, 1_100, before,
+                queued=queued)
+    return jobs
+
+
+def test_with_nobody_queued_a_batch_is_judged_by_its_slowest_job():
+    """Three jobs keep every draft, the one with the longest rest keeps none: the batch
+    emits 2.3x plain steps' tokens but ends no sooner, so with nobody queued it pauses;
+    with jobs queued (freed slots refill) it drafts on."""
+    for queued in (False, True):
+        jobs = _budgeted_pass((3, 3, 3, 1), queued)
+        assert all(job.backoff.may_draft(job.produced) for job in jobs) == queued
+    # The slowest job keeping its drafts pays, whoever else does not.
+    jobs = _budgeted_pass((1, 2, 1, 3), queued=False)
     assert all(job.backoff.may_draft(job.produced) for job in jobs)

@@ -123,16 +123,15 @@ inline StepOrderTable make_step_table(const int* start, int words16) {
   return t;
 }
 
-#if defined(__AVX512FP16__) && !defined(EXL3_CPU_NO_FP16)
-// 32 states (16-bit lanes) -> their codebook values, rounded to float16 once like the
-// codec: the hash state * m (mod 2^32) kept as two 16-bit halves.
+// The hash of 32 states (16-bit lanes): state * m (+ mul1's offset) mod 2^32, kept as
+// two 16-bit halves `lo` and `hi`.
 template <int CB>
-inline __m512h codebook_ph(__m512i state) {
+inline void hash_halves(__m512i state, __m512i& lo, __m512i& hi) {
   constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
   const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
   const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
-  __m512i lo = _mm512_mullo_epi16(state, ml);
-  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
+  lo = _mm512_mullo_epi16(state, ml);
+  hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
   if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
     constexpr uint32_t add = 64248484u;
     const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
@@ -141,6 +140,15 @@ inline __m512h codebook_ph(__m512i state) {
     hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
     lo = sum;
   }
+}
+
+#if defined(__AVX512FP16__) && !defined(EXL3_CPU_NO_FP16)
+// 32 states (16-bit lanes) -> their codebook values, rounded to float16 once like the
+// codec: the hash state * m (mod 2^32) kept as two 16-bit halves.
+template <int CB>
+inline __m512h codebook_ph(__m512i state) {
+  __m512i lo, hi;
+  hash_halves<CB>(state, lo, hi);
   if constexpr (CB == 2) {
     // (1024 + byte sum) * a + b = byte sum * a + (b + 1024 a), exactly (b + 1024 a =
     // -3.453125 is a float16): one float16 FMA rounds once, as the codec does.
@@ -182,19 +190,8 @@ inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
   w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
   w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
 #else
-  constexpr uint32_t mult = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
-  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
-  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
-  __m512i lo = _mm512_mullo_epi16(state, ml);
-  __m512i hi = _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
-  if constexpr (CB == 0) {  // + 64248484, carrying from the low half into the high one
-    constexpr uint32_t add = 64248484u;
-    const __m512i sum = _mm512_add_epi16(lo, _mm512_set1_epi16(static_cast<int16_t>(add & 0xFFFF)));
-    const __mmask32 carry = _mm512_cmplt_epu16_mask(sum, lo);
-    hi = _mm512_add_epi16(hi, _mm512_set1_epi16(static_cast<int16_t>(add >> 16)));
-    hi = _mm512_mask_add_epi16(hi, carry, hi, _mm512_set1_epi16(1));
-    lo = sum;
-  }
+  __m512i lo, hi;
+  hash_halves<CB>(state, lo, hi);
   if constexpr (CB == 2) {
     // byte sum * a + (b + 1024 a): the byte sum (0..1020) times a = 1774 / 2^18 and the sum
     // are exact in float32 (multiples of 2^-18 below 2^3), rounded once as the float16 FMA

@@ -184,6 +184,16 @@ def smooth_into(times: dict[int, float], jobs: int, elapsed_ns: int) -> bool:
     return True
 
 
+def running(table: dict[int, float], jobs: int, measured: float) -> float:
+    """Fold `measured` into `table`'s running figure for `jobs`' size class (SMOOTHING on
+    the newest; the first is taken as it is) and return it."""
+    key = size_class(jobs)
+    old = table.get(key)
+    table[key] = value = measured if old is None else (
+        (1 - SMOOTHING) * old + SMOOTHING * measured)
+    return value
+
+
 class PlainStepClock:
     """The generator's wall time of a plain decode step, per batch size class: the
     reference `DraftBackoff.record_cost` compares drafting passes with. A size class
@@ -202,28 +212,16 @@ class PlainStepClock:
     def batch_gain(self, jobs: int, measured: float) -> float:
         """The running gain of drafting passes over `jobs` jobs (tokens the whole batch
         emitted per plain-step time, over the plain step's `jobs`)."""
-        key = size_class(jobs)
-        old = self._batch_gain.get(key)
-        gain = measured if old is None else (1 - SMOOTHING) * old + SMOOTHING * measured
-        self._batch_gain[key] = gain
-        return gain
+        return running(self._batch_gain, jobs, measured)
 
     def batch_rate(self, jobs: int, measured: float) -> float:
         """The running share of drafts kept in drafting passes over `jobs` jobs."""
-        key = size_class(jobs)
-        old = self._batch_rate.get(key)
-        rate = measured if old is None else (1 - SMOOTHING) * old + SMOOTHING * measured
-        self._batch_rate[key] = rate
-        return rate
+        return running(self._batch_rate, jobs, measured)
 
     def batch_slowest(self, jobs: int, measured: float) -> float:
         """The running gain of the slowest job of drafting passes over `jobs` jobs
         (tokens taken off the longest rest per plain-step time)."""
-        key = size_class(jobs)
-        old = self._batch_slowest.get(key)
-        gain = measured if old is None else (1 - SMOOTHING) * old + SMOOTHING * measured
-        self._batch_slowest[key] = gain
-        return gain
+        return running(self._batch_slowest, jobs, measured)
 
     def batch_pause(self, jobs: int, paying: bool) -> int:
         """The pause (tokens) every job of a batch whose drafting does not pay takes:
