@@ -142,21 +142,29 @@ inline void hash_halves(__m512i state, __m512i& lo, __m512i& hi) {
   }
 }
 
+// mul1's byte sums of 32 states' hashes (0..1020, 16-bit lanes; exl3_gemm_cpu.cpp's
+// mul1_byte_sum does 16 states in 32-bit lanes): the codebook value is (1024 + sum) a + b.
+inline __m512i mul1_state_sums(__m512i state) {
+  __m512i lo, hi;
+  hash_halves<2>(state, lo, hi);
+  const __m512i ones = _mm512_set1_epi8(1);
+  return _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
+}
+
 #if defined(__AVX512FP16__) && !defined(EXL3_CPU_NO_FP16)
 // 32 states (16-bit lanes) -> their codebook values, rounded to float16 once like the
 // codec: the hash state * m (mod 2^32) kept as two 16-bit halves.
 template <int CB>
 inline __m512h codebook_ph(__m512i state) {
-  __m512i lo, hi;
-  hash_halves<CB>(state, lo, hi);
   if constexpr (CB == 2) {
     // (1024 + byte sum) * a + b = byte sum * a + (b + 1024 a), exactly (b + 1024 a =
     // -3.453125 is a float16): one float16 FMA rounds once, as the codec does.
-    const __m512i ones = _mm512_set1_epi8(1);
-    const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
+    const __m512i n = mul1_state_sums(state);
     return _mm512_fmadd_ph(_mm512_cvtepi16_ph(n), _mm512_set1_ph(static_cast<_Float16>(1774.f / 262144.f)),
                            _mm512_set1_ph(static_cast<_Float16>(-3.453125f)));
   } else {
+    __m512i lo, hi;
+    hash_halves<CB>(state, lo, hi);
     const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
     const __m512i flip = _mm512_set1_epi16(0x3B60);
     return _mm512_add_ph(_mm512_castsi512_ph(_mm512_xor_si512(_mm512_and_si512(lo, mask), flip)),
@@ -190,14 +198,11 @@ inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
   w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
   w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
 #else
-  __m512i lo, hi;
-  hash_halves<CB>(state, lo, hi);
   if constexpr (CB == 2) {
     // byte sum * a + (b + 1024 a): the byte sum (0..1020) times a = 1774 / 2^18 and the sum
     // are exact in float32 (multiples of 2^-18 below 2^3), rounded once as the float16 FMA
     // rounds.
-    const __m512i ones = _mm512_set1_epi8(1);
-    const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
+    const __m512i n = mul1_state_sums(state);
     const __m512 a = _mm512_set1_ps(1774.f / 262144.f), c = _mm512_set1_ps(-3.453125f);
     const __m512 f0 = _mm512_fmadd_ps(
         _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(n))), a, c);
@@ -206,6 +211,8 @@ inline void codebook_pair(__m512i state, __m512& w0, __m512& w1) {
     w0 = round_half(f0);
     w1 = round_half(f1);
   } else {  // the two float16 halves, added exactly in float32, rounded once
+    __m512i lo, hi;
+    hash_halves<CB>(state, lo, hi);
     const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x8FFF));
     const __m512i flip = _mm512_set1_epi16(0x3B60);
     const __m512i l = _mm512_xor_si512(_mm512_and_si512(lo, mask), flip);
@@ -364,10 +371,6 @@ inline void step_pairs_x(const float* xh, int64_t kb, float* xs) {
 template <bool WIDE>
 void strip_steps_mul1(const float* xs, int64_t kb, const int16_t* strip, int64_t words,
                       const StepOrderTable& t, float* out) {
-  constexpr uint32_t mult = 0x83DCD12Du;
-  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
-  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
-  const __m512i ones = _mm512_set1_epi8(1);
   const __m512i magic = _mm512_set1_epi16(0x4B00);
   const __m512 a = _mm512_set1_ps(1774.f / 262144.f);
   const __m512 c = _mm512_set1_ps(-3.453125f - 56768.f);  // c - 2^23 a, exact
@@ -384,11 +387,7 @@ void strip_steps_mul1(const float* xs, int64_t kb, const int16_t* strip, int64_t
 #pragma GCC unroll 8
     for (int v = 0; v < 8; ++v) {
       const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
-      const __m512i lo = _mm512_mullo_epi16(state, ml);
-      const __m512i hi =
-          _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
-      const __m512i n = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
-                                         _mm512_maddubs_epi16(hi, ones));
+      const __m512i n = mul1_state_sums(state);
       const __m512 f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(n, magic)), a, c);
       const __m512 f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(n, magic)), a, c);
       acc[0][v] = _mm512_fmadd_ps(x, round_half(f0), acc[0][v]);
@@ -445,10 +444,6 @@ inline void step_lanes_xq(const float* xh, int64_t ldx, int64_t rows, int64_t kb
 template <bool WIDE, int MR>
 void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_t words,
                      const StepOrderTable& t, float* out, int64_t ldo) {
-  constexpr uint32_t mult = 0x83DCD12Du;
-  const __m512i ml = _mm512_set1_epi16(static_cast<int16_t>(mult & 0xFFFF));
-  const __m512i mh = _mm512_set1_epi16(static_cast<int16_t>(mult >> 16));
-  const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[MR][8];
   __m512 sum[MR][8];
   for (int m = 0; m < MR; ++m)
@@ -470,11 +465,7 @@ void strip_steps_int(const int16_t* xq, int64_t kb, const int16_t* strip, int64_
 #pragma GCC unroll 8
       for (int v = 0; v < 8; ++v) {
         const __m512i state = step_states<WIDE>(tile, head, tail, t, v);
-        const __m512i lo = _mm512_mullo_epi16(state, ml);
-        const __m512i hi =
-            _mm512_add_epi16(_mm512_mulhi_epu16(state, ml), _mm512_mullo_epi16(state, mh));
-        const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones),
-                                           _mm512_maddubs_epi16(hi, ones));
+        const __m512i s = mul1_state_sums(state);
         for (int m = 0; m < MR; ++m) {
 #if defined(__AVX512VNNI__)
           acc[m][v] = _mm512_dpwssd_epi32(acc[m][v], s, xv[m]);
